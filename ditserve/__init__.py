@@ -1,0 +1,3 @@
+"""ditserve: command line and shared client-side helpers."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,7 @@
+"""`python -m ditserve` = the `ditserve` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""protos: .proto sources and the Python code generated from them."""

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's checks: install (if needed), lint, format check, type check, default test suite.
+# Extra arguments go to pytest (e.g. scripts/test.sh -m bench).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+VENV=${DITSERVE_VENV:-.venv}
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+"$VENV/bin/mypy"
+exec "$VENV/bin/python" -m pytest "$@"
