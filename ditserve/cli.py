@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ditcore import CheckpointError, ConfigError, RequestError
+from plancache_service.config import GB, CacheConfig
+from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, PlanCapacityError
 
 from . import __version__
 from .commands import UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
@@ -49,6 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     gl = sub.add_parser("generate-local", help="run requests in this process (no services)")
     gl.add_argument("--checkpoint", required=True, help="checkpoint directory")
     gl.add_argument("--adaln-mode", choices=("resident", "cached"), default="resident")
+    cache = gl.add_argument_group("plan cache (cached mode)")
+    cache.add_argument("--gpu-plans", type=int, default=CacheConfig.gpu_plans, help="slab slots (default %(default)s)")
+    cache.add_argument(
+        "--plan-width", type=int, default=CacheConfig.plan_width, help="pages per slot (default %(default)s)"
+    )
+    cache.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=CacheConfig.host_cache_bytes / GB,
+        help="host tier cap, 0 = off (default %(default)s)",
+    )
     add_request_flags(gl)
     gl.set_defaults(func=cmd_generate_local)
     return p
@@ -60,9 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (RequestError, CheckpointError, ConfigError, UsageError, ValueError) as e:
+    except (RequestError, CheckpointError, ConfigError, UsageError, PlanCapacityError, InvalidPlanRequestError) as e:
         print(f"ditserve {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except PlanCacheError as e:
+        print(f"ditserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

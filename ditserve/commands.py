@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ditcore import (
-    LocalPlanProvider,
+    DiT,
+    GenerationRequest,
+    PlanProvider,
     generate,
     get_preset,
     load_model,
@@ -19,6 +23,10 @@ from ditcore import (
     write_checkpoint,
 )
 from ditcore.checkpoint import is_checkpoint_dir
+from plancache_service.cache import PlanCache
+from plancache_service.config import GB, CacheConfig
+from plancache_service.embedded import EmbeddedPlanProvider
+from plancache_service.rebuild import RebuildSource
 
 from .requests_io import requests_from_args, result_line, validate_all, write_result
 
@@ -109,17 +117,42 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache_config_from_args(args: argparse.Namespace, device: str = "cpu") -> CacheConfig:
+    if not (math.isfinite(args.host_cache_gb) and args.host_cache_gb >= 0):
+        raise UsageError(f"--host-cache-gb must be finite and >= 0, got {args.host_cache_gb}")
+    try:
+        return CacheConfig(
+            gpu_plans=args.gpu_plans,
+            plan_width=args.plan_width,
+            host_cache_bytes=int(args.host_cache_gb * GB),
+            device=device,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
 def cmd_generate_local(args: argparse.Namespace) -> int:
     requests = requests_from_args(args)
-    resident = args.adaln_mode == "resident"
     info = validate_checkpoint(args.checkpoint, require_adaln=True)
     validate_all(requests, info.config)
-    model = load_model(info, args.adaln_mode)
-    provider = None if resident else LocalPlanProvider(info, model.time_embed)
+    if args.adaln_mode == "resident":
+        _run_local(load_model(info, "resident"), None, requests, args)
+        return 0
+    cache = PlanCache(cache_config_from_args(args), RebuildSource(info, torch.device("cpu")))
+    try:
+        for req in requests:  # every request must fit this slab before any runs
+            cache.check_request(req.schedule_spec().plan_keys())
+        _run_local(load_model(info, "cached"), EmbeddedPlanProvider(cache, owner="generate-local"), requests, args)
+    finally:
+        cache.close()
+    return 0
+
+
+def _run_local(
+    model: DiT, provider: PlanProvider | None, requests: list[GenerationRequest], args: argparse.Namespace
+) -> None:
     for req in requests:
         result = generate(model, req, provider)
         if args.out:
             write_result(Path(args.out), result, req)
         print(result_line(result, req, adaln_mode=args.adaln_mode), flush=True)
-    sys.stdout.flush()
-    return 0

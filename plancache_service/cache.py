@@ -1,0 +1,425 @@
+"""The plan cache core (no gRPC): slots with per-plan LRU and leases over a fixed slab.
+
+Protocol (DESIGN §3), for one request's per-step plan keys:
+
+    lease = cache.prepare(generation, keys, owner)   # validate -> hits -> swap-in | rebuild
+    ... the consumer reads slab[lease.slots[i], :keys[i].width] for step i ...
+    cache.release(lease.lease_id)                     # or release_owner(owner) when a session dies
+
+prepare, in order: validate count, width, finiteness and generation before touching any
+state; touch slot hits (LRU); take free slots, else evict least-recently-used plans no live
+lease holds; if the host tier holds every missing plan, swap them in, otherwise run one
+rebuild pass; fence; publish READY; store the group in the host tier (skip when it cannot
+fit); return the lease. A failed prepare returns its slots to the free list and is retryable.
+
+Locking: `_prepare_lock` serializes prepares (and invalidation); `_state` guards bookkeeping
+and is not held while pages are filled, so `release` never waits for a rebuild.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ditcore.plans import PlanKey, distinct_keys
+
+from .config import CacheConfig
+from .device import (
+    COL_GENERATION,
+    COL_LENGTH,
+    COL_SEQ,
+    COL_STATE,
+    EMPTY,
+    FILLING,
+    READY,
+    ROW_WORDS,
+    Copier,
+    SlabMemory,
+    allocate_host_pages,
+    available_memory_bytes,
+)
+from .errors import (
+    CacheBusyError,
+    GenerationMismatchError,
+    InvalidPlanRequestError,
+    PlanCacheError,
+    PlanCapacityError,
+    RebuildError,
+    SlabBusyError,
+    UnknownLeaseError,
+)
+from .host_tier import HostTier
+from .rebuild import RebuildSource
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS = 1000  # one key per step; steps are capped at 1000
+
+
+@dataclass(frozen=True)
+class PrepareReport:
+    """Where a request's distinct plans came from, and what it cost."""
+
+    gpu_hit_plans: int = 0
+    host_hit_plans: int = 0
+    built_plans: int = 0
+    rebuild_s: float = 0.0
+    swap_in_s: float = 0.0
+    host_stored: bool = False
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The slots one request holds: `slots[i]` holds the plan of step i."""
+
+    lease_id: int
+    owner: str
+    generation: int
+    keys: tuple[PlanKey, ...]
+    slots: tuple[int, ...]
+    report: PrepareReport
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    generation: int
+    num_slots: int
+    slot_width: int
+    page_bytes: int
+    slots_ready: int
+    slots_leased: int
+    leases_held: int
+    host_capacity_bytes: int
+    host_used_bytes: int
+    host_groups: int
+    host_pinned: bool
+    slot_hit_plans: int
+    host_hit_plans: int
+    built_plans: int
+    rebuild_passes: int
+    rebuild_s: float
+    swap_in_bytes: int
+    swap_in_s: float
+    slot_evictions: int
+    host_group_evictions: int
+    host_pressure_skips: int
+    prepares: int
+    failed_prepares: int
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return asdict(self)
+
+
+def host_tier_pages(config: CacheConfig, page_bytes: int) -> int:
+    """Pages the host tier gets: the byte cap clipped to available memory minus the reserve."""
+    cap = config.host_cache_bytes
+    avail = available_memory_bytes()
+    if avail:
+        clipped = max(0, avail - config.host_reserve_bytes)
+        if clipped < cap:
+            log.warning("host tier: clipping %d bytes to %d (available memory minus reserve)", cap, clipped)
+            cap = clipped
+    return cap // page_bytes
+
+
+class PlanCache:
+    def __init__(self, config: CacheConfig, source: RebuildSource, generation: int = 0) -> None:
+        mc = source.config
+        self.config = config
+        self.source = source
+        self.generation = generation
+        self.device = torch.device(config.device)
+        self.memory = SlabMemory(
+            config.gpu_plans, config.plan_width, mc.page_numel, mc.torch_dtype, config.device, config.shm_dir
+        )
+        self.slab = self.memory.slab  # (S, W, P)
+        self.table = self.memory.table  # (S, ROW_WORDS + W) int64
+        self.copier = Copier(self.device)
+        host = allocate_host_pages(
+            host_tier_pages(config, mc.page_bytes), mc.page_numel, mc.torch_dtype, pin=self.device.type == "cuda"
+        )
+        self.host = HostTier(host.pages)
+        self.host_pinned = host.pinned
+        n = config.gpu_plans
+        self._slot_key: list[PlanKey | None] = [None] * n
+        self._key_slot: dict[PlanKey, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # READY slots, least recent first
+        self._pins = [0] * n
+        self._free = list(range(n))[::-1]  # pop() gives the lowest slot
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self._state = threading.RLock()
+        self._prepare_lock = threading.Lock()
+        self._c = dict.fromkeys(
+            (
+                "slot_hit_plans",
+                "host_hit_plans",
+                "built_plans",
+                "rebuild_passes",
+                "swap_in_bytes",
+                "slot_evictions",
+                "prepares",
+                "failed_prepares",
+            ),
+            0,
+        )
+        self._rebuild_s = 0.0
+        self._swap_in_s = 0.0
+
+    # ================================================================ protocol
+    def prepare(self, generation: int, keys: Sequence[PlanKey], owner: str) -> Lease:
+        """Make every plan of one request resident and lease its slots (see module doc)."""
+        with self._prepare_lock:
+            with self._state:
+                self._validate(generation, keys)
+                group = distinct_keys(keys)
+                hits, missing, new_slots = self._reserve(group)
+                from_host = bool(missing) and self.host.holds_all(missing)
+            try:
+                report = self._fill(missing, new_slots, from_host, len(hits))
+            except BaseException as e:
+                self._unreserve(hits, new_slots)
+                if isinstance(e, PlanCacheError) or not isinstance(e, Exception):
+                    raise
+                raise RebuildError(f"prepare failed: {e}") from e
+            with self._state:
+                for k, s in zip(missing, new_slots, strict=True):
+                    self._publish(s, k)
+                stored = self._store_group(group)
+                report = PrepareReport(**{**report.to_dict(), "host_stored": stored})
+                lease = Lease(
+                    next(self._ids), owner, generation, tuple(keys), tuple(self._key_slot[k] for k in keys), report
+                )
+                self._leases[lease.lease_id] = lease
+                self._c["prepares"] += 1
+                return lease
+
+    def check_request(self, keys: Sequence[PlanKey]) -> None:
+        """Raise the error `prepare` would raise for these keys' shape alone (no state change)."""
+        with self._state:
+            self._validate(self.generation, keys)
+
+    def release(self, lease_id: int) -> Lease:
+        with self._state:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise UnknownLeaseError(f"no live lease {lease_id}")
+            for s in set(lease.slots):
+                self._pins[s] -= 1
+            return lease
+
+    def release_owner(self, owner: str) -> int:
+        """Release every lease of `owner` (its session ended); returns how many."""
+        with self._state:
+            ids = [i for i, lease in self._leases.items() if lease.owner == owner]
+            for i in ids:
+                self.release(i)
+            return len(ids)
+
+    def invalidate(self) -> None:
+        """Drop every plan from both tiers. Refused while leases are live."""
+        with self._prepare_lock, self._state:
+            self._invalidate_locked()
+
+    def _invalidate_locked(self) -> None:
+        if self._leases:
+            raise CacheBusyError(f"cannot invalidate: {len(self._leases)} lease(s) still held")
+        self.table.zero_()
+        self._slot_key = [None] * self.config.gpu_plans
+        self._key_slot.clear()
+        self._lru.clear()
+        self._free = list(range(self.config.gpu_plans))[::-1]
+        self.host.clear()
+
+    def retarget(self, source: RebuildSource, generation: int) -> None:
+        """Point rebuilds at a new checkpoint under a new generation (both tiers dropped)."""
+        if source.config != self.source.config:
+            raise PlanCacheError("retarget: the new checkpoint's config differs from the slab's geometry")
+        with self._prepare_lock, self._state:
+            self._invalidate_locked()
+            self.source = source
+            self.generation = generation
+
+    def close(self) -> None:
+        self.memory.close()
+
+    # ================================================================ queries
+    def leases(self) -> list[Lease]:
+        with self._state:
+            return list(self._leases.values())
+
+    def resident_keys(self) -> list[PlanKey]:
+        """READY plans, least recently used first."""
+        with self._state:
+            return [k for s in self._lru if (k := self._slot_key[s]) is not None]
+
+    def slot_of(self, key: PlanKey) -> int | None:
+        with self._state:
+            return self._key_slot.get(key)
+
+    def stats(self) -> CacheStats:
+        with self._state:
+            return CacheStats(
+                generation=self.generation,
+                num_slots=self.config.gpu_plans,
+                slot_width=self.config.plan_width,
+                page_bytes=self.source.config.page_bytes,
+                slots_ready=len(self._lru),
+                slots_leased=sum(1 for p in self._pins if p > 0),
+                leases_held=len(self._leases),
+                host_capacity_bytes=self.host.capacity_pages * self.host.page_bytes,
+                host_used_bytes=self.host.used_pages * self.host.page_bytes,
+                host_groups=len(self.host.groups()),
+                host_pinned=self.host_pinned,
+                rebuild_s=round(self._rebuild_s, 6),
+                swap_in_s=round(self._swap_in_s, 6),
+                host_group_evictions=self.host.group_evictions,
+                host_pressure_skips=self.host.pressure_skips,
+                **self._c,
+            )
+
+    # ================================================================ internals
+    def _validate(self, generation: int, keys: Sequence[PlanKey]) -> None:
+        if generation != self.generation:
+            raise GenerationMismatchError(self.generation, generation)
+        if not keys:
+            raise InvalidPlanRequestError("plan_keys", "must hold at least one plan key (one per step)")
+        if len(keys) > MAX_KEYS:
+            raise InvalidPlanRequestError("plan_keys", f"holds {len(keys)} keys; allowed at most {MAX_KEYS}")
+        for i, k in enumerate(keys):
+            if k.width < 1 or len(set(k.bits)) != k.width:
+                raise InvalidPlanRequestError(f"plan_keys[{i}]", "must hold 1+ distinct timesteps")
+            if not k.is_finite():
+                raise InvalidPlanRequestError(f"plan_keys[{i}]", f"has a non-finite timestep {k}")
+            if k.width > self.config.plan_width:
+                raise PlanCapacityError(
+                    f"plan_keys[{i}] has {k.width} distinct timesteps but a slot holds at most "
+                    f"{self.config.plan_width} (--plan-width)"
+                )
+        n = len(distinct_keys(keys))
+        if n > self.config.gpu_plans:
+            raise PlanCapacityError(
+                f"the request needs {n} distinct plans but the slab holds at most {self.config.gpu_plans} (--gpu-plans)"
+            )
+
+    def _reserve(self, group: list[PlanKey]) -> tuple[list[PlanKey], list[PlanKey], list[int]]:
+        """Pin hits and take slots for misses (marked FILLING). Raises before any change."""
+        hits = [k for k in group if k in self._key_slot]
+        missing = [k for k in group if k not in self._key_slot]
+        hit_slots = {self._key_slot[k] for k in hits}
+        evictable = [s for s in self._lru if self._pins[s] == 0 and s not in hit_slots]
+        if len(self._free) + len(evictable) < len(missing):
+            held = sum(1 for p in self._pins if p > 0)
+            raise SlabBusyError(
+                f"the request needs {len(missing)} new slots but only {len(self._free) + len(evictable)} of "
+                f"{self.config.gpu_plans} are free of live leases ({held} leased); retry after a release"
+            )
+        for s in hit_slots:
+            self._lru.move_to_end(s)
+            self._pins[s] += 1
+        self._c["slot_hit_plans"] += len(hits)
+        new_slots = []
+        for k in missing:
+            if self._free:
+                s = self._free.pop()
+            else:
+                s = evictable.pop(0)
+                self._evict(s)
+            self._pins[s] += 1
+            self._mark(s, FILLING, k)
+            new_slots.append(s)
+        return hits, missing, new_slots
+
+    def _unreserve(self, hits: list[PlanKey], new_slots: list[int]) -> None:
+        with self._state:
+            for k in hits:
+                self._pins[self._key_slot[k]] -= 1
+            for s in new_slots:
+                self._pins[s] -= 1
+                self._mark(s, EMPTY, None)
+                self._free.append(s)
+            self._c["failed_prepares"] += 1
+
+    def _evict(self, s: int) -> None:
+        key = self._slot_key[s]
+        assert key is not None and self._pins[s] == 0, "only unleased READY slots are evicted"
+        del self._key_slot[key]
+        del self._lru[s]
+        self._slot_key[s] = None
+        self._mark(s, EMPTY, None)
+        self._c["slot_evictions"] += 1
+
+    def _fill(self, missing: list[PlanKey], slots: list[int], from_host: bool, n_hits: int) -> PrepareReport:
+        """Write the missing plans' pages into their FILLING slots, then fence."""
+        if not missing:
+            return PrepareReport(gpu_hit_plans=n_hits)
+        dst = [self.slab[s, : k.width] for k, s in zip(missing, slots, strict=True)]
+        t0 = time.perf_counter()
+        if from_host:
+            nbytes = 0
+            for k, out in zip(missing, dst, strict=True):
+                for j, row in enumerate(self.host.page_rows(k)):
+                    self.copier.copy(out[j], row)
+                    nbytes += row.numel() * row.element_size()
+            self.copier.fence()
+            self.host.touch(missing)
+            dt = time.perf_counter() - t0
+            with self._state:
+                self._c["host_hit_plans"] += len(missing)
+                self._c["swap_in_bytes"] += nbytes
+                self._swap_in_s += dt
+            return PrepareReport(gpu_hit_plans=n_hits, host_hit_plans=len(missing), swap_in_s=round(dt, 6))
+        self.source.build(missing, dst)
+        self.copier.fence()
+        dt = time.perf_counter() - t0
+        with self._state:
+            self._c["built_plans"] += len(missing)
+            self._c["rebuild_passes"] += 1
+            self._rebuild_s += dt
+        return PrepareReport(gpu_hit_plans=n_hits, built_plans=len(missing), rebuild_s=round(dt, 6))
+
+    def _publish(self, s: int, key: PlanKey) -> None:
+        self._slot_key[s] = key
+        self._key_slot[key] = s
+        self._lru[s] = None
+        self._lru.move_to_end(s)
+        self._mark(s, READY, key)
+
+    def _mark(self, s: int, state: int, key: PlanKey | None) -> None:
+        """Write one slot-table row; READY is written last, after the key and generation."""
+        row = self.table[s]
+        row[COL_STATE] = FILLING if state == READY else state
+        if key is not None:
+            row[ROW_WORDS : ROW_WORDS + key.width] = torch.tensor(key.bits, dtype=torch.int64)
+            row[ROW_WORDS + key.width :] = 0
+            row[COL_LENGTH] = key.width
+        else:
+            row[ROW_WORDS:] = 0
+            row[COL_LENGTH] = 0
+        row[COL_GENERATION] = self.generation
+        row[COL_SEQ] += 1
+        row[COL_STATE] = state
+
+    def _store_group(self, group: list[PlanKey]) -> bool:
+        """Copy the group's plans not yet in the host tier out of their slots (all or nothing)."""
+        if self.host.capacity_pages == 0:
+            return False
+
+        def write(key: PlanKey, rows: list[torch.Tensor]) -> None:
+            src = self.slab[self._key_slot[key]]
+            for j, row in enumerate(rows):
+                self.copier.copy(row, src[j])
+
+        stored = self.host.admit(group, write)
+        self.copier.fence()
+        return stored

@@ -1,0 +1,47 @@
+"""Embedded use of the cache core: a ditcore `PlanProvider` backed by an in-process PlanCache.
+
+`generate-local --adaln-mode cached` runs through this; the generator service uses the same
+slot-reading rule against the sidecar's slab instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ditcore.plans import StepPlan
+
+from .cache import Lease, PlanCache
+
+REPORT_KEYS = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s")
+
+
+def report_dict(lease: Lease) -> dict[str, Any]:
+    """The cache report printed per request: where its plans came from."""
+    d = lease.report.to_dict()
+    return {k: d[k] for k in REPORT_KEYS}
+
+
+class EmbeddedLease:
+    def __init__(self, cache: PlanCache, lease: Lease) -> None:
+        self._cache = cache
+        self.lease = lease
+        self.report = report_dict(lease)
+
+    def pages(self, step: int) -> torch.Tensor:
+        return self._cache.slab[self.lease.slots[step], : self.lease.keys[step].width]
+
+    def release(self) -> None:
+        self._cache.release(self.lease.lease_id)
+
+
+class EmbeddedPlanProvider:
+    def __init__(self, cache: PlanCache, owner: str = "embedded") -> None:
+        self.cache = cache
+        self.owner = owner
+
+    def acquire(self, steps: Sequence[StepPlan]) -> EmbeddedLease:
+        lease = self.cache.prepare(self.cache.generation, [s.key for s in steps], self.owner)
+        return EmbeddedLease(self.cache, lease)

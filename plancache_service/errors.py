@@ -1,0 +1,70 @@
+"""Plan-cache errors: a small hierarchy the gRPC adapter maps to status codes in one place.
+
+Every error is raised before any cache state changes, except `RebuildError`, which is raised
+after the failed prepare has returned its slots (the cache stays consistent and retryable).
+"""
+
+from __future__ import annotations
+
+
+class PlanCacheError(Exception):
+    """Base class. `reason` is a stable machine-readable code (google.rpc ErrorInfo)."""
+
+    reason = "PLAN_CACHE_ERROR"
+
+
+class InvalidPlanRequestError(PlanCacheError):
+    """The plan keys themselves are bad: empty, non-finite, or wider than a slot."""
+
+    reason = "INVALID_PLAN_REQUEST"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class PlanCapacityError(PlanCacheError):
+    """The request needs more plans than the slab can ever hold (names the limit and flag)."""
+
+    reason = "PLAN_CAPACITY_EXCEEDED"
+
+
+class SlabBusyError(PlanCacheError):
+    """The request fits the slab, but not beside the plans other live leases hold; retry later."""
+
+    reason = "SLAB_BUSY"
+
+
+class GenerationMismatchError(PlanCacheError):
+    """The caller's weight generation is not the cache's; carries the current one."""
+
+    reason = "GENERATION_MISMATCH"
+
+    def __init__(self, expected: int, got: int) -> None:
+        super().__init__(f"generation mismatch: the cache serves generation {expected}, the caller sent {got}")
+        self.current_generation = expected
+        self.caller_generation = got
+
+
+class UnknownLeaseError(PlanCacheError):
+    """No live lease has this id (already released, or its session ended)."""
+
+    reason = "UNKNOWN_LEASE"
+
+
+class RebuildError(PlanCacheError):
+    """A rebuild pass failed (I/O error, corrupt shard); the message names the file."""
+
+    reason = "REBUILD_FAILED"
+
+
+class CheckpointChangedError(RebuildError):
+    """The rebuild source changed on disk since the cache was opened on it."""
+
+    reason = "CHECKPOINT_CHANGED"
+
+
+class CacheBusyError(PlanCacheError):
+    """An operation that needs no live leases (invalidate, retarget) found some."""
+
+    reason = "CACHE_BUSY"

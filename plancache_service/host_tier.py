@@ -1,0 +1,126 @@
+"""Host tier: plan pages kept in host memory, with LRU at group (schedule) granularity.
+
+Bookkeeping only; the page buffer comes from `device.allocate_host_pages` and copies go
+through the cache's `Copier`. A group is one request's ordered distinct plan keys: a
+rebuild pass streams every layer however few plans miss, so a partial hit saves nothing
+and the unit of retention is the whole group. Plans shared by groups are refcounted.
+
+Admission is all-or-nothing per group: if the group's new pages cannot fit even after
+evicting every other group, it is skipped and counted (`pressure_skips`), never an error.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ditcore.plans import PlanKey
+
+Group = tuple[PlanKey, ...]
+
+
+@dataclass
+class _HostPlan:
+    pages: list[int]  # page indices in the buffer, one per timestep of the key
+    refs: int = 0  # number of stored groups containing this plan
+
+
+class HostTier:
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer  # (n_pages, page_numel)
+        self._free: list[int] = list(range(int(buffer.shape[0])))[::-1]
+        self._plans: dict[PlanKey, _HostPlan] = {}
+        self._groups: OrderedDict[Group, None] = OrderedDict()  # LRU order: oldest first
+        self.group_evictions = 0
+        self.pressure_skips = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def capacity_pages(self) -> int:
+        return int(self.buffer.shape[0])
+
+    @property
+    def used_pages(self) -> int:
+        return self.capacity_pages - len(self._free)
+
+    @property
+    def page_bytes(self) -> int:
+        return int(self.buffer.shape[1]) * self.buffer.element_size()
+
+    def holds(self, key: PlanKey) -> bool:
+        return key in self._plans
+
+    def holds_all(self, keys: Iterable[PlanKey]) -> bool:
+        return all(k in self._plans for k in keys)
+
+    def groups(self) -> list[Group]:
+        """Stored groups, least recently used first."""
+        return list(self._groups)
+
+    def plan_keys(self) -> set[PlanKey]:
+        return set(self._plans)
+
+    def page_rows(self, key: PlanKey) -> list[torch.Tensor]:
+        """The held plan's pages, one (page_numel,) row view per timestep of the key."""
+        return [self.buffer[p] for p in self._plans[key].pages]
+
+    # ---------------------------------------------------------------- updates
+    def touch(self, keys: Iterable[PlanKey]) -> None:
+        """Mark every group containing any of `keys` as most recently used."""
+        wanted = set(keys)
+        for g in [g for g in self._groups if wanted.intersection(g)]:
+            self._groups.move_to_end(g)
+
+    def admit(self, group: Sequence[PlanKey], write: Callable[[PlanKey, list[torch.Tensor]], None]) -> bool:
+        """Store `group`; `write(key, dst_rows)` fills the page rows of plans not yet held.
+
+        Returns False (and counts a pressure skip) when the group cannot fit even after
+        evicting every other group; the tier is then left exactly as it was.
+        """
+        g: Group = tuple(group)
+        if g in self._groups:
+            self._groups.move_to_end(g)
+            return True
+        uniq = list(dict.fromkeys(g))
+        new = [k for k in uniq if k not in self._plans]
+        need = sum(k.width for k in new)
+        if need > self._reclaimable_pages(g):
+            self.pressure_skips += 1
+            return False
+        for k in uniq:
+            if k in self._plans:
+                self._plans[k].refs += 1  # pinned by g before evicting others
+        while len(self._free) < need:
+            self._evict_lru(protect=g)
+        for k in new:
+            pages = [self._free.pop() for _ in range(k.width)]
+            self._plans[k] = _HostPlan(pages, refs=1)
+            write(k, [self.buffer[p] for p in pages])
+        self._groups[g] = None
+        return True
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._groups.clear()
+        self._free = list(range(self.capacity_pages))[::-1]
+
+    # ---------------------------------------------------------------- internals
+    def _reclaimable_pages(self, protect: Group) -> int:
+        """Free pages plus pages that evicting every other group would free."""
+        keep = set(protect)
+        freed = sum(len(hp.pages) for k, hp in self._plans.items() if k not in keep)
+        return len(self._free) + freed
+
+    def _evict_lru(self, protect: Group) -> None:
+        victim = next(g for g in self._groups if g != protect)
+        del self._groups[victim]
+        self.group_evictions += 1
+        for k in dict.fromkeys(victim):
+            hp = self._plans[k]
+            hp.refs -= 1
+            if hp.refs == 0:
+                self._free.extend(hp.pages)
+                del self._plans[k]
