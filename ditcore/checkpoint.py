@@ -213,10 +213,16 @@ def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> Checkpo
     weight_map = _load_index(root)
     headers: dict[str, ShardHeader] = {}
     for fname in sorted(set(weight_map.values())):
+        first = next(t for t, f in weight_map.items() if f == fname)
         if not (root / fname).is_file():
-            first = next(t for t, f in weight_map.items() if f == fname)
             raise CheckpointError(f"{INDEX_FILE}: tensor '{first}' points to missing shard {fname}")
-        headers[fname] = read_shard_header(root / fname)
+        try:
+            headers[fname] = read_shard_header(root / fname)
+        except CheckpointError as e:
+            if "tensor '" in str(e):
+                raise
+            # A shard-level error (unreadable or garbage header): name a tensor the index puts here.
+            raise CheckpointError(f"{e} (the index places tensor '{first}' in this shard)") from e
     want = _ST_DTYPES[config.dtype]
     shapes = param_shapes(config)
     has_adaln = all(n in weight_map for n in shapes if is_adaln_name(n))
@@ -239,6 +245,33 @@ def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> Checkpo
     return CheckpointInfo(root, config, dict(weight_map), _fingerprint(root, headers), has_adaln)
 
 
+_FP_SAMPLE_BYTES = 4096
+
+
+def _data_samples(path: Path, hdr: ShardHeader) -> bytes:
+    """The first and last (up to) 4 KiB of every tensor's data, in tensor-name order.
+
+    Headers alone are identical for every checkpoint of one config (same names, dtypes,
+    shapes, offsets), so the fingerprint must see some data to tell weights apart.
+    """
+    base = len(hdr.header_bytes)
+    parts: list[bytes] = []
+    try:
+        with open(path, "rb") as fh:
+            for tname in sorted(hdr.tensors):
+                e = hdr.tensors[tname]
+                spans = {
+                    (e.begin, min(e.end, e.begin + _FP_SAMPLE_BYTES)),
+                    (max(e.begin, e.end - _FP_SAMPLE_BYTES), e.end),
+                }
+                for begin, end in sorted(spans):
+                    fh.seek(base + begin)
+                    parts.append(fh.read(end - begin))
+    except OSError as e:
+        raise CheckpointError(f"{path.name}: cannot read shard: {e.strerror or e}") from e
+    return b"".join(parts)
+
+
 def _fingerprint(root: Path, headers: dict[str, ShardHeader]) -> str:
     h = hashlib.sha256()
     for fname in (CONFIG_FILE, INDEX_FILE):
@@ -246,11 +279,14 @@ def _fingerprint(root: Path, headers: dict[str, ShardHeader]) -> str:
     for fname in sorted(headers):
         hdr = headers[fname]
         h.update(f"{fname}\0{hdr.size}\0".encode() + hdr.header_bytes)
+        h.update(_data_samples(root / fname, hdr))
     return h.hexdigest()
 
 
 def fingerprint(path: str | Path) -> str:
-    """Cheap identity of a checkpoint: config + index + shard sizes + header bytes."""
+    """Cheap identity of a checkpoint: config + index + shard sizes + header bytes + the
+    first and last 4 KiB of every tensor's data (edits confined to the interior of a large
+    tensor are not seen; different weights, truncation and re-sharding are)."""
     root = Path(path)
     weight_map = _load_index(root)
     headers = {f: read_shard_header(root / f) for f in sorted(set(weight_map.values()))}

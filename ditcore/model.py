@@ -24,7 +24,7 @@ _EPS = 1e-6
 def sinusoid(positions: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """(P,) float32 -> (P, dim) float32 [cos | sin] features (DiT's timestep embedding)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=positions.device) / half)
     args = positions.to(torch.float32)[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
@@ -160,7 +160,7 @@ class DiTBlock(nn.Module):
         # params (W, 18h) -> per-modality (3, 6, h) picked by page row -> per token (N, 6, h)
         w = params.shape[0]
         mod = params.view(w, len(MODALITIES), len(MOD_CHUNKS), self.hidden)
-        per_mod = mod[rows, torch.arange(len(MODALITIES))]  # (3, 6, h)
+        per_mod = mod[rows, torch.arange(len(MODALITIES), device=rows.device)]  # (3, 6, h)
         tok = per_mod.repeat_interleave(counts, dim=0)  # (N, 6, h)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = tok.unbind(1)
         norm = F.layer_norm(x, (self.hidden,), eps=_EPS)
@@ -196,7 +196,8 @@ class DiT(nn.Module):
 
     # ---------------------------------------------------------------- helpers
     def _pos(self, n: int, offset: int, like: torch.Tensor) -> torch.Tensor:
-        return sinusoid(torch.arange(offset, offset + n), self.config.hidden_size).to(like.dtype)
+        pos = torch.arange(offset, offset + n, device=like.device)
+        return sinusoid(pos, self.config.hidden_size).to(like.dtype)
 
     def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, Lt) byte ids -> (B, Lt, h) text context, computed once per request."""
@@ -242,8 +243,8 @@ class DiT(nn.Module):
             na = xa.shape[1]
         parts.append(text_ctx)
         x = torch.cat(parts, dim=1)  # (B, N, h), modality order video, audio, text
-        counts = torch.tensor([xv.shape[1], na, text_ctx.shape[1]])
-        rows = torch.tensor([video_row, audio_row, video_row])  # text follows the video timestep
+        counts = torch.tensor([xv.shape[1], na, text_ctx.shape[1]], device=x.device)
+        rows = torch.tensor([video_row, audio_row, video_row], device=x.device)  # text follows the video timestep
         for i, block in enumerate(self.blocks):
             x = block(x, mod.block(i), rows, counts)
         return self._final(x, mod.final(), vshape, xv.shape[1], na, video_row, audio_row)

@@ -80,15 +80,17 @@ def generate(
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
 
+    device = model.video_embed.weight.device
     t0 = time.perf_counter()
     prompts = [request.prompt] + ([request.negative_prompt] if request.use_guidance else [])
-    ctx = model.encode_text(torch.stack([tokenize(p, config) for p in prompts]))  # (B, Lt, h)
+    ctx = model.encode_text(torch.stack([tokenize(p, config) for p in prompts]).to(device))  # (B, Lt, h)
     timings["encode"] = _ms(t0)
 
+    # noise is drawn on the CPU so every device starts from the same latents
     gen = torch.Generator().manual_seed(request.seed)
-    video = torch.randn((1, *request.video_latent_shape(config)), generator=gen)
+    video = torch.randn((1, *request.video_latent_shape(config)), generator=gen).to(device)
     ashape = request.audio_latent_shape(config)
-    audio = torch.randn((1, *ashape), generator=gen) if ashape else None
+    audio = torch.randn((1, *ashape), generator=gen).to(device) if ashape else None
     vsched = flow_schedule(request.steps, request.flow_shift)
     asched = flow_schedule(request.steps, request.effective_audio_flow_shift)
     step_plans = request.schedule_spec().step_plans()
@@ -102,7 +104,7 @@ def generate(
             mod: Modulation = (
                 PageModulation(config, lease.pages(i))
                 if lease is not None
-                else model.resident_modulation(sp.key.timesteps())
+                else model.resident_modulation(sp.key.timesteps().to(device))
             )
             v_vel, a_vel = _velocity(model, video, audio, ctx, mod, sp, request)
             video = video + (vsched.sigmas[i + 1] - vsched.sigmas[i]) * v_vel
@@ -116,8 +118,8 @@ def generate(
         if lease is not None:
             lease.release()
     timings["total"] = _ms(t_start)
-    v_out = video[0].contiguous()
-    a_out = audio[0].contiguous() if audio is not None else None
+    v_out = video[0].cpu().contiguous()
+    a_out = audio[0].cpu().contiguous() if audio is not None else None
     return GenerationResult(request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report)
 
 

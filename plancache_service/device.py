@@ -109,6 +109,7 @@ class SlabMemory:
         else:
             self.slab = torch.empty((num_slots, width, page_numel), dtype=dtype, device=self.device)
             transport = "cuda_ipc"
+        ipc = export_ipc(self.slab) if transport == "cuda_ipc" else b""
         self.descriptor = SlabDescriptor(
             transport=transport,
             slab_path=slab_path,
@@ -121,6 +122,7 @@ class SlabMemory:
             page_numel=page_numel,
             device=str(self.device),
             device_uuid=device_uuid(self.device),
+            ipc_handle=ipc,
         )
 
     @property
@@ -133,9 +135,10 @@ class SlabMemory:
 
 
 def map_slab(desc: SlabDescriptor) -> tuple[torch.Tensor, torch.Tensor, list[mmap.mmap]]:
-    """Consumer side (cpu): map slab and table read-only after checking sizes.
+    """Consumer side: check sizes, then map the table (and, on cpu, the slab) read-only.
 
-    Returns (slab, table, mmaps); keep the mmaps alive as long as the tensors are used.
+    On cuda the slab comes from its IPC handle (`open_ipc`). Returns (slab, table, mmaps);
+    keep the mmaps alive as long as the tensors are used.
     """
     dtype = DTYPES[desc.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
@@ -146,22 +149,26 @@ def map_slab(desc: SlabDescriptor) -> tuple[torch.Tensor, torch.Tensor, list[mma
             f"slab descriptor is inconsistent: slab_bytes={desc.slab_bytes} (geometry says {want_slab}), "
             f"table_bytes={desc.table_bytes} (geometry says {want_table})"
         )
-    maps = []
-    tensors = []
-    for path, nbytes, dt, shape in (
-        (desc.slab_path, want_slab, dtype, (desc.num_slots, desc.width, desc.page_numel)),
-        (desc.table_path, want_table, torch.int64, (desc.num_slots, desc.table_words)),
-    ):
-        size = Path(path).stat().st_size
-        if size != nbytes:
-            raise ValueError(f"{path}: file is {size} bytes, the descriptor says {nbytes}")
-        with open(path, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), nbytes, prot=mmap.PROT_READ)
-        maps.append(mm)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: writes would fault
-            tensors.append(torch.frombuffer(mm, dtype=dt).view(shape))
-    return tensors[0], tensors[1], maps
+    maps: list[mmap.mmap] = []
+    table = _map_readonly(desc.table_path, want_table, torch.int64, maps).view(desc.num_slots, desc.table_words)
+    if desc.transport == "cuda_ipc":
+        return open_ipc(desc), table, maps
+    if desc.transport != "shm":
+        raise ValueError(f"unknown slab transport {desc.transport!r}")
+    slab = _map_readonly(desc.slab_path, want_slab, dtype, maps).view(desc.num_slots, desc.width, desc.page_numel)
+    return slab, table, maps
+
+
+def _map_readonly(path: str, nbytes: int, dtype: torch.dtype, maps: list[mmap.mmap]) -> torch.Tensor:
+    size = Path(path).stat().st_size
+    if size != nbytes:
+        raise ValueError(f"{path}: file is {size} bytes, the descriptor says {nbytes}")
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), nbytes, prot=mmap.PROT_READ)
+    maps.append(mm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: writes would fault
+        return torch.frombuffer(mm, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- host buffer
@@ -229,3 +236,41 @@ class Copier:
             if self._stream is not None:
                 self._stream.synchronize()
             torch.cuda.synchronize(self.device)
+
+
+# ---------------------------------------------------------------------------- CUDA IPC
+def export_ipc(slab: torch.Tensor) -> bytes:
+    """Serialize the slab's CUDA IPC handle (torch's own reduction) for the Attach descriptor.
+
+    Only ever sent over the sidecar's 0700 unix socket to the co-located generator.
+    """
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(slab)
+    return pickle.dumps(args)
+
+
+def local_device_for_uuid(uuid: str) -> torch.device:
+    """This process's index of the CUDA device with `uuid` (CUDA_VISIBLE_DEVICES may differ)."""
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", i)) == uuid:
+            return torch.device("cuda", i)
+    raise ValueError(f"no visible CUDA device has uuid {uuid}")
+
+
+def open_ipc(desc: SlabDescriptor) -> torch.Tensor:
+    """Consumer side (cuda): open the slab from its IPC handle once per attachment."""
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(pickle.loads(desc.ipc_handle))
+    device = local_device_for_uuid(desc.device_uuid)
+    args[6] = device.index  # storage_device: our index for that UUID
+    slab = rebuild_cuda_tensor(*args)
+    want = (desc.num_slots, desc.width, desc.page_numel)
+    if tuple(slab.shape) != want or str(slab.dtype).removeprefix("torch.") != desc.dtype:
+        raise ValueError(f"IPC slab is {tuple(slab.shape)} {slab.dtype}, the descriptor says {want} {desc.dtype}")
+    return slab

@@ -1,5 +1,7 @@
 """Plan-cache errors: a small hierarchy the gRPC adapter maps to status codes in one place.
 
+Each class names its gRPC status in `grpc_code` (a `grpc.StatusCode` member name, kept as
+a string so this module stays free of grpc); `ditserve.rpc_errors` is the one mapping.
 Every error is raised before any cache state changes, except `RebuildError`, which is raised
 after the failed prepare has returned its slots (the cache stays consistent and retryable).
 """
@@ -11,12 +13,14 @@ class PlanCacheError(Exception):
     """Base class. `reason` is a stable machine-readable code (google.rpc ErrorInfo)."""
 
     reason = "PLAN_CACHE_ERROR"
+    grpc_code = "INTERNAL"
 
 
 class InvalidPlanRequestError(PlanCacheError):
     """The plan keys themselves are bad: empty, non-finite, or wider than a slot."""
 
     reason = "INVALID_PLAN_REQUEST"
+    grpc_code = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -27,35 +31,41 @@ class PlanCapacityError(PlanCacheError):
     """The request needs more plans than the slab can ever hold (names the limit and flag)."""
 
     reason = "PLAN_CAPACITY_EXCEEDED"
+    grpc_code = "FAILED_PRECONDITION"
 
 
 class SlabBusyError(PlanCacheError):
     """The request fits the slab, but not beside the plans other live leases hold; retry later."""
 
     reason = "SLAB_BUSY"
+    grpc_code = "RESOURCE_EXHAUSTED"
 
 
 class GenerationMismatchError(PlanCacheError):
     """The caller's weight generation is not the cache's; carries the current one."""
 
     reason = "GENERATION_MISMATCH"
+    grpc_code = "ABORTED"
 
     def __init__(self, expected: int, got: int) -> None:
         super().__init__(f"generation mismatch: the cache serves generation {expected}, the caller sent {got}")
         self.current_generation = expected
         self.caller_generation = got
+        self.metadata = {"current_generation": str(expected), "caller_generation": str(got)}
 
 
 class UnknownLeaseError(PlanCacheError):
     """No live lease has this id (already released, or its session ended)."""
 
     reason = "UNKNOWN_LEASE"
+    grpc_code = "NOT_FOUND"
 
 
 class RebuildError(PlanCacheError):
     """A rebuild pass failed (I/O error, corrupt shard); the message names the file."""
 
     reason = "REBUILD_FAILED"
+    grpc_code = "FAILED_PRECONDITION"
 
 
 class CheckpointChangedError(RebuildError):
@@ -68,3 +78,18 @@ class CacheBusyError(PlanCacheError):
     """An operation that needs no live leases (invalidate, retarget) found some."""
 
     reason = "CACHE_BUSY"
+    grpc_code = "ABORTED"
+
+
+class SessionError(PlanCacheError):
+    """Attach refused (a session is live) or an RPC named a session that is not the live one."""
+
+    reason = "SESSION_MISMATCH"
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class NotServingError(PlanCacheError):
+    """The sidecar does not serve plans now (shutting down, or its rebuild source changed)."""
+
+    reason = "NOT_SERVING"
+    grpc_code = "UNAVAILABLE"

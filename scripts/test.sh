@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 VENV=${DITSERVE_VENV:-.venv}
+"$VENV/bin/python" -m protos.generate --check
+"$VENV/bin/buf" lint protos
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 "$VENV/bin/mypy"

@@ -1,0 +1,156 @@
+"""Where the executor gets its model, generation and plans: resident, or cached via the sidecar.
+
+`CachedBackend` loads the DiT without adaln_proj from whatever checkpoint the sidecar's
+session names (so both sides always serve one weight version) and checks that the slab's
+geometry matches the model before it accepts the attachment.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ditcore import DiT, DiTConfig, GenerationRequest, load_model, validate_checkpoint
+from ditcore.plans import distinct_keys
+
+from .errors import PlanCapacityError, SidecarUnavailableError
+from .plan_client import Attachment, RemoteLease, SidecarLink
+
+log = logging.getLogger(__name__)
+
+
+class Backend:
+    """Common interface; `model_lock` is held while a request denoises."""
+
+    cached = False
+
+    def __init__(self) -> None:
+        self.model_lock = threading.RLock()
+
+    def model(self) -> DiT:
+        raise NotImplementedError
+
+    def model_config(self) -> DiTConfig:
+        return self.model().config
+
+    def generation(self) -> int:
+        raise NotImplementedError
+
+    def check_fits(self, request: GenerationRequest) -> None:
+        """Raise if the request can never run on this server (before any work)."""
+
+    def acquire(self, request: GenerationRequest) -> Any:
+        return None
+
+    def verify(self, lease: Any) -> None:
+        pass
+
+    def alive(self, lease: Any) -> bool:
+        return True
+
+    def status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ResidentBackend(Backend):
+    def __init__(self, checkpoint: Path, device: torch.device) -> None:
+        super().__init__()
+        self.info = validate_checkpoint(checkpoint, require_adaln=True)
+        self._model = load_model(self.info, "resident").to(device)
+
+    def model(self) -> DiT:
+        return self._model
+
+    def generation(self) -> int:
+        return 0
+
+    def status(self) -> dict[str, Any]:
+        return {"weights_path": str(self.info.path), "fingerprint": self.info.fingerprint, "serving": True}
+
+
+class CachedBackend(Backend):
+    cached = True
+
+    def __init__(self, sidecar_target: str, device: torch.device, reconnect_s: float) -> None:
+        super().__init__()
+        self.device = device
+        self._model: DiT | None = None
+        self._loaded: tuple[str, str] | None = None  # (weights_path, fingerprint)
+        self.link = SidecarLink(sidecar_target, device, reconnect_s, on_attach=self._on_attach)
+
+    # ---------------------------------------------------------------- attachment
+    def _on_attach(self, att: Attachment) -> None:
+        """Load the sidecar's weights if ours differ; check slab geometry against the model."""
+        with self.model_lock:
+            if self._loaded != (att.weights_path, att.fingerprint):
+                info = validate_checkpoint(att.weights_path, require_adaln=False)
+                if info.fingerprint != att.fingerprint:
+                    raise ValueError(
+                        f"{att.weights_path}: fingerprint {info.fingerprint[:16]} differs from the sidecar's "
+                        f"{att.fingerprint[:16]}; the files changed"
+                    )
+                log.info("loading DiT (cached mode) from %s", att.weights_path)
+                self._model = load_model(info, "cached").to(self.device)
+                self._loaded = (att.weights_path, att.fingerprint)
+            cfg = self.model_config()
+            d = att.descriptor
+            if d.page_numel != cfg.page_numel or d.dtype != cfg.dtype:
+                raise ValueError(
+                    f"slab pages are {d.page_numel} x {d.dtype} but the model needs {cfg.page_numel} x {cfg.dtype}"
+                )
+
+    def model(self) -> DiT:
+        if self._model is None:
+            raise SidecarUnavailableError("no weights loaded yet: the plan-cache sidecar was never attached")
+        return self._model
+
+    def generation(self) -> int:
+        att = self.link.attachment
+        if att is None:
+            raise SidecarUnavailableError(f"not attached to the plan-cache sidecar: {self.link.last_error}")
+        return att.generation
+
+    def start(self, on_change: Callable[[bool], None]) -> None:
+        """Start the sidecar link; `on_change(attached)` follows the session."""
+        self.link.set_on_change(on_change)
+        self.link.start()
+
+    def close(self) -> None:
+        self.link.close()
+
+    # ---------------------------------------------------------------- plans
+    def check_fits(self, request: GenerationRequest) -> None:
+        att = self.link.attachment
+        if att is None:
+            raise SidecarUnavailableError(f"not attached to the plan-cache sidecar: {self.link.last_error}")
+        keys = request.schedule_spec().plan_keys()
+        n, width = len(distinct_keys(keys)), max(k.width for k in keys)
+        d = att.descriptor
+        if width > d.width:
+            raise PlanCapacityError(f"the request needs plans {width} wide but slab slots hold {d.width} (--plan-width)")
+        if n > d.num_slots:
+            raise PlanCapacityError(f"the request needs {n} distinct plans but the slab has {d.num_slots} slots (--gpu-plans)")
+
+    def acquire(self, request: GenerationRequest) -> RemoteLease:
+        keys = request.schedule_spec().plan_keys()
+        return self.link.prepare(keys, self.generation(), request.request_id)
+
+    def verify(self, lease: RemoteLease) -> None:
+        if not self.alive(lease):
+            raise SidecarUnavailableError("the plan-cache sidecar session changed before the request ran")
+        lease.check_rows()
+
+    def alive(self, lease: RemoteLease) -> bool:
+        att = self.link.attachment
+        return att is not None and att.epoch == lease.epoch
+
+    def status(self) -> dict[str, Any]:
+        att = self.link.attachment
+        if att is None:
+            return {"serving": False, "weights_path": self._loaded[0] if self._loaded else "", "fingerprint": ""}
+        return {"serving": True, "weights_path": att.weights_path, "fingerprint": att.fingerprint, "slab": att.descriptor}

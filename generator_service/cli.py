@@ -1,0 +1,93 @@
+"""`python -m generator_service` / `ditserve generator`: run the public generator service.
+
+    ditserve generator --sidecar unix:/run/ditserve/plancache.sock --listen 0.0.0.0:50051
+    ditserve generator --adaln-mode resident --checkpoint ./ckpt      # reference, no sidecar
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ditcore import CheckpointError
+from ditserve.paths import default_socket, grpc_target
+
+from .backend import Backend, CachedBackend, ResidentBackend
+from .config import GeneratorConfig
+from .server import GeneratorServer
+
+log = logging.getLogger("generator_service")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GeneratorConfig  # class attributes hold the field defaults
+    p = argparse.ArgumentParser(prog="ditserve generator", description="Run the generator service.")
+    p.add_argument("--adaln-mode", choices=("cached", "resident"), default=d.adaln_mode)
+    p.add_argument("--checkpoint", default=None, help="resident mode: checkpoint dir (cached mode loads the sidecar's)")
+    p.add_argument("--sidecar", default=None, help=f"sidecar socket or host:port (default {default_socket()})")
+    p.add_argument("--run-dir", default=None, help="run dir holding the sidecar socket")
+    p.add_argument("--listen", default=d.listen, help="public address host:port (default %(default)s)")
+    p.add_argument("--port", type=int, default=None, help="shorthand for --listen 0.0.0.0:PORT")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--max-queue-depth", type=int, default=d.max_queue_depth)
+    p.add_argument("--max-message-mb", type=int, default=d.max_message_bytes // 2**20, help="gRPC message limit (MiB)")
+    p.add_argument("--no-prefetch", action="store_true", help="do not prepare the next request's plans early")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
+    sidecar = ""
+    if args.adaln_mode == "cached":
+        sidecar = grpc_target(args.sidecar or str(default_socket(args.run_dir)))
+    listen = f"0.0.0.0:{args.port}" if args.port is not None else args.listen
+    return GeneratorConfig(
+        adaln_mode=args.adaln_mode,
+        checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+        sidecar=sidecar,
+        listen=listen,
+        device=args.device,
+        max_queue_depth=args.max_queue_depth,
+        max_message_bytes=args.max_message_mb * 2**20,
+        prefetch=not args.no_prefetch,
+    )
+
+
+def build_server(cfg: GeneratorConfig) -> GeneratorServer:
+    device = torch.device(cfg.device)
+    backend: Backend
+    if cfg.adaln_mode == "resident":
+        assert cfg.checkpoint is not None
+        backend = ResidentBackend(cfg.checkpoint, device)
+        return GeneratorServer(cfg, backend)
+    backend = CachedBackend(cfg.sidecar, device, cfg.reconnect_s)
+    server = GeneratorServer(cfg, backend)
+    backend.start(server.set_serving)
+    return server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = build_server(config_from_args(args))
+    except (ValueError, CheckpointError, OSError) as e:
+        print(f"ditserve generator: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"generator serving on port {server.port}", flush=True)
+    stop.wait()
+    server.stop()
+    if isinstance(server.backend, CachedBackend):
+        server.backend.close()
+    return 0

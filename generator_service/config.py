@@ -1,0 +1,44 @@
+"""Generator configuration: one frozen dataclass built from CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    adaln_mode: str = "cached"
+    """"cached" (plans from the sidecar) or "resident" (adaln_proj loaded; no sidecar)."""
+    checkpoint: Path | None = None
+    """Resident mode: the checkpoint. Cached mode: ignored; the sidecar's weights are loaded."""
+    sidecar: str = ""
+    """Sidecar target: 'unix:/path/plancache.sock' or 'host:port' (cached mode)."""
+    listen: str = "127.0.0.1:50051"
+    """Public address (host:port; port 0 picks a free one)."""
+    device: str = "cpu"
+    """Device the DiT runs on."""
+    max_queue_depth: int = 16
+    """Requests waiting or running before Generate answers RESOURCE_EXHAUSTED."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """gRPC send/receive limit; a unary result above it must use GenerateStream."""
+    chunk_bytes: int = 1024 * 1024
+    """Tensor bytes per GenerateStream chunk (well under max_message_bytes)."""
+    reconnect_s: float = 0.5
+    """Pause between attempts to (re)attach to the sidecar."""
+    prefetch: bool = True
+    """Prepare the next queued request's plans while the current one denoises."""
+    workers: int = 32
+    """gRPC server threads (one per in-flight RPC, streams included)."""
+
+    def __post_init__(self) -> None:
+        if self.adaln_mode not in ("cached", "resident"):
+            raise ValueError(f"--adaln-mode must be cached or resident, got {self.adaln_mode!r}")
+        if self.adaln_mode == "resident" and self.checkpoint is None:
+            raise ValueError("--checkpoint is required with --adaln-mode resident")
+        if self.adaln_mode == "cached" and not self.sidecar:
+            raise ValueError("--sidecar is required with --adaln-mode cached")
+        if not 1 <= self.max_queue_depth <= 100_000:
+            raise ValueError(f"--max-queue-depth must be in [1, 100000], got {self.max_queue_depth}")
+        if not 1024 <= self.chunk_bytes < self.max_message_bytes:
+            raise ValueError("--chunk-bytes must be in [1024, max message bytes)")

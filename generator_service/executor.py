@@ -1,0 +1,244 @@
+"""Request queue and the one denoise executor (no gRPC).
+
+Admission: validate, check the request can ever fit the slab, check `expected_generation`,
+then enqueue (bounded; full -> QueueFullError). One executor thread runs jobs in order:
+lease plans (or take the prefetched lease), check the lease's slot-table rows, denoise with
+cancellation / deadline / sidecar-session checks after every step, release the lease in
+every outcome. While a job denoises, a prefetch thread prepares the next queued job's
+plans, so a rebuild overlaps compute (both leases must fit the slab; if not, the next job
+simply prepares when it starts).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ditcore import GenerationRequest, GenerationResult, generate
+from ditcore.plans import StepPlan
+
+from .backend import Backend
+from .errors import (
+    CancelledError,
+    DeadlineExceededError,
+    GenerationMismatchError,
+    GeneratorError,
+    NotServingError,
+    QueueFullError,
+    SidecarUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One admitted request and the channel its events flow back on."""
+
+    request: GenerationRequest
+    expected_generation: int | None = None
+    deadline: float | None = None  # time.monotonic() seconds
+    admitted_at: float = field(default_factory=time.perf_counter)
+    events: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    prefetched: Any = None
+    prefetching: bool = False
+    prefetch_done: threading.Event = field(default_factory=threading.Event)
+    prepare_ms: float = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, kind: str, payload: Any = None) -> None:
+        self.events.put((kind, payload))
+
+
+@dataclass(frozen=True)
+class JobResult:
+    result: GenerationResult
+    generation: int
+    timings_ms: dict[str, float]
+
+
+class _Prefetched:
+    """A PlanProvider that hands out an already-prepared lease."""
+
+    def __init__(self, lease: Any) -> None:
+        self._lease = lease
+
+    def acquire(self, steps: Sequence[StepPlan]) -> Any:
+        return self._lease
+
+
+class Executor:
+    def __init__(self, backend: Backend, max_queue_depth: int, prefetch: bool = True) -> None:
+        self.backend = backend
+        self.max_queue_depth = max_queue_depth
+        self.prefetch = prefetch and backend.cached
+        self._lock = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
+        self._prefetch_wakeup = threading.Event()
+        self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="prefetch", daemon=True)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+        if self.prefetch:
+            self._prefetch_thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stopping = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._lock.notify_all()
+        for job in pending:
+            self._drop(job, NotServingError("the generator is shutting down"))
+        self._prefetch_wakeup.set()
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- admission
+    @property
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._queue) + (1 if self._running is not None else 0)
+
+    def submit(self, job: Job) -> int:
+        """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing."""
+        job.request.validate(self.backend.model_config())
+        self.backend.check_fits(job.request)
+        self._check_generation(job)
+        with self._lock:
+            if self._stopping:
+                raise NotServingError("the generator is shutting down")
+            depth = len(self._queue) + (1 if self._running is not None else 0)
+            if depth >= self.max_queue_depth:
+                raise QueueFullError(f"the queue is full ({depth} of {self.max_queue_depth} requests); retry later")
+            self._queue.append(job)
+            self._lock.notify_all()
+        job.emit("queued", depth)
+        self._prefetch_wakeup.set()
+        return depth
+
+    def _check_generation(self, job: Job) -> None:
+        if job.expected_generation is not None:
+            current = self.backend.generation()
+            if current != job.expected_generation:
+                raise GenerationMismatchError(current, job.expected_generation)
+
+    # ---------------------------------------------------------------- executor
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+                self._running = job
+            try:
+                self._run(job)
+            except BaseException as e:  # never let the executor die
+                log.exception("executor: unexpected error")
+                job.emit("error", e)
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        started = time.perf_counter()
+        if job.prefetching:
+            job.prefetch_done.wait()
+        lease = job.prefetched
+        job.prefetched = None
+        try:
+            self._check_live(job)
+            self._check_generation(job)
+            if lease is None and self.backend.cached:
+                t0 = time.perf_counter()
+                lease = self.backend.acquire(job.request)
+                job.prepare_ms += (time.perf_counter() - t0) * 1000
+            if lease is not None:
+                self.backend.verify(lease)
+                job.emit("plans_ready", (dict(lease.report), lease.generation))
+            self._prefetch_wakeup.set()  # the next job's plans can build while this one denoises
+            result, generation = self._denoise(job, lease)
+        except BaseException as e:
+            if lease is not None:
+                lease.release()
+            job.emit("error", e)
+            return
+        timings = {
+            "queue_ms": round((started - job.admitted_at) * 1000, 3),
+            "prepare_ms": round(job.prepare_ms, 3),
+            "encode_ms": result.timings_ms.get("encode", 0.0),
+            "denoise_ms": result.timings_ms.get("denoise", 0.0),
+            "total_ms": round((time.perf_counter() - job.admitted_at) * 1000, 3),
+        }
+        log.info(
+            "request %s done: generation %d sha256 %s timings %s cache %s",
+            job.request.request_id, generation, result.sha256[:16], timings, result.cache,
+        )  # fmt: skip
+        job.emit("result", JobResult(result, generation, timings))
+
+    def _denoise(self, job: Job, lease: Any) -> tuple[GenerationResult, int]:
+        def on_step(done: int, total: int) -> None:
+            self._check_live(job, lease)
+            job.emit("step", (done, total))
+
+        with self.backend.model_lock:
+            generation = lease.generation if lease is not None else self.backend.generation()
+            provider = _Prefetched(lease) if lease is not None else None
+            # generate() releases the lease in every outcome once it has acquired it
+            return generate(self.backend.model(), job.request, provider, on_step=on_step), generation
+
+    def _check_live(self, job: Job, lease: Any = None) -> None:
+        if job.cancelled.is_set():
+            raise CancelledError(f"request {job.request.request_id} was cancelled")
+        if job.deadline is not None and time.monotonic() > job.deadline:
+            raise DeadlineExceededError(f"request {job.request.request_id} ran past its deadline")
+        if lease is not None and not self.backend.alive(lease):
+            raise SidecarUnavailableError("the plan-cache sidecar went away during the request")
+
+    def _drop(self, job: Job, err: GeneratorError) -> None:
+        lease, job.prefetched = job.prefetched, None
+        if lease is not None:
+            lease.release()
+        job.emit("error", err)
+
+    # ---------------------------------------------------------------- prefetch
+    def _prefetch_loop(self) -> None:
+        while True:
+            self._prefetch_wakeup.wait()
+            self._prefetch_wakeup.clear()
+            with self._lock:
+                if self._stopping:
+                    return
+                job = next((j for j in self._queue if not j.prefetching and j.prefetched is None), None)
+                if job is None or self._queue[0] is not job or job.cancelled.is_set():
+                    continue
+                job.prefetching = True
+            try:
+                t0 = time.perf_counter()
+                job.prefetched = self.backend.acquire(job.request)
+                job.prepare_ms += (time.perf_counter() - t0) * 1000
+            except Exception as e:  # e.g. both leases do not fit: the job prepares when it runs
+                log.debug("prefetch for %s skipped: %s", job.request.request_id, e)
+            finally:
+                job.prefetching = False
+                job.prefetch_done.set()
+            if job.cancelled.is_set():
+                with self._lock:
+                    queued = job in self._queue
+                if not queued and job.prefetched is not None:
+                    lease, job.prefetched = job.prefetched, None
+                    lease.release()

@@ -1,0 +1,209 @@
+"""The generator's gRPC adapter: Generator servicer, health, reflection, graceful stop.
+
+Thin: converts proto <-> `GenerationRequest` / results, submits jobs to the executor, and
+maps every error through `ditserve.rpc_errors` (one table, documented in the README).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ditcore import GenerationRequest, RequestError
+from ditserve.rpc_errors import abort
+from protos.ditserve.generator.v1 import generator_pb2 as pb
+from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
+
+from .backend import Backend
+from .config import GeneratorConfig
+from .errors import GeneratorError, ResultTooLargeError
+from .executor import Executor, Job, JobResult
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+_TASKS = {pb.TASK_UNSPECIFIED: "t2v", pb.TASK_T2V: "t2v", pb.TASK_T2VA: "t2va"}
+_OPTIONAL = ("steps", "flow_shift", "audio_flow_shift", "guidance_scale", "seed", "frames", "height", "width", "audio_length")
+
+
+def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int | None]:
+    """(request, expected_generation); unset optional fields take GenerationRequest defaults."""
+    if msg.task not in _TASKS:
+        raise RequestError("task", f"unknown task enum value {msg.task}; allowed: TASK_T2V, TASK_T2VA")
+    kwargs: dict[str, Any] = {
+        "request_id": msg.request_id or f"req-{uuid.uuid4().hex[:12]}",
+        "task": _TASKS[msg.task],
+        "prompt": msg.prompt,
+        "negative_prompt": msg.negative_prompt,
+    }
+    for name in _OPTIONAL:
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    expected = msg.expected_generation if msg.HasField("expected_generation") else None
+    return GenerationRequest(**kwargs), expected
+
+
+def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
+    out = []
+    for name, t in (("video", res.result.video), ("audio", res.result.audio)):
+        if t is not None:
+            data = t.contiguous().view(-1).numpy().tobytes() if with_data else b""
+            out.append(pb.Tensor(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), data=data))
+    return out
+
+
+def response_from_result(res: JobResult, mode: int, with_data: bool = True) -> pb.GenerateResponse:
+    r = res.result
+    cache = pb.CacheReport(**{k: v for k, v in (r.cache or {}).items() if k in pb.CacheReport.DESCRIPTOR.fields_by_name})
+    return pb.GenerateResponse(
+        request_id=r.request_id,
+        generation=res.generation,
+        sha256=r.sha256,
+        tensors=_tensors(res, with_data),
+        cache=cache,
+        timings=pb.StageTimings(**res.timings_ms),
+        adaln_mode=mode,
+    )
+
+
+class GeneratorServicer(pb_grpc.GeneratorServicer):
+    def __init__(self, cfg: GeneratorConfig, backend: Backend, executor: Executor) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.executor = executor
+        self.mode = pb.ADALN_MODE_CACHED if backend.cached else pb.ADALN_MODE_RESIDENT
+
+    def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
+        try:
+            request, expected = request_from_proto(msg)
+            remaining = context.time_remaining()
+            deadline = time.monotonic() + remaining if remaining is not None else None
+            job = Job(request, expected_generation=expected, deadline=deadline)
+            context.add_callback(job.cancel)  # client cancel / disconnect stops the executor
+            self.executor.submit(job)
+        except (RequestError, GeneratorError) as e:
+            abort(context, e)
+        return job
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
+        job = self._submit(request, context)
+        while True:
+            kind, payload = job.events.get()
+            if kind == "error":
+                abort(context, payload)
+            if kind == "result":
+                resp = response_from_result(payload, self.mode)
+                if resp.ByteSize() > self.cfg.max_message_bytes - 4096:
+                    abort(context, ResultTooLargeError(
+                        f"the result is {resp.ByteSize()} bytes, above the {self.cfg.max_message_bytes}-byte message "
+                        "limit; use GenerateStream, which sends it in chunks"
+                    ))  # fmt: skip
+                return resp
+
+    def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateStreamResponse]:
+        job = self._submit(request.request, context)
+        while True:
+            kind, payload = job.events.get()
+            if kind == "queued":
+                yield pb.GenerateStreamResponse(queued=pb.Queued(request_id=job.request.request_id, position=payload))
+            elif kind == "plans_ready":
+                report, generation = payload
+                yield pb.GenerateStreamResponse(plans_ready=pb.PlansReady(cache=pb.CacheReport(**report), generation=generation))
+            elif kind == "step":
+                yield pb.GenerateStreamResponse(step=pb.StepProgress(step=payload[0], total=payload[1]))
+            elif kind == "error":
+                abort(context, payload)
+            elif kind == "result":
+                yield pb.GenerateStreamResponse(result=response_from_result(payload, self.mode, with_data=False))
+                yield from self._chunks(payload)
+                return
+
+    def _chunks(self, res: JobResult) -> Iterator[pb.GenerateStreamResponse]:
+        step = self.cfg.chunk_bytes
+        for t in _tensors(res, with_data=True):
+            for off in range(0, max(len(t.data), 1), step):
+                chunk = pb.ResultChunk(name=t.name, offset=off, data=t.data[off : off + step])
+                yield pb.GenerateStreamResponse(chunk=chunk)
+
+    def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: grpc.ServicerContext) -> pb.UpdateWeightsResponse:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "UpdateWeights is not implemented yet")
+        raise AssertionError("unreachable")
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        st = self.backend.status()
+        resp = pb.GetStatusResponse(
+            adaln_mode=self.mode,
+            weights_path=st.get("weights_path", ""),
+            fingerprint=st.get("fingerprint", ""),
+            sidecar_connected=bool(self.backend.cached and st.get("serving")),
+            sidecar_target=self.cfg.sidecar if self.backend.cached else "",
+            queue_depth=self.executor.queue_depth,
+            max_queue_depth=self.cfg.max_queue_depth,
+            serving=bool(st.get("serving")),
+        )
+        if st.get("serving"):
+            resp.generation = self.backend.generation()
+            resp.model_preset = self.backend.model_config().preset
+        slab = st.get("slab")
+        if slab is not None:
+            page_bytes = slab.slab_bytes // max(1, slab.num_slots * slab.width)
+            resp.slab.CopyFrom(pb.SlabGeometry(
+                num_slots=slab.num_slots, width=slab.width, page_numel=slab.page_numel, page_bytes=page_bytes,
+                dtype=slab.dtype, device=slab.device, transport=slab.transport,
+            ))  # fmt: skip
+        return resp
+
+
+class GeneratorServer:
+    """A running generator: grpc server, executor, health (NOT_SERVING while detached)."""
+
+    def __init__(self, cfg: GeneratorConfig, backend: Backend) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.executor = Executor(backend, cfg.max_queue_depth, prefetch=cfg.prefetch)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="generator"),
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
+        pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(cfg, backend, self.executor), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(cfg.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.listen}")
+        self.set_serving(not backend.cached)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.executor.start()
+        self.server.start()
+        log.info("generator listening on port %d (%s mode)", self.port, "cached" if self.backend.cached else "resident")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace_s).wait()
+        self.executor.stop()

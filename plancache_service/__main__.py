@@ -1,0 +1,7 @@
+"""`python -m plancache_service`: run the sidecar (see plancache_service.cli)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""`python -m plancache_service` / `ditserve plancache`: run the plan-cache sidecar.
+
+    ditserve plancache --checkpoint ./ckpt                     # unix socket in the run dir
+    ditserve plancache --checkpoint ./ckpt --listen 127.0.0.1:50052   # TCP, opt-in
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ditcore import CheckpointError
+from ditserve.paths import default_run_dir, default_socket, ensure_private_dir
+
+from .cache import PlanCache
+from .config import GB, CacheConfig
+from .rebuild import RebuildSource
+from .server import SidecarServer
+from .sidecar import Sidecar
+
+log = logging.getLogger("plancache_service")
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything `ditserve plancache` is started with."""
+
+    checkpoint: Path
+    """Checkpoint plans are rebuilt from (needs native adaln_proj tensors)."""
+    cache: CacheConfig
+    """Slab and host-tier capacity and placement."""
+    address: str
+    """'unix:/path' (default: <run dir>/plancache.sock) or 'host:port' (TCP, opt-in)."""
+    heartbeat_s: float = 1.0
+    """Interval of Attach-stream heartbeats."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ditserve plancache", description="Run the plan-cache sidecar.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (the rebuild source)")
+    p.add_argument("--run-dir", default=None, help=f"holds the socket (default {default_run_dir()})")
+    p.add_argument("--socket", default=None, help="unix socket path (default <run-dir>/plancache.sock)")
+    p.add_argument("--listen", default=None, help="listen on TCP HOST:PORT instead of the unix socket")
+    p.add_argument("--gpu-plans", type=int, default=CacheConfig.gpu_plans, help="slab slots (default %(default)s)")
+    p.add_argument("--plan-width", type=int, default=CacheConfig.plan_width, help="pages per slot (default %(default)s)")
+    p.add_argument("--host-cache-gb", type=float, default=CacheConfig.host_cache_bytes / GB, help="0 disables")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="session heartbeat interval")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SidecarConfig:
+    if not (math.isfinite(args.host_cache_gb) and args.host_cache_gb >= 0):
+        raise ValueError(f"--host-cache-gb must be finite and >= 0, got {args.host_cache_gb}")
+    if not (math.isfinite(args.heartbeat_s) and 0.05 <= args.heartbeat_s <= 60):
+        raise ValueError(f"--heartbeat-s must be in [0.05, 60], got {args.heartbeat_s}")
+    cache = CacheConfig(
+        gpu_plans=args.gpu_plans,
+        plan_width=args.plan_width,
+        host_cache_bytes=int(args.host_cache_gb * GB),
+        device=args.device,
+    )
+    if args.listen:
+        address = args.listen
+    else:
+        sock = Path(args.socket) if args.socket else default_socket(args.run_dir)
+        ensure_private_dir(sock.parent)
+        address = f"unix:{sock}"
+    return SidecarConfig(Path(args.checkpoint), cache, address, args.heartbeat_s)
+
+
+def build_server(cfg: SidecarConfig) -> SidecarServer:
+    source = RebuildSource(cfg.checkpoint, torch.device(cfg.cache.device))
+    cache = PlanCache(cfg.cache, source, generation=1)  # generation 0 means "none yet"
+    try:
+        return SidecarServer(Sidecar(cache), cfg.address, cfg.heartbeat_s)
+    except BaseException:
+        cache.close()
+        raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+        server = build_server(cfg)
+    except (ValueError, CheckpointError, OSError) as e:
+        print(f"ditserve plancache: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"plancache sidecar serving on {server.address}", flush=True)
+    stop.wait()
+    server.stop()
+    return 0

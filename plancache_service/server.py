@@ -1,0 +1,183 @@
+"""The sidecar's gRPC adapter: PlanCache servicer, health, reflection, graceful stop.
+
+Thin: converts proto <-> core objects and maps errors through `ditserve.rpc_errors`.
+Listens on a unix socket in a 0700 directory by default; TCP is opt-in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ditcore.plans import PlanKey
+from ditserve.rpc_errors import abort
+from protos.ditserve.plancache.v1 import plancache_pb2 as pb
+from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
+
+from .cache import CacheStats
+from .device import SlabDescriptor
+from .errors import PlanCacheError
+from .sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlanCache"].full_name
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "cuda_ipc": pb.TRANSPORT_CUDA_IPC}
+
+
+def descriptor_to_proto(d: SlabDescriptor) -> pb.SlabDescriptor:
+    return pb.SlabDescriptor(
+        transport=_TRANSPORTS[d.transport],
+        slab_path=d.slab_path,
+        table_path=d.table_path,
+        slab_bytes=d.slab_bytes,
+        table_bytes=d.table_bytes,
+        dtype=d.dtype,
+        num_slots=d.num_slots,
+        width=d.width,
+        page_numel=d.page_numel,
+        device=d.device,
+        device_uuid=d.device_uuid,
+        ipc_handle=d.ipc_handle,
+        table_row_words=d.table_words,
+    )
+
+
+def stats_to_proto(s: CacheStats) -> pb.CacheStats:
+    fields = {f.name for f in pb.CacheStats.DESCRIPTOR.fields}
+    return pb.CacheStats(**{k: v for k, v in s.to_dict().items() if k in fields})
+
+
+class PlanCacheServicer(pb_grpc.PlanCacheServicer):
+    def __init__(self, sidecar: Sidecar, heartbeat_s: float, stopping: threading.Event) -> None:
+        self.sidecar = sidecar
+        self.heartbeat_s = heartbeat_s
+        self.stopping = stopping
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.AttachResponse]:
+        try:
+            session = self.sidecar.attach(request.client_name or context.peer())
+        except PlanCacheError as e:
+            abort(context, e)
+        ended = threading.Event()
+        context.add_callback(ended.set)
+        try:
+            st = self.sidecar.state()
+            yield pb.AttachResponse(
+                session=pb.Session(
+                    session_id=session.session_id,
+                    slab=descriptor_to_proto(self.sidecar.cache.memory.descriptor),
+                    generation=st.generation,
+                    weights_path=st.weights_path,
+                    fingerprint=st.fingerprint,
+                )
+            )
+            while not ended.wait(self.heartbeat_s) and not self.stopping.is_set():
+                yield pb.AttachResponse(heartbeat=pb.Heartbeat(generation=self.sidecar.cache.generation))
+        finally:
+            self.sidecar.detach(session.session_id)
+
+    def PreparePlans(self, request: pb.PreparePlansRequest, context: grpc.ServicerContext) -> pb.PreparePlansResponse:
+        keys = [PlanKey(tuple(k.timestep_bits)) for k in request.plan_keys]
+        try:
+            lease = self.sidecar.prepare(request.session_id, request.generation, keys)
+        except PlanCacheError as e:
+            abort(context, e)
+        r = lease.report
+        log.debug("request %s: lease %d %s", request.request_id, lease.lease_id, r)
+        return pb.PreparePlansResponse(
+            lease_id=lease.lease_id,
+            slots=list(lease.slots),
+            generation=lease.generation,
+            report=pb.CacheReport(
+                gpu_hit_plans=r.gpu_hit_plans,
+                host_hit_plans=r.host_hit_plans,
+                built_plans=r.built_plans,
+                rebuild_s=r.rebuild_s,
+                swap_in_s=r.swap_in_s,
+            ),
+        )
+
+    def ReleasePlans(self, request: pb.ReleasePlansRequest, context: grpc.ServicerContext) -> pb.ReleasePlansResponse:
+        try:
+            self.sidecar.release(request.session_id, request.lease_id)
+        except PlanCacheError as e:
+            abort(context, e)
+        return pb.ReleasePlansResponse()
+
+    def GetState(self, request: pb.GetStateRequest, context: grpc.ServicerContext) -> pb.GetStateResponse:
+        st = self.sidecar.state()
+        return pb.GetStateResponse(
+            generation=st.generation,
+            weights_path=st.weights_path,
+            fingerprint=st.fingerprint,
+            leases_held=st.leases_held,
+            session_attached=st.session is not None,
+            stats=stats_to_proto(st.stats),
+            serving=st.serving,
+            not_serving_reason=st.not_serving_reason,
+        )
+
+
+class SidecarServer:
+    """A running sidecar: the grpc server, its health servicer and the stop event."""
+
+    def __init__(self, sidecar: Sidecar, address: str, heartbeat_s: float = 1.0) -> None:
+        self.sidecar = sidecar
+        self.stopping = threading.Event()
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="plancache"),
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ],
+        )
+        pb_grpc.add_PlanCacheServicer_to_server(PlanCacheServicer(sidecar, heartbeat_s, self.stopping), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.socket_path: Path | None = None
+        if address.startswith("unix:"):
+            self.socket_path = Path(address[len("unix:") :])
+            if self.socket_path.exists():
+                self.socket_path.unlink()  # a stale socket from a crashed sidecar
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        self.address = address
+
+    def start(self) -> None:
+        self.server.start()
+        self.set_serving(True)
+        log.info("plancache sidecar listening on %s", self.address)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Graceful stop: NOT_SERVING, end sessions, stop the server, remove shm files and socket."""
+        self.set_serving(False)
+        self.stopping.set()
+        self.server.stop(grace_s).wait()
+        self.sidecar.cache.close()
+        if self.socket_path is not None and self.socket_path.exists():
+            os.unlink(self.socket_path)
+        log.info("plancache sidecar stopped")

@@ -1,0 +1,249 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_UNSPECIFIED: _ClassVar[Task]
+    TASK_T2V: _ClassVar[Task]
+    TASK_T2VA: _ClassVar[Task]
+
+class AdalnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADALN_MODE_UNSPECIFIED: _ClassVar[AdalnMode]
+    ADALN_MODE_RESIDENT: _ClassVar[AdalnMode]
+    ADALN_MODE_CACHED: _ClassVar[AdalnMode]
+TASK_UNSPECIFIED: Task
+TASK_T2V: Task
+TASK_T2VA: Task
+ADALN_MODE_UNSPECIFIED: AdalnMode
+ADALN_MODE_RESIDENT: AdalnMode
+ADALN_MODE_CACHED: AdalnMode
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "task", "prompt", "negative_prompt", "steps", "flow_shift", "audio_flow_shift", "guidance_scale", "seed", "frames", "height", "width", "audio_length", "expected_generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    task: Task
+    prompt: str
+    negative_prompt: str
+    steps: int
+    flow_shift: float
+    audio_flow_shift: float
+    guidance_scale: float
+    seed: int
+    frames: int
+    height: int
+    width: int
+    audio_length: int
+    expected_generation: int
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., audio_length: _Optional[int] = ..., expected_generation: _Optional[int] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CacheReport(_message.Message):
+    __slots__ = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s")
+    GPU_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
+    BUILT_PLANS_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_S_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_S_FIELD_NUMBER: _ClassVar[int]
+    gpu_hit_plans: int
+    host_hit_plans: int
+    built_plans: int
+    rebuild_s: float
+    swap_in_s: float
+    def __init__(self, gpu_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ...) -> None: ...
+
+class StageTimings(_message.Message):
+    __slots__ = ("queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
+    DENOISE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    prepare_ms: float
+    encode_ms: float
+    denoise_ms: float
+    total_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., denoise_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "generation", "sha256", "tensors", "cache", "timings", "adaln_mode")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ADALN_MODE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generation: int
+    sha256: str
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    cache: CacheReport
+    timings: StageTimings
+    adaln_mode: AdalnMode
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., sha256: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ...) -> None: ...
+
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class Queued(_message.Message):
+    __slots__ = ("request_id", "position")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    position: int
+    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+
+class PlansReady(_message.Message):
+    __slots__ = ("cache", "generation")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheReport
+    generation: int
+    def __init__(self, cache: _Optional[_Union[CacheReport, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class StepProgress(_message.Message):
+    __slots__ = ("step", "total")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class ResultChunk(_message.Message):
+    __slots__ = ("name", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("queued", "plans_ready", "step", "result", "chunk")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PLANS_READY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    queued: Queued
+    plans_ready: PlansReady
+    step: StepProgress
+    result: GenerateResponse
+    chunk: ResultChunk
+    def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., plans_ready: _Optional[_Union[PlansReady, _Mapping]] = ..., step: _Optional[_Union[StepProgress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., chunk: _Optional[_Union[ResultChunk, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("weights_path", "expected_generation", "request_id")
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    weights_path: str
+    expected_generation: int
+    request_id: str
+    def __init__(self, weights_path: _Optional[str] = ..., expected_generation: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("generation", "previous_generation", "weights_path", "fingerprint", "phase_ms")
+    class PhaseMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_MS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    previous_generation: int
+    weights_path: str
+    fingerprint: str
+    phase_ms: _containers.ScalarMap[str, float]
+    def __init__(self, generation: _Optional[int] = ..., previous_generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., phase_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SlabGeometry(_message.Message):
+    __slots__ = ("num_slots", "width", "page_numel", "page_bytes", "dtype", "device", "transport")
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PAGE_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    num_slots: int
+    width: int
+    page_numel: int
+    page_bytes: int
+    dtype: str
+    device: str
+    transport: str
+    def __init__(self, num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ADALN_MODE_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_TARGET_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SLAB_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PRESET_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    weights_path: str
+    fingerprint: str
+    adaln_mode: AdalnMode
+    sidecar_connected: bool
+    sidecar_target: str
+    queue_depth: int
+    max_queue_depth: int
+    slab: SlabGeometry
+    serving: bool
+    model_preset: str
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ...) -> None: ...
