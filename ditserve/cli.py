@@ -21,9 +21,26 @@ from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, Pl
 
 from . import __version__
 from .commands import UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
+from .launcher import add_serve_flags, serve
+from .remote import cmd_generate
 from .requests_io import add_request_flags
 
 EXIT_USAGE = 2
+
+
+def _plancache(argv: list[str]) -> int:
+    from plancache_service.cli import main as plancache_main
+
+    return plancache_main(argv)
+
+
+def _generator(argv: list[str]) -> int:
+    from generator_service.cli import main as generator_main
+
+    return generator_main(argv)
+
+
+SERVICE_COMMANDS: dict[str, Callable[[list[str]], int]] = {"plancache": _plancache, "generator": _generator}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,10 +81,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_request_flags(gl)
     gl.set_defaults(func=cmd_generate_local)
+
+    gr = sub.add_parser("generate", help="run requests against a generator service (GenerateStream)")
+    gr.add_argument("--target", required=True, help="generator address HOST:PORT")
+    gr.add_argument("--expected-generation", type=int, default=None, help="refuse unless this weight generation serves")
+    add_request_flags(gr)
+    gr.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="start the sidecar and the generator (one command)")
+    add_serve_flags(sv)
+    sv.set_defaults(func=serve)
+
+    # the services parse their own flags: `ditserve plancache --help`, `ditserve generator --help`
+    sub.add_parser("plancache", help="run the plan-cache sidecar (python -m plancache_service)", add_help=False)
+    sub.add_parser("generator", help="run the generator service (python -m generator_service)", add_help=False)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICE_COMMANDS:
+        return SERVICE_COMMANDS[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func

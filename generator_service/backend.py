@@ -132,9 +132,13 @@ class CachedBackend(Backend):
         n, width = len(distinct_keys(keys)), max(k.width for k in keys)
         d = att.descriptor
         if width > d.width:
-            raise PlanCapacityError(f"the request needs plans {width} wide but slab slots hold {d.width} (--plan-width)")
+            raise PlanCapacityError(
+                f"the request needs plans {width} wide but slab slots hold {d.width} (--plan-width)"
+            )
         if n > d.num_slots:
-            raise PlanCapacityError(f"the request needs {n} distinct plans but the slab has {d.num_slots} slots (--gpu-plans)")
+            raise PlanCapacityError(
+                f"the request needs {n} distinct plans but the slab has {d.num_slots} slots (--gpu-plans)"
+            )
 
     def acquire(self, request: GenerationRequest) -> RemoteLease:
         keys = request.schedule_spec().plan_keys()
@@ -153,4 +157,9 @@ class CachedBackend(Backend):
         att = self.link.attachment
         if att is None:
             return {"serving": False, "weights_path": self._loaded[0] if self._loaded else "", "fingerprint": ""}
-        return {"serving": True, "weights_path": att.weights_path, "fingerprint": att.fingerprint, "slab": att.descriptor}
+        return {
+            "serving": True,
+            "weights_path": att.weights_path,
+            "fingerprint": att.fingerprint,
+            "slab": att.descriptor,
+        }

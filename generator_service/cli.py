@@ -1,7 +1,7 @@
 """`python -m generator_service` / `ditserve generator`: run the public generator service.
 
-    ditserve generator --sidecar unix:/run/ditserve/plancache.sock --listen 0.0.0.0:50051
-    ditserve generator --adaln-mode resident --checkpoint ./ckpt      # reference, no sidecar
+ditserve generator --sidecar unix:/run/ditserve/plancache.sock --listen 0.0.0.0:50051
+ditserve generator --adaln-mode resident --checkpoint ./ckpt      # reference, no sidecar
 """
 
 from __future__ import annotations

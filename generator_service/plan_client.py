@@ -86,7 +86,16 @@ def sidecar_error(err: grpc.RpcError) -> Exception:
 class RemoteLease:
     """A lease on the sidecar's slab; implements ditcore's PlanLease."""
 
-    def __init__(self, link: SidecarLink, att: Attachment, lease_id: int, keys: Sequence[PlanKey], slots: Sequence[int], report: dict[str, Any], generation: int) -> None:
+    def __init__(
+        self,
+        link: SidecarLink,
+        att: Attachment,
+        lease_id: int,
+        keys: Sequence[PlanKey],
+        slots: Sequence[int],
+        report: dict[str, Any],
+        generation: int,
+    ) -> None:
         self._link = link
         self.att = att
         self.lease_id = lease_id
@@ -276,6 +285,8 @@ class SidecarLink:
         if att is None or att.epoch != lease.epoch:
             return
         try:
-            self._stub.ReleasePlans(pb.ReleasePlansRequest(session_id=att.session_id, lease_id=lease.lease_id), timeout=10)
+            self._stub.ReleasePlans(
+                pb.ReleasePlansRequest(session_id=att.session_id, lease_id=lease.lease_id), timeout=10
+            )
         except grpc.RpcError as e:
             log.warning("release of lease %d failed: %s", lease.lease_id, e.details())

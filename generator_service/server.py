@@ -31,7 +31,17 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 _TASKS = {pb.TASK_UNSPECIFIED: "t2v", pb.TASK_T2V: "t2v", pb.TASK_T2VA: "t2va"}
-_OPTIONAL = ("steps", "flow_shift", "audio_flow_shift", "guidance_scale", "seed", "frames", "height", "width", "audio_length")
+_OPTIONAL = (
+    "steps",
+    "flow_shift",
+    "audio_flow_shift",
+    "guidance_scale",
+    "seed",
+    "frames",
+    "height",
+    "width",
+    "audio_length",
+)
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int | None]:
@@ -62,7 +72,9 @@ def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
 
 def response_from_result(res: JobResult, mode: int, with_data: bool = True) -> pb.GenerateResponse:
     r = res.result
-    cache = pb.CacheReport(**{k: v for k, v in (r.cache or {}).items() if k in pb.CacheReport.DESCRIPTOR.fields_by_name})
+    cache = pb.CacheReport(
+        **{k: v for k, v in (r.cache or {}).items() if k in pb.CacheReport.DESCRIPTOR.fields_by_name}
+    )
     return pb.GenerateResponse(
         request_id=r.request_id,
         generation=res.generation,
@@ -108,7 +120,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     ))  # fmt: skip
                 return resp
 
-    def GenerateStream(self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateStreamResponse]:
+    def GenerateStream(
+        self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateStreamResponse]:
         job = self._submit(request.request, context)
         while True:
             kind, payload = job.events.get()
@@ -116,7 +130,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 yield pb.GenerateStreamResponse(queued=pb.Queued(request_id=job.request.request_id, position=payload))
             elif kind == "plans_ready":
                 report, generation = payload
-                yield pb.GenerateStreamResponse(plans_ready=pb.PlansReady(cache=pb.CacheReport(**report), generation=generation))
+                yield pb.GenerateStreamResponse(
+                    plans_ready=pb.PlansReady(cache=pb.CacheReport(**report), generation=generation)
+                )
             elif kind == "step":
                 yield pb.GenerateStreamResponse(step=pb.StepProgress(step=payload[0], total=payload[1]))
             elif kind == "error":
@@ -133,7 +149,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 chunk = pb.ResultChunk(name=t.name, offset=off, data=t.data[off : off + step])
                 yield pb.GenerateStreamResponse(chunk=chunk)
 
-    def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: grpc.ServicerContext) -> pb.UpdateWeightsResponse:
+    def UpdateWeights(
+        self, request: pb.UpdateWeightsRequest, context: grpc.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "UpdateWeights is not implemented yet")
         raise AssertionError("unreachable")
 

@@ -1,7 +1,7 @@
 """`python -m plancache_service` / `ditserve plancache`: run the plan-cache sidecar.
 
-    ditserve plancache --checkpoint ./ckpt                     # unix socket in the run dir
-    ditserve plancache --checkpoint ./ckpt --listen 127.0.0.1:50052   # TCP, opt-in
+ditserve plancache --checkpoint ./ckpt                     # unix socket in the run dir
+ditserve plancache --checkpoint ./ckpt --listen 127.0.0.1:50052   # TCP, opt-in
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", default=None, help="unix socket path (default <run-dir>/plancache.sock)")
     p.add_argument("--listen", default=None, help="listen on TCP HOST:PORT instead of the unix socket")
     p.add_argument("--gpu-plans", type=int, default=CacheConfig.gpu_plans, help="slab slots (default %(default)s)")
-    p.add_argument("--plan-width", type=int, default=CacheConfig.plan_width, help="pages per slot (default %(default)s)")
+    p.add_argument(
+        "--plan-width", type=int, default=CacheConfig.plan_width, help="pages per slot (default %(default)s)"
+    )
     p.add_argument("--host-cache-gb", type=float, default=CacheConfig.host_cache_bytes / GB, help="0 disables")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="session heartbeat interval")

@@ -51,8 +51,7 @@ class Sidecar:
         with self._lock:
             if self._session is not None:
                 raise SessionError(
-                    f"a generator session is already attached ({self._session.client_name}); "
-                    "one session at a time"
+                    f"a generator session is already attached ({self._session.client_name}); one session at a time"
                 )
             self._session = SessionInfo(uuid.uuid4().hex, client_name)
             log.info("session %s attached by %s", self._session.session_id, client_name)

@@ -1,0 +1,180 @@
+"""Python client of the generator service.
+
+    from ditserve.client import GeneratorClient
+    with GeneratorClient("127.0.0.1:50051") as client:
+        result = client.generate({"prompt": "a cat", "task": "t2va", "steps": 20})
+        print(result.sha256, result.video.shape, result.cache)
+
+`generate` uses GenerateStream (progress events, result in chunks) and checks the sha256 of
+the latents it received against the server's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from ditcore import GenerationRequest
+from ditcore.sampler import latents_sha256
+from protos.ditserve.generator.v1 import generator_pb2 as pb
+from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
+
+_TASKS = {"t2v": pb.TASK_T2V, "t2va": pb.TASK_T2VA}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ProgressCallback = Callable[[str, Any], None]
+"""Called with ("queued", position), ("plans_ready", cache_dict), ("step", (i, n))."""
+
+
+class IntegrityError(RuntimeError):
+    """The received latents do not hash to the sha256 the server reported."""
+
+
+@dataclass
+class ClientResult:
+    request_id: str
+    generation: int
+    sha256: str
+    video: torch.Tensor
+    audio: torch.Tensor | None
+    cache: dict[str, Any]
+    timings_ms: dict[str, float]
+    adaln_mode: str = ""
+    events: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def request_to_proto(
+    request: GenerationRequest | Mapping[str, Any], expected_generation: int | None = None
+) -> pb.GenerateRequest:
+    """Proto of a request; only fields that differ from the defaults are set."""
+    req = request if isinstance(request, GenerationRequest) else GenerationRequest.from_dict(dict(request))
+    msg = pb.GenerateRequest(request_id=req.request_id, prompt=req.prompt, negative_prompt=req.negative_prompt)
+    msg.task = _TASKS.get(req.task, pb.TASK_UNSPECIFIED)
+    for f in dataclasses.fields(GenerationRequest):
+        if f.name in ("request_id", "task", "prompt", "negative_prompt"):
+            continue
+        value = getattr(req, f.name)
+        if value is not None:
+            setattr(msg, f.name, value)
+    if expected_generation is not None:
+        msg.expected_generation = expected_generation
+    return msg
+
+
+def _cache_dict(c: pb.CacheReport) -> dict[str, Any]:
+    return {
+        "gpu_hit_plans": c.gpu_hit_plans,
+        "host_hit_plans": c.host_hit_plans,
+        "built_plans": c.built_plans,
+        "rebuild_s": c.rebuild_s,
+        "swap_in_s": c.swap_in_s,
+    }
+
+
+def _timings(t: pb.StageTimings) -> dict[str, float]:
+    return {f.name: getattr(t, f.name) for f in pb.StageTimings.DESCRIPTOR.fields}
+
+
+def _tensor(t: pb.Tensor, data: bytes) -> torch.Tensor:
+    dtype = _DTYPES[t.dtype]
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(tuple(t.shape)).clone()
+
+
+def result_from_response(resp: pb.GenerateResponse, data: Mapping[str, bytes] | None = None) -> ClientResult:
+    tensors = {t.name: _tensor(t, data[t.name] if data is not None else t.data) for t in resp.tensors}
+    result = ClientResult(
+        request_id=resp.request_id,
+        generation=resp.generation,
+        sha256=resp.sha256,
+        video=tensors["video"],
+        audio=tensors.get("audio"),
+        cache=_cache_dict(resp.cache),
+        timings_ms=_timings(resp.timings),
+        adaln_mode=pb.AdalnMode.Name(resp.adaln_mode),
+    )
+    got = latents_sha256(result.video, result.audio)
+    if got != result.sha256:
+        raise IntegrityError(
+            f"request {result.request_id}: received latents hash to {got}, server said {result.sha256}"
+        )
+    return result
+
+
+class GeneratorClient:
+    def __init__(
+        self, target: str, credentials: grpc.ChannelCredentials | None = None, max_message_bytes: int = 64 * 2**20
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self.channel = (
+            grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
+        )
+        self.stub = pb_grpc.GeneratorStub(self.channel)
+
+    def __enter__(self) -> GeneratorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate(
+        self,
+        request: GenerationRequest | Mapping[str, Any],
+        expected_generation: int | None = None,
+        progress: ProgressCallback | None = None,
+        timeout: float | None = None,
+        metadata: list[tuple[str, str]] | None = None,
+    ) -> ClientResult:
+        """Run one request over GenerateStream; raises grpc.RpcError with the server's status."""
+        msg = pb.GenerateStreamRequest(request=request_to_proto(request, expected_generation))
+        header: pb.GenerateResponse | None = None
+        data: dict[str, bytearray] = {}
+        events: list[tuple[str, Any]] = []
+        for ev in self.stub.GenerateStream(msg, timeout=timeout, metadata=metadata):
+            kind = ev.WhichOneof("event")
+            payload: Any = None
+            if kind == "queued":
+                payload = ev.queued.position
+            elif kind == "plans_ready":
+                payload = _cache_dict(ev.plans_ready.cache)
+            elif kind == "step":
+                payload = (ev.step.step, ev.step.total)
+            elif kind == "result":
+                header = ev.result
+                data = {t.name: bytearray() for t in header.tensors}
+                continue
+            elif kind == "chunk":
+                buf = data[ev.chunk.name]
+                if ev.chunk.offset != len(buf):
+                    raise IntegrityError(f"chunk of {ev.chunk.name} at offset {ev.chunk.offset}, expected {len(buf)}")
+                buf.extend(ev.chunk.data)
+                continue
+            events.append((kind, payload))
+            if progress is not None:
+                progress(kind, payload)
+        if header is None:
+            raise IntegrityError("the stream ended without a result")
+        result = result_from_response(header, {k: bytes(v) for k, v in data.items()})
+        result.events = events
+        return result
+
+    def generate_unary(
+        self,
+        request: GenerationRequest | Mapping[str, Any],
+        expected_generation: int | None = None,
+        timeout: float | None = None,
+    ) -> ClientResult:
+        resp = self.stub.Generate(request_to_proto(request, expected_generation), timeout=timeout)
+        return result_from_response(resp)
+
+    def status(self, timeout: float = 10.0) -> pb.GetStatusResponse:
+        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout)

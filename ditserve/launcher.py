@@ -1,0 +1,189 @@
+"""`ditserve serve`: start the sidecar, wait for its health, start the generator, supervise.
+
+Creates the demo checkpoint (preset `small`) in the run dir when no --checkpoint is given.
+SIGINT / SIGTERM stop the generator, then the sidecar (which removes its /dev/shm files);
+children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned. A
+child that crashes is restarted (the generator reattaches by itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ditcore import get_preset, validate_checkpoint, write_checkpoint
+from ditcore.checkpoint import is_checkpoint_dir
+
+from .paths import default_run_dir, ensure_private_dir
+
+log = logging.getLogger("ditserve.serve")
+DEMO_PRESET = "small"
+MAX_RESTARTS_PER_MIN = 5
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def wait_healthy(target: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll grpc.health.v1 until SERVING; raise if the process exits or time runs out."""
+    end = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < end:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process exited with code {proc.returncode} before becoming healthy")
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{target} did not become healthy within {timeout_s:.0f} s")
+
+
+def demo_checkpoint(run_dir: Path) -> Path:
+    path = run_dir / f"demo-checkpoint-{DEMO_PRESET}"
+    if not is_checkpoint_dir(path):
+        print(f"creating the demo checkpoint (preset {DEMO_PRESET}) in {path}", flush=True)
+        write_checkpoint(get_preset(DEMO_PRESET), path, seed=0)
+    validate_checkpoint(path)
+    return path
+
+
+class Child:
+    """One supervised service process."""
+
+    def __init__(self, name: str, argv: list[str], health_target: str, log_path: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.health_target = health_target
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts: list[float] = []
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        logf = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        logf.close()
+        try:
+            wait_healthy(self.health_target, timeout_s, self.proc)
+        except Exception as e:
+            self.stop()
+            raise RuntimeError(f"{self.name} failed to start ({e}); see {self.log_path}") from e
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+
+def build_children(args: argparse.Namespace, run_dir: Path, checkpoint: Path) -> list[Child]:
+    py = sys.executable
+    sock = run_dir / "plancache.sock"
+    host = args.host
+    gen_argv = [py, "-m", "generator_service", "--listen", f"{host}:{args.port}", "--device", args.device]
+    gen_argv += ["--max-queue-depth", str(args.max_queue_depth), "--log-level", args.log_level]
+    health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    children = []
+    if args.adaln_mode == "resident":
+        gen_argv += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
+    else:
+        side_argv = [py, "-m", "plancache_service", "--checkpoint", str(checkpoint), "--socket", str(sock)]
+        side_argv += ["--gpu-plans", str(args.gpu_plans), "--plan-width", str(args.plan_width)]
+        side_argv += [
+            "--host-cache-gb",
+            str(args.host_cache_gb),
+            "--device",
+            args.device,
+            "--log-level",
+            args.log_level,
+        ]
+        children.append(Child("plancache sidecar", side_argv, f"unix:{sock}", run_dir / "plancache.log"))
+        gen_argv += ["--adaln-mode", "cached", "--sidecar", f"unix:{sock}"]
+    children.append(Child("generator", gen_argv, f"{health_host}:{args.port}", run_dir / "generator.log"))
+    return children
+
+
+def serve(args: argparse.Namespace) -> int:
+    run_dir = ensure_private_dir(args.run_dir or default_run_dir())
+    checkpoint = Path(args.checkpoint) if args.checkpoint else demo_checkpoint(run_dir)
+    validate_checkpoint(checkpoint)
+    children = build_children(args, run_dir, checkpoint)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        for child in children:
+            print(f"starting {child.name} (log: {child.log_path})", flush=True)
+            child.start()
+        print(
+            f"ditserve serving: generator on {args.host}:{args.port} ({args.adaln_mode} mode), "
+            f"checkpoint {checkpoint}, run dir {run_dir}\n"
+            f'  try: grpcurl -plaintext -d \'{{"prompt": "a cat"}}\' 127.0.0.1:{args.port} '
+            "ditserve.generator.v1.Generator/Generate",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            for child in children:
+                if child.exited():
+                    _restart(child, stop)
+    except RuntimeError as e:
+        print(f"ditserve serve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for child in reversed(children):
+            child.stop()
+    print("ditserve stopped", flush=True)
+    return 0
+
+
+def _restart(child: Child, stop: threading.Event) -> None:
+    now = time.monotonic()
+    child.restarts = [t for t in child.restarts if now - t < 60] + [now]
+    if len(child.restarts) > MAX_RESTARTS_PER_MIN:
+        raise RuntimeError(f"{child.name} crashed {len(child.restarts)} times within a minute; giving up")
+    code = child.proc.returncode if child.proc else None
+    print(f"{child.name} exited with code {code}; restarting", file=sys.stderr, flush=True)
+    if not stop.is_set():
+        child.start()
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from plancache_service.config import GB, CacheConfig
+
+    p.add_argument("--checkpoint", default=None, help="checkpoint dir (default: a generated demo checkpoint)")
+    p.add_argument("--port", type=int, default=50051, help="generator port (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="generator bind address (default %(default)s)")
+    p.add_argument("--run-dir", default=None, help=f"socket, logs, demo checkpoint (default {default_run_dir()})")
+    p.add_argument("--adaln-mode", choices=("cached", "resident"), default="cached")
+    p.add_argument("--gpu-plans", type=int, default=CacheConfig.gpu_plans)
+    p.add_argument("--plan-width", type=int, default=CacheConfig.plan_width)
+    p.add_argument("--host-cache-gb", type=float, default=CacheConfig.host_cache_bytes / GB)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-queue-depth", type=int, default=16)
+    p.add_argument("--log-level", default="INFO", help="services' log level (default %(default)s)")

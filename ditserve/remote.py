@@ -1,0 +1,74 @@
+"""`ditserve generate --target HOST:PORT`: run requests against a generator service.
+
+Prints the same JSON line per request as `generate-local` (plus `generation`), with a
+progress bar over GenerateStream when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ditcore import GenerationRequest, GenerationResult
+
+from .client import ClientResult, GeneratorClient
+from .requests_io import requests_from_args, result_line, write_result
+
+
+class RemoteError(Exception):
+    """A request failed at the server; carries the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+def _progress_bar(request_id: str) -> Any:
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=None, desc=request_id, unit="step", file=sys.stderr, leave=False)
+
+
+def run_one(client: GeneratorClient, req: GenerationRequest, expected_generation: int | None) -> ClientResult:
+    bar = _progress_bar(req.request_id)
+
+    def progress(kind: str, payload: Any) -> None:
+        if bar is None:
+            return
+        if kind == "plans_ready":
+            bar.set_postfix_str(
+                f"built {payload['built_plans']} host {payload['host_hit_plans']} hit {payload['gpu_hit_plans']}"
+            )
+        elif kind == "step":
+            bar.total = payload[1]
+            bar.update(payload[0] - bar.n)
+
+    try:
+        return client.generate(req, expected_generation=expected_generation, progress=progress)
+    except grpc.RpcError as e:
+        raise RemoteError(e.code(), e.details() or "") from e
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    requests = requests_from_args(args)
+    with GeneratorClient(args.target) as client:
+        for req in requests:
+            try:
+                res = run_one(client, req, args.expected_generation)
+            except RemoteError as e:
+                print(f"ditserve generate: request {req.request_id} failed: {e}", file=sys.stderr)
+                return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+            result = GenerationResult(res.request_id, res.video, res.audio, res.sha256, res.timings_ms, res.cache)
+            if args.out:
+                write_result(Path(args.out), result, req)
+            print(result_line(result, req, generation=res.generation, adaln_mode=res.adaln_mode), flush=True)
+    return 0
