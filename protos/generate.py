@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         current = {p.relative_to(ROOT) for p in PROTO_DIR.rglob("*") if p.name.endswith(GENERATED_SUFFIXES)}
         if args.check:
             stale = sorted(
-                str(r) for r in fresh | current if r not in fresh or r not in current or not filecmp.cmp(out / r, ROOT / r, shallow=False)
+                str(r)
+                for r in fresh | current
+                if r not in fresh or r not in current or not filecmp.cmp(out / r, ROOT / r, shallow=False)
             )
             if stale:
                 print("generated protobuf code is stale; run `python -m protos.generate`:", *stale, sep="\n  ")

@@ -1,0 +1,115 @@
+"""Plan-cache core benchmark (issue: plan-cache core). Not part of the default test suite.
+
+    .venv/bin/python tests/bench/bench_plancache.py [--preset bench] [--checkpoint DIR] [--steps 50]
+
+Prints, from one run: rebuild seconds vs the time to merely read the same adaln_proj bytes
+from the checkpoint (ratio), host swap-in bandwidth vs a plain memcpy of the same bytes
+(ratio), and the cost of a prepare that is all slot hits (microseconds, p50/p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ditcore import get_preset, validate_checkpoint, write_checkpoint
+from ditcore.checkpoint import CheckpointReader
+from ditcore.config import adaln_layer_names
+from ditcore.plans import ScheduleSpec
+from plancache_service.cache import PlanCache
+from plancache_service.config import CacheConfig
+from plancache_service.rebuild import RebuildSource
+
+
+def read_adaln_s(info) -> float:  # type: ignore[no-untyped-def]
+    """Seconds to read every adaln_proj weight and bias once (what any rebuild must read)."""
+    t0 = time.perf_counter()
+    with CheckpointReader(info) as reader:
+        for name in adaln_layer_names(info.config):
+            w, b = reader.adaln_layer(name)
+            w.sum()  # touch the bytes
+            del w, b
+    return time.perf_counter() - t0
+
+
+def run(checkpoint: Path, steps: int) -> dict[str, float]:
+    info = validate_checkpoint(checkpoint)
+    cfg = info.config
+    a = ScheduleSpec("t2va", steps, 5.0, 3.0).plan_keys()
+    b = ScheduleSpec("t2va", steps, 4.0, 2.0).plan_keys()
+    read_adaln_s(info)  # warm the page cache: both sides then read from memory
+    read_s = min(read_adaln_s(info) for _ in range(3))
+    source = RebuildSource(info, torch.device("cpu"))
+    cache = PlanCache(
+        CacheConfig(gpu_plans=steps, plan_width=2, host_cache_bytes=4 * steps * 2 * cfg.page_bytes), source
+    )
+    try:
+        la = cache.prepare(cache.generation, a, "bench")
+        rebuild_s = la.report.rebuild_s
+        cache.release(la.lease_id)
+        lb = cache.prepare(cache.generation, b, "bench")  # evicts A from the slab (host keeps it)
+        cache.release(lb.lease_id)
+        la = cache.prepare(cache.generation, a, "bench")
+        assert la.report.built_plans == 0 and la.report.host_hit_plans > 0, la.report
+        swap_s = la.report.swap_in_s
+        swapped = sum(k.width for k in dict.fromkeys(a) if k not in set(b)) * cfg.page_bytes
+        cache.release(la.lease_id)
+        # a plain memcpy of the same bytes between the same kinds of buffers
+        src = torch.empty(swapped // cfg.dtype_bytes, dtype=cfg.torch_dtype).normal_()
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        memcpy_s = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+        hit_us = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            lease = cache.prepare(cache.generation, a, "bench")
+            hit_us.append((time.perf_counter() - t0) * 1e6)
+            cache.release(lease.lease_id)
+    finally:
+        cache.close()
+    hit_us.sort()
+    swap_bw, memcpy_bw = swapped / swap_s, swapped / memcpy_s
+    return {
+        "steps": steps,
+        "read_adaln_s": round(read_s, 4),
+        "rebuild_s": round(rebuild_s, 4),
+        "rebuild_over_read": round(rebuild_s / read_s, 2),
+        "swap_in_bytes": swapped,
+        "swap_in_s": round(swap_s, 6),
+        "swap_in_gbps": round(swap_bw / 1e9, 2),
+        "memcpy_gbps": round(memcpy_bw / 1e9, 2),
+        "swap_over_memcpy_bandwidth": round(swap_bw / memcpy_bw, 2),
+        "all_hit_prepare_us_p50": round(statistics.median(hit_us), 1),
+        "all_hit_prepare_us_p99": round(hit_us[int(0.99 * (len(hit_us) - 1))], 1),
+    }
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--checkpoint", default=None, help="use this checkpoint instead of generating one")
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(args.checkpoint) if args.checkpoint else write_checkpoint(get_preset(args.preset), tmp, seed=0)
+        out = run(ckpt, args.steps)
+    width = max(len(k) for k in out)
+    for k, v in out.items():
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
