@@ -272,25 +272,44 @@ def _data_samples(path: Path, hdr: ShardHeader) -> bytes:
     return b"".join(parts)
 
 
-def _fingerprint(root: Path, headers: dict[str, ShardHeader]) -> str:
-    h = hashlib.sha256()
+def _file_digests(root: Path, headers: dict[str, ShardHeader]) -> dict[str, str]:
+    digests = {}
     for fname in (CONFIG_FILE, INDEX_FILE):
-        h.update(fname.encode() + b"\0" + (root / fname).read_bytes())
+        digests[fname] = hashlib.sha256((root / fname).read_bytes()).hexdigest()
     for fname in sorted(headers):
         hdr = headers[fname]
-        h.update(f"{fname}\0{hdr.size}\0".encode() + hdr.header_bytes)
+        h = hashlib.sha256(f"{hdr.size}\0".encode() + hdr.header_bytes)
         h.update(_data_samples(root / fname, hdr))
-    return h.hexdigest()
+        digests[fname] = h.hexdigest()
+    return digests
+
+
+def combine_digests(digests: dict[str, str]) -> str:
+    return hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(digests.items())).encode()).hexdigest()
+
+
+def _fingerprint(root: Path, headers: dict[str, ShardHeader]) -> str:
+    return combine_digests(_file_digests(root, headers))
+
+
+def file_digests(path: str | Path) -> dict[str, str]:
+    """Per-file parts of the fingerprint (config, index, each shard): names what changed."""
+    root = Path(path)
+    weight_map = _load_index(root)
+    headers = {f: read_shard_header(root / f) for f in sorted(set(weight_map.values()))}
+    return _file_digests(root, headers)
 
 
 def fingerprint(path: str | Path) -> str:
     """Cheap identity of a checkpoint: config + index + shard sizes + header bytes + the
     first and last 4 KiB of every tensor's data (edits confined to the interior of a large
     tensor are not seen; different weights, truncation and re-sharding are)."""
-    root = Path(path)
-    weight_map = _load_index(root)
-    headers = {f: read_shard_header(root / f) for f in sorted(set(weight_map.values()))}
-    return _fingerprint(root, headers)
+    return combine_digests(file_digests(path))
+
+
+def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """Files whose digest differs, appeared or disappeared between two `file_digests`."""
+    return sorted(f for f in set(old) | set(new) if old.get(f) != new.get(f))
 
 
 # ---------------------------------------------------------------------------- reading
@@ -355,7 +374,10 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CheckpointReader",
+    "changed_files",
     "checkpoint_files",
+    "combine_digests",
+    "file_digests",
     "fingerprint",
     "is_checkpoint_dir",
     "load_config",

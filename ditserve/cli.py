@@ -22,7 +22,7 @@ from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, Pl
 from . import __version__
 from .commands import UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
 from .launcher import add_serve_flags, serve
-from .remote import cmd_generate
+from .remote import cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags
 
 EXIT_USAGE = 2
@@ -87,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     gr.add_argument("--expected-generation", type=int, default=None, help="refuse unless this weight generation serves")
     add_request_flags(gr)
     gr.set_defaults(func=cmd_generate)
+
+    uw = sub.add_parser("update-weights", help="swap the served checkpoint (admin token required)")
+    uw.add_argument("--target", required=True, help="generator address HOST:PORT")
+    uw.add_argument("--path", required=True, help="checkpoint directory inside the server's --weights-root")
+    uw.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN)")
+    uw.add_argument("--expected-generation", type=int, default=None, help="refuse unless this generation serves")
+    uw.add_argument("--request-id", default=None)
+    uw.add_argument("--timeout-s", type=float, default=600.0)
+    uw.set_defaults(func=cmd_update_weights)
 
     sv = sub.add_parser("serve", help="start the sidecar and the generator (one command)")
     add_serve_flags(sv)

@@ -108,6 +108,11 @@ def build_children(args: argparse.Namespace, run_dir: Path, checkpoint: Path) ->
     host = args.host
     gen_argv = [py, "-m", "generator_service", "--listen", f"{host}:{args.port}", "--device", args.device]
     gen_argv += ["--max-queue-depth", str(args.max_queue_depth), "--log-level", args.log_level]
+    gen_argv += ["--drain-timeout-s", str(args.drain_timeout_s)]
+    if args.weights_root:
+        gen_argv += ["--weights-root", args.weights_root]
+    if args.admin_token:
+        gen_argv += ["--admin-token", args.admin_token]  # also inherited as $DITSERVE_ADMIN_TOKEN
     health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     children = []
     if args.adaln_mode == "resident":
@@ -122,6 +127,8 @@ def build_children(args: argparse.Namespace, run_dir: Path, checkpoint: Path) ->
             args.device,
             "--log-level",
             args.log_level,
+            "--state-dir",
+            args.state_dir or str(run_dir / "state"),
         ]
         children.append(Child("plancache sidecar", side_argv, f"unix:{sock}", run_dir / "plancache.log"))
         gen_argv += ["--adaln-mode", "cached", "--sidecar", f"unix:{sock}"]
@@ -187,3 +194,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-queue-depth", type=int, default=16)
     p.add_argument("--log-level", default="INFO", help="services' log level (default %(default)s)")
+    p.add_argument("--weights-root", default=None, help="UpdateWeights paths must resolve inside it (default: off)")
+    p.add_argument("--admin-token", default=None, help="UpdateWeights bearer token (default: $DITSERVE_ADMIN_TOKEN)")
+    p.add_argument("--state-dir", default=None, help="sidecar state file dir (default <run-dir>/state)")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="update drain bound (default %(default)s)")

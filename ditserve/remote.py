@@ -72,3 +72,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 write_result(Path(args.out), result, req)
             print(result_line(result, req, generation=res.generation, adaln_mode=res.adaln_mode), flush=True)
     return 0
+
+
+def cmd_update_weights(args: argparse.Namespace) -> int:
+    """One JSON line with generation, previous_generation, weights_path (and more) on success."""
+    import json
+    import os
+
+    from protos.ditserve.generator.v1 import generator_pb2 as pb
+
+    token = args.token or os.environ.get("DITSERVE_ADMIN_TOKEN", "")
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    req = pb.UpdateWeightsRequest(weights_path=args.path, request_id=args.request_id or "")
+    if args.expected_generation is not None:
+        req.expected_generation = args.expected_generation
+    with GeneratorClient(args.target) as client:
+        try:
+            resp = client.stub.UpdateWeights(req, metadata=metadata, timeout=args.timeout_s)
+        except grpc.RpcError as e:
+            print(f"ditserve update-weights: failed: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    print(
+        json.dumps(
+            {
+                "generation": resp.generation,
+                "previous_generation": resp.previous_generation,
+                "weights_path": resp.weights_path,
+                "fingerprint": resp.fingerprint,
+                "phase_ms": dict(resp.phase_ms),
+            }
+        ),
+        flush=True,
+    )
+    return 0

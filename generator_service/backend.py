@@ -7,6 +7,7 @@ geometry matches the model before it accepts the attachment.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable
@@ -15,7 +16,16 @@ from typing import Any
 
 import torch
 
-from ditcore import DiT, DiTConfig, GenerationRequest, load_model, validate_checkpoint
+from ditcore import (
+    CheckpointError,
+    CheckpointInfo,
+    DiT,
+    DiTConfig,
+    GenerationRequest,
+    RequestError,
+    load_model,
+    validate_checkpoint,
+)
 from ditcore.plans import distinct_keys
 
 from .errors import PlanCapacityError, SidecarUnavailableError
@@ -28,6 +38,7 @@ class Backend:
     """Common interface; `model_lock` is held while a request denoises."""
 
     cached = False
+    device: torch.device
 
     def __init__(self) -> None:
         self.model_lock = threading.RLock()
@@ -56,18 +67,73 @@ class Backend:
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    # ---------------------------------------------------------------- weight updates
+    def validate_update(self, path: Path) -> CheckpointInfo:
+        """Step 1: the checkpoint is valid and compatible with the running model (no mutation)."""
+        info = validate_checkpoint(path, require_adaln=not self.cached)
+        check_compatible(self.model_config(), info)
+        return info
+
+    def stage(self, info: CheckpointInfo) -> DiT:
+        return load_model(info, "cached" if self.cached else "resident").to(self.device)
+
+    def swap(self, model: DiT, info: CheckpointInfo) -> Callable[[], None]:
+        """Install `model`; returns the rollback that puts the old one back."""
+        raise NotImplementedError
+
+    def adopt(self, generation: int, weights_path: str, fingerprint: str) -> int:
+        raise NotImplementedError
+
+
+def check_compatible(current: DiTConfig, info: CheckpointInfo) -> None:
+    new = info.config.replace(preset=current.preset)
+    if new != current:
+        a, b = current.to_dict(), new.to_dict()
+        diff = ", ".join(f"{k}: {a[k]} -> {b[k]}" for k in a if a[k] != b[k])
+        raise CheckpointError(f"{info.path}/config.json: incompatible with the running model ({diff})")
+
 
 class ResidentBackend(Backend):
     def __init__(self, checkpoint: Path, device: torch.device) -> None:
         super().__init__()
+        self.device = device
         self.info = validate_checkpoint(checkpoint, require_adaln=True)
         self._model = load_model(self.info, "resident").to(device)
+        self._generation = 1  # local to this process: resident mode has no sidecar to persist it
 
     def model(self) -> DiT:
         return self._model
 
     def generation(self) -> int:
-        return 0
+        return self._generation
+
+    def swap(self, model: DiT, info: CheckpointInfo) -> Callable[[], None]:
+        old = (self._model, self.info)
+        self._model, self.info = model, info
+
+        def rollback() -> None:
+            self._model, self.info = old
+
+        return rollback
+
+    def adopt(self, generation: int, weights_path: str, fingerprint: str) -> int:
+        self._generation = generation
+        return generation
+
+    def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> DiT:
+        """A copy of the model with `tensors` replacing same-named parameters (checked first)."""
+        state = self._model.state_dict()
+        for name, t in tensors.items():
+            if name not in state:
+                raise RequestError("tensors", f"unknown tensor {name!r}; names are the checkpoint's")
+            want = state[name]
+            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+                raise RequestError(
+                    "tensors", f"{name}: got {t.dtype} {list(t.shape)}, expected {want.dtype} {list(want.shape)}"
+                )
+        model = copy.deepcopy(self._model)
+        model.load_state_dict({**model.state_dict(), **{k: v.to(self.device) for k, v in tensors.items()}})
+        return model
 
     def status(self) -> dict[str, Any]:
         return {"weights_path": str(self.info.path), "fingerprint": self.info.fingerprint, "serving": True}
@@ -103,6 +169,19 @@ class CachedBackend(Backend):
                 raise ValueError(
                     f"slab pages are {d.page_numel} x {d.dtype} but the model needs {cfg.page_numel} x {cfg.dtype}"
                 )
+
+    def swap(self, model: DiT, info: CheckpointInfo) -> Callable[[], None]:
+        old = (self._model, self._loaded)
+        self._model, self._loaded = model, (str(info.path), info.fingerprint)
+
+        def rollback() -> None:
+            self._model, self._loaded = old
+
+        return rollback
+
+    def adopt(self, generation: int, weights_path: str, fingerprint: str) -> int:
+        self.link.adopt(generation, weights_path, fingerprint)
+        return generation
 
     def model(self) -> DiT:
         if self._model is None:

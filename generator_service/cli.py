@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ from .config import GeneratorConfig
 from .server import GeneratorServer
 
 log = logging.getLogger("generator_service")
+TOKEN_ENV = "DITSERVE_ADMIN_TOKEN"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-depth", type=int, default=d.max_queue_depth)
     p.add_argument("--max-message-mb", type=int, default=d.max_message_bytes // 2**20, help="gRPC message limit (MiB)")
     p.add_argument("--no-prefetch", action="store_true", help="do not prepare the next request's plans early")
+    p.add_argument(
+        "--admin-token", default=None, help=f"UpdateWeights bearer token (default: ${TOKEN_ENV}); unset = updates off"
+    )
+    p.add_argument("--weights-root", default=None, help="UpdateWeights paths must resolve inside this directory")
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=d.drain_timeout_s, help="update drain bound (default %(default)s)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -57,6 +66,9 @@ def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
         max_queue_depth=args.max_queue_depth,
         max_message_bytes=args.max_message_mb * 2**20,
         prefetch=not args.no_prefetch,
+        admin_token=args.admin_token or os.environ.get(TOKEN_ENV, ""),
+        weights_root=Path(args.weights_root) if args.weights_root else None,
+        drain_timeout_s=args.drain_timeout_s,
     )
 
 

@@ -30,6 +30,12 @@ class GeneratorConfig:
     """Prepare the next queued request's plans while the current one denoises."""
     workers: int = 32
     """gRPC server threads (one per in-flight RPC, streams included)."""
+    admin_token: str = ""
+    """Bearer token UpdateWeights requires (`--admin-token` or DITSERVE_ADMIN_TOKEN); empty = updates off."""
+    weights_root: Path | None = None
+    """UpdateWeights paths must resolve inside this directory."""
+    drain_timeout_s: float = 60.0
+    """How long an update waits for the running request before it aborts."""
 
     def __post_init__(self) -> None:
         if self.adaln_mode not in ("cached", "resident"):

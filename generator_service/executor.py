@@ -85,6 +85,7 @@ class Executor:
         self._queue: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
         self._stopping = False
+        self._paused = False
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._prefetch_wakeup = threading.Event()
         self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="prefetch", daemon=True)
@@ -135,11 +136,44 @@ class Executor:
             if current != job.expected_generation:
                 raise GenerationMismatchError(current, job.expected_generation)
 
+    # ---------------------------------------------------------------- drain (weight updates)
+    def pause(self) -> None:
+        """Stop starting queued jobs (they wait); the running one goes on."""
+        with self._lock:
+            self._paused = True
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait for the running job to finish and release every prefetched lease.
+
+        Call after `pause()`. Returns False on timeout (the running job is still running).
+        """
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            while self._running is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+            jobs = list(self._queue)
+        for job in jobs:
+            if job.prefetching:
+                job.prefetch_done.wait(max(0.0, end - time.monotonic()))
+            lease, job.prefetched = job.prefetched, None
+            if lease is not None:
+                lease.release()
+        return True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._lock.notify_all()
+        self._prefetch_wakeup.set()
+
     # ---------------------------------------------------------------- executor
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._stopping:
+                while (not self._queue or self._paused) and not self._stopping:
                     self._lock.wait()
                 if self._stopping:
                     return
@@ -153,6 +187,7 @@ class Executor:
             finally:
                 with self._lock:
                     self._running = None
+                    self._lock.notify_all()
 
     def _run(self, job: Job) -> None:
         started = time.perf_counter()
@@ -223,6 +258,8 @@ class Executor:
             with self._lock:
                 if self._stopping:
                     return
+                if self._paused:
+                    continue
                 job = next((j for j in self._queue if not j.prefetching and j.prefetched is None), None)
                 if job is None or self._queue[0] is not job or job.cancelled.is_set():
                     continue

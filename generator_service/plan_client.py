@@ -8,6 +8,7 @@ from an older epoch is dead, and a request holding one fails UNAVAILABLE.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -278,6 +279,44 @@ class SidecarLink:
             lease.release()
             raise LeaseCheckError(f"lease {resp.lease_id}: {len(resp.slots)} slots for {len(keys)} steps")
         return lease
+
+    # ---------------------------------------------------------------- weight updates
+    def prepare_update(self, from_generation: int, weights_path: str) -> str:
+        try:
+            resp = self._stub.PrepareWeightUpdate(
+                pb.PrepareWeightUpdateRequest(from_generation=from_generation, weights_path=weights_path), timeout=120
+            )
+        except grpc.RpcError as e:
+            raise sidecar_error(e) from e
+        return str(resp.fingerprint)
+
+    def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> tuple[int, str]:
+        """Raises grpc.RpcError as is: the caller must tell 'refused' from 'outcome unknown'."""
+        resp = self._stub.CommitWeightUpdate(
+            pb.CommitWeightUpdateRequest(from_generation=from_generation, weights_path=weights_path), timeout=timeout_s
+        )
+        return int(resp.generation), str(resp.fingerprint)
+
+    def abort_update(self, weights_path: str) -> None:
+        try:
+            self._stub.AbortWeightUpdate(pb.AbortWeightUpdateRequest(weights_path=weights_path), timeout=10)
+        except grpc.RpcError as e:
+            log.warning("AbortWeightUpdate failed: %s", e.details())
+
+    def adopt(self, generation: int, weights_path: str, fingerprint: str) -> None:
+        """The committed update: same session and slab, new generation and weights."""
+        att = self._att
+        if att is not None:
+            self._att = dataclasses.replace(
+                att, generation=generation, weights_path=weights_path, fingerprint=fingerprint
+            )
+
+    def reattach(self) -> None:
+        """Drop the session; the link thread attaches again and learns the sidecar's truth."""
+        self._detach()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
 
     def release(self, lease: RemoteLease) -> None:
         """Best effort: a lease of a dead session is already gone at the sidecar."""

@@ -14,6 +14,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -26,6 +27,22 @@ from .backend import Backend
 from .config import GeneratorConfig
 from .errors import GeneratorError, ResultTooLargeError
 from .executor import Executor, Job, JobResult
+from .updates import UpdateCoordinator, check_token, resolve_weights_path
+
+_TENSOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
+    if t.dtype not in _TENSOR_DTYPES:
+        raise RequestError("tensors", f"{t.name}: dtype {t.dtype!r} not in {sorted(_TENSOR_DTYPES)}")
+    dtype = _TENSOR_DTYPES[t.dtype]
+    n = 1
+    for d in t.shape:
+        n *= d
+    if any(d < 0 for d in t.shape) or len(t.data) != n * torch.empty((), dtype=dtype).element_size():
+        raise RequestError("tensors", f"{t.name}: {len(t.data)} bytes do not hold {t.dtype}{list(t.shape)}")
+    return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(tuple(t.shape))
+
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +108,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         self.cfg = cfg
         self.backend = backend
         self.executor = executor
+        self.updates = UpdateCoordinator(backend, executor, cfg.drain_timeout_s)
         self.mode = pb.ADALN_MODE_CACHED if backend.cached else pb.ADALN_MODE_RESIDENT
 
     def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
@@ -152,8 +170,32 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def UpdateWeights(
         self, request: pb.UpdateWeightsRequest, context: grpc.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "UpdateWeights is not implemented yet")
-        raise AssertionError("unreachable")
+        expected = request.expected_generation if request.HasField("expected_generation") else None
+        try:
+            check_token(self.cfg.admin_token, dict(context.invocation_metadata()).get("authorization"))
+            if request.tensors:
+                if request.weights_path:
+                    raise RequestError("tensors", "give weights_path or tensors, not both")
+                tensors = {t.name: tensor_from_proto(t) for t in request.tensors}
+                result = self.updates.update_tensors(tensors, expected)
+            else:
+                path = resolve_weights_path(self.cfg.weights_root, request.weights_path)
+                result = self.updates.update(path, expected, request.request_id or "update")
+        except Exception as e:
+            abort(context, e)
+        log.info(
+            "weights updated: generation %d -> %d (%s)",
+            result.previous_generation,
+            result.generation,
+            result.weights_path,
+        )
+        return pb.UpdateWeightsResponse(
+            generation=result.generation,
+            previous_generation=result.previous_generation,
+            weights_path=result.weights_path,
+            fingerprint=result.fingerprint,
+            phase_ms=result.phase_ms,
+        )
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         st = self.backend.status()

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -241,11 +241,20 @@ class PlanCache:
         self._free = list(range(self.config.gpu_plans))[::-1]
         self.host.clear()
 
-    def retarget(self, source: RebuildSource, generation: int) -> None:
-        """Point rebuilds at a new checkpoint under a new generation (both tiers dropped)."""
-        if source.config != self.source.config:
+    def retarget(self, source: RebuildSource, generation: int, before: Callable[[], None] | None = None) -> None:
+        """Point rebuilds at a new checkpoint under a new generation (both tiers dropped).
+
+        Refused while leases are live. `before()` runs after that check, under the cache's
+        locks, before anything changes (the sidecar persists the new generation there);
+        if it raises, nothing changes.
+        """
+        if source.config.replace(preset=self.source.config.preset) != self.source.config:
             raise PlanCacheError("retarget: the new checkpoint's config differs from the slab's geometry")
         with self._prepare_lock, self._state:
+            if self._leases:
+                raise CacheBusyError(f"cannot retarget: {len(self._leases)} lease(s) still held")
+            if before is not None:
+                before()
             self._invalidate_locked()
             self.source = source
             self.generation = generation

@@ -26,6 +26,7 @@ from .config import GB, CacheConfig
 from .rebuild import RebuildSource
 from .server import SidecarServer
 from .sidecar import Sidecar
+from .state import STATE_FILE, StateFileError, load_state
 
 log = logging.getLogger("plancache_service")
 
@@ -42,6 +43,8 @@ class SidecarConfig:
     """'unix:/path' (default: <run dir>/plancache.sock) or 'host:port' (TCP, opt-in)."""
     heartbeat_s: float = 1.0
     """Interval of Attach-stream heartbeats."""
+    state_dir: Path | None = None
+    """Where (generation, weights_path, digests) persist; its state file wins over `checkpoint`."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-cache-gb", type=float, default=CacheConfig.host_cache_bytes / GB, help="0 disables")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="session heartbeat interval")
+    p.add_argument(
+        "--state-dir", default=None, help="persist the weight generation here (state file wins over --checkpoint)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -78,14 +84,29 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         sock = Path(args.socket) if args.socket else default_socket(args.run_dir)
         ensure_private_dir(sock.parent)
         address = f"unix:{sock}"
-    return SidecarConfig(Path(args.checkpoint), cache, address, args.heartbeat_s)
+    state_dir = Path(args.state_dir) if args.state_dir else None
+    return SidecarConfig(Path(args.checkpoint), cache, address, args.heartbeat_s, state_dir)
 
 
 def build_server(cfg: SidecarConfig) -> SidecarServer:
-    source = RebuildSource(cfg.checkpoint, torch.device(cfg.cache.device))
-    cache = PlanCache(cfg.cache, source, generation=1)  # generation 0 means "none yet"
+    device = torch.device(cfg.cache.device)
+    state = load_state(cfg.state_dir) if cfg.state_dir is not None else None
+    if state is None:
+        source = RebuildSource(cfg.checkpoint, device)
+        generation = 1  # generation 0 means "none yet"
+    else:
+        if Path(state.weights_path) != cfg.checkpoint:
+            log.warning(
+                "state file %s names %s (generation %d); it wins over --checkpoint %s",
+                cfg.state_dir / STATE_FILE, state.weights_path, state.generation, cfg.checkpoint,
+            )  # fmt: skip
+        source = RebuildSource(state.weights_path, device, committed_digests=state.digests)
+        generation = state.generation
+    cache = PlanCache(cfg.cache, source, generation=generation)
     try:
-        return SidecarServer(Sidecar(cache), cfg.address, cfg.heartbeat_s)
+        sidecar = Sidecar(cache, cfg.state_dir)
+        sidecar.check_source()
+        return SidecarServer(sidecar, cfg.address, cfg.heartbeat_s)
     except BaseException:
         cache.close()
         raise
@@ -97,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         server = build_server(cfg)
-    except (ValueError, CheckpointError, OSError) as e:
+    except (ValueError, CheckpointError, OSError, StateFileError) as e:
         print(f"ditserve plancache: error: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()

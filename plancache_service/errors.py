@@ -93,3 +93,10 @@ class NotServingError(PlanCacheError):
 
     reason = "NOT_SERVING"
     grpc_code = "UNAVAILABLE"
+
+
+class UpdateConflictError(PlanCacheError):
+    """Another weight update is prepared, or commit/abort names a different one."""
+
+    reason = "UPDATE_CONFLICT"
+    grpc_code = "ABORTED"

@@ -18,7 +18,9 @@ from ditcore.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointReader,
-    fingerprint,
+    changed_files,
+    combine_digests,
+    file_digests,
     validate_checkpoint,
 )
 from ditcore.model import TimestepEmbedder
@@ -30,15 +32,25 @@ log = logging.getLogger(__name__)
 
 
 class RebuildSource:
-    """The checkpoint plans are built from, plus the (small, resident) timestep embedder."""
+    """The checkpoint plans are built from, plus the (small, resident) timestep embedder.
 
-    def __init__(self, checkpoint: str | Path | CheckpointInfo, device: torch.device) -> None:
+    `committed_digests` are the per-file digests the serving generation was committed with
+    (from the state file); by default, the files as they are when the source is opened.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | Path | CheckpointInfo,
+        device: torch.device,
+        committed_digests: dict[str, str] | None = None,
+    ) -> None:
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else validate_checkpoint(checkpoint)
         if not info.has_adaln:
             raise CheckpointError(f"{info.path}: no native adaln_proj tensors: it cannot feed the plan cache")
         self.info = info
         self.device = device
         self.config = info.config
+        self.digests = dict(committed_digests) if committed_digests else file_digests(info.path)
         with torch.device("meta"):
             embed = TimestepEmbedder(info.config)
         with CheckpointReader(info) as reader:
@@ -47,31 +59,29 @@ class RebuildSource:
         self.time_embed = embed.to(device).eval().requires_grad_(False)
 
     @property
+    def path(self) -> Path:
+        return self.info.path
+
+    @property
     def fingerprint(self) -> str:
-        return self.info.fingerprint
+        """Fingerprint of the files as committed (equal to `info.fingerprint` unless they changed)."""
+        return combine_digests(self.digests)
+
+    def changed_files(self) -> list[str]:
+        """Files that differ from what was committed (a read error counts as a change)."""
+        try:
+            return changed_files(self.digests, file_digests(self.info.path))
+        except (CheckpointError, OSError) as e:
+            return [f"unreadable ({e})"]
 
     def check_unchanged(self) -> None:
-        """Refuse to rebuild from files that changed since this source was opened."""
-        try:
-            now = fingerprint(self.info.path)
-        except (CheckpointError, OSError) as e:
-            raise CheckpointChangedError(f"rebuild source {self.info.path} is no longer readable: {e}") from e
-        if now != self.info.fingerprint:
-            changed = self._changed_file()
+        """Refuse to rebuild from files that changed since their generation was committed."""
+        changed = self.changed_files()
+        if changed:
             raise CheckpointChangedError(
-                f"rebuild source {self.info.path} changed on disk since it was opened ({changed}); "
-                "refusing to build plans from it"
+                f"rebuild source {self.info.path} changed on disk since its generation was committed "
+                f"(changed: {', '.join(changed)}); refusing to build plans from it"
             )
-
-    def _changed_file(self) -> str:
-        try:
-            current = validate_checkpoint(self.info.path, require_adaln=False)
-        except CheckpointError as e:
-            return str(e)
-        for name in sorted(set(current.weight_map.values()) | set(self.info.weight_map.values())):
-            if current.weight_map.get(name) != self.info.weight_map.get(name):
-                return f"{name} changed"
-        return "config, index or a shard header changed"
 
     @torch.inference_mode()
     def build(self, keys: Sequence[PlanKey], outputs: Sequence[torch.Tensor]) -> None:

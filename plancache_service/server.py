@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
 from ditserve.rpc_errors import abort
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
@@ -26,6 +27,7 @@ from .cache import CacheStats
 from .device import SlabDescriptor
 from .errors import PlanCacheError
 from .sidecar import Sidecar
+from .state import StateFileError
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,32 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
             stats=stats_to_proto(st.stats),
             serving=st.serving,
             not_serving_reason=st.not_serving_reason,
+            pending_weights_path=st.pending_weights_path,
         )
+
+    def PrepareWeightUpdate(
+        self, request: pb.PrepareWeightUpdateRequest, context: grpc.ServicerContext
+    ) -> pb.PrepareWeightUpdateResponse:
+        try:
+            source = self.sidecar.prepare_update(request.from_generation, request.weights_path)
+        except (PlanCacheError, CheckpointError) as e:
+            abort(context, e)
+        return pb.PrepareWeightUpdateResponse(fingerprint=source.fingerprint)
+
+    def CommitWeightUpdate(
+        self, request: pb.CommitWeightUpdateRequest, context: grpc.ServicerContext
+    ) -> pb.CommitWeightUpdateResponse:
+        try:
+            generation, fingerprint = self.sidecar.commit_update(request.from_generation, request.weights_path)
+        except (PlanCacheError, CheckpointError, StateFileError, OSError) as e:
+            abort(context, e)
+        return pb.CommitWeightUpdateResponse(generation=generation, fingerprint=fingerprint)
+
+    def AbortWeightUpdate(
+        self, request: pb.AbortWeightUpdateRequest, context: grpc.ServicerContext
+    ) -> pb.AbortWeightUpdateResponse:
+        self.sidecar.abort_update(request.weights_path)
+        return pb.AbortWeightUpdateResponse()
 
 
 class SidecarServer:
@@ -164,7 +191,8 @@ class SidecarServer:
 
     def start(self) -> None:
         self.server.start()
-        self.set_serving(True)
+        self.sidecar.on_serving_change = self.set_serving
+        self.set_serving(not self.sidecar.state().not_serving_reason)
         log.info("plancache sidecar listening on %s", self.address)
 
     def set_serving(self, serving: bool) -> None:

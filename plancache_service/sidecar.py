@@ -1,7 +1,11 @@
-"""The sidecar's core (no gRPC): one generator session over a PlanCache, and the generation.
+"""The sidecar's core (no gRPC): one generator session over a PlanCache, the weight
+generation, its persistence, and the two-phase weight update.
 
 A session is tied to an open Attach stream: `attach()` opens it (refused while another is
-live), `detach()` releases every lease it holds. Plan calls must name the live session.
+live), `detach()` releases every lease it holds and drops an uncommitted update. Plan calls
+must name the live session. Weight updates: `prepare_update` validates the new rebuild
+source and changes nothing served; `commit_update` persists (generation + 1, path, digests)
+first, then invalidates both tiers and retargets rebuilds.
 """
 
 from __future__ import annotations
@@ -9,14 +13,24 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ditcore.checkpoint import CheckpointError, validate_checkpoint
 from ditcore.plans import PlanKey
+from ditserve.faults import crash_point
 
 from .cache import CacheStats, Lease, PlanCache
-from .errors import NotServingError, SessionError
+from .errors import (
+    CheckpointChangedError,
+    GenerationMismatchError,
+    NotServingError,
+    SessionError,
+    UpdateConflictError,
+)
+from .rebuild import RebuildSource
+from .state import PersistedState, save_state
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +51,21 @@ class SidecarState:
     stats: CacheStats
     serving: bool
     not_serving_reason: str
+    pending_weights_path: str
 
 
 class Sidecar:
-    def __init__(self, cache: PlanCache) -> None:
+    def __init__(self, cache: PlanCache, state_dir: Path | None = None) -> None:
         self.cache = cache
+        self.state_dir = state_dir
         self._lock = threading.Lock()
+        self._update_lock = threading.Lock()
         self._session: SessionInfo | None = None
         self._not_serving = ""
+        self._pending: RebuildSource | None = None
+        self.on_serving_change: Callable[[bool], None] | None = None
+        if state_dir is not None:
+            self._persist(cache.generation, cache.source)
 
     # ---------------------------------------------------------------- sessions
     def attach(self, client_name: str) -> SessionInfo:
@@ -58,11 +79,12 @@ class Sidecar:
             return self._session
 
     def detach(self, session_id: str) -> int:
-        """End the session; release its leases. Returns how many were released."""
+        """End the session; release its leases and drop its uncommitted update."""
         with self._lock:
             if self._session is None or self._session.session_id != session_id:
                 return 0
             self._session = None
+            self._pending = None
         released = self.cache.release_owner(session_id)
         log.info("session %s detached; released %d lease(s)", session_id, released)
         return released
@@ -77,29 +99,97 @@ class Sidecar:
         self._check_session(session_id)
         if self._not_serving:
             raise NotServingError(f"not serving plans: {self._not_serving}")
-        return self.cache.prepare(generation, keys, owner=session_id)
+        try:
+            return self.cache.prepare(generation, keys, owner=session_id)
+        except CheckpointChangedError as e:
+            self.set_not_serving(str(e))
+            raise
 
     def release(self, session_id: str, lease_id: int) -> None:
         self._check_session(session_id)
         self.cache.release(lease_id)
 
     def set_not_serving(self, reason: str) -> None:
+        was = self._not_serving
         self._not_serving = reason
+        if reason and not was:
+            log.error("NOT_SERVING: %s", reason)
+        if bool(reason) != bool(was) and self.on_serving_change is not None:
+            self.on_serving_change(not reason)
+
+    def check_source(self) -> None:
+        """Turn NOT_SERVING if the rebuild source changed on disk (checked at start too)."""
+        changed = self.cache.source.changed_files()
+        if changed:
+            self.set_not_serving(
+                f"rebuild source {self.cache.source.path} changed on disk since generation "
+                f"{self.cache.generation} was committed (changed: {', '.join(changed)})"
+            )
+
+    # ---------------------------------------------------------------- weight updates
+    def prepare_update(self, from_generation: int, weights_path: str) -> RebuildSource:
+        """Validate a new rebuild source (native adaln_proj present, same geometry). Serves on."""
+        with self._update_lock:
+            if from_generation != self.cache.generation:
+                raise GenerationMismatchError(self.cache.generation, from_generation)
+            if self._pending is not None:
+                raise UpdateConflictError(f"an update to {self._pending.path} is already prepared; commit or abort it")
+            info = validate_checkpoint(weights_path, require_adaln=True)
+            current = self.cache.source.config
+            if info.config.replace(preset=current.preset) != current:
+                raise CheckpointError(
+                    f"{weights_path}/config.json: incompatible with the served model (shapes or dtype differ)"
+                )
+            self._pending = RebuildSource(info, self.cache.device)
+            log.info("prepared weight update to %s (fingerprint %s)", weights_path, info.fingerprint[:16])
+            return self._pending
+
+    def commit_update(self, from_generation: int, weights_path: str) -> tuple[int, str]:
+        """Persist generation + 1 with the prepared source, then invalidate and retarget."""
+        with self._update_lock:
+            pending = self._pending
+            if pending is None or str(pending.path) != str(Path(weights_path)):
+                raise UpdateConflictError(f"no prepared update to {weights_path}; call PrepareWeightUpdate first")
+            if from_generation != self.cache.generation:
+                raise GenerationMismatchError(self.cache.generation, from_generation)
+            pending.check_unchanged()
+            new_generation = self.cache.generation + 1
+
+            def persist() -> None:
+                crash_point("sidecar:before_commit")
+                self._persist(new_generation, pending)
+                crash_point("sidecar:after_persist")
+
+            self.cache.retarget(pending, new_generation, before=persist)
+            self._pending = None
+            self.set_not_serving("")
+            log.info("committed generation %d: %s", new_generation, pending.path)
+            return new_generation, pending.fingerprint
+
+    def abort_update(self, weights_path: str = "") -> bool:
+        with self._update_lock:
+            if self._pending is None or (weights_path and str(self._pending.path) != str(Path(weights_path))):
+                return False
+            log.info("aborted weight update to %s", self._pending.path)
+            self._pending = None
+            return True
+
+    def _persist(self, generation: int, source: RebuildSource) -> None:
+        if self.state_dir is not None:
+            save_state(self.state_dir, PersistedState(generation, str(source.path), source.digests))
 
     # ---------------------------------------------------------------- state
-    @property
-    def weights_path(self) -> Path:
-        return self.cache.source.info.path
-
     def state(self) -> SidecarState:
         stats = self.cache.stats()
+        pending = self._pending
         return SidecarState(
             generation=self.cache.generation,
-            weights_path=str(self.weights_path),
+            weights_path=str(self.cache.source.path),
             fingerprint=self.cache.source.fingerprint,
             leases_held=stats.leases_held,
             session=self._session,
             stats=stats,
             serving=not self._not_serving,
             not_serving_reason=self._not_serving,
+            pending_weights_path=str(pending.path) if pending is not None else "",
         )

@@ -170,14 +170,16 @@ class GenerateStreamResponse(_message.Message):
     def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., plans_ready: _Optional[_Union[PlansReady, _Mapping]] = ..., step: _Optional[_Union[StepProgress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., chunk: _Optional[_Union[ResultChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("weights_path", "expected_generation", "request_id")
+    __slots__ = ("weights_path", "expected_generation", "request_id", "tensors")
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     weights_path: str
     expected_generation: int
     request_id: str
-    def __init__(self, weights_path: _Optional[str] = ..., expected_generation: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, weights_path: _Optional[str] = ..., expected_generation: _Optional[int] = ..., request_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("generation", "previous_generation", "weights_path", "fingerprint", "phase_ms")
