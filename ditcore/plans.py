@@ -126,22 +126,91 @@ LayerSource = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 """Loads (weight, bias) of one adaln_proj by module prefix; called once per layer per pass."""
 
 
+class BatchingProbe:
+    """Decides, by experiment on this device, whether batching plans is bit-exact.
+
+    Batching k plans of equal width w into one GEMM (M = k*w) reads each layer once instead
+    of k times, but a GEMM's bits for a row may depend on M (CPU: GEMV at M=1, other kernels
+    at other sizes). For each (w, k) the probe projects random inputs both ways with a
+    weight of the real layer shape and keeps the answer; a pass batches only sizes proven
+    exact, and falls back to one GEMM per plan otherwise. Results are cached per size.
+    """
+
+    def __init__(self, config: DiTConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        t = config.time_embed_dim
+        self._shapes = {n: (n, t) for n in (config.block_mod_numel, config.final_mod_numel)}
+        self._w = {
+            n: (torch.randn(shape, generator=gen) / t**0.5).to(device, dtype) for n, shape in self._shapes.items()
+        }
+        self._b = {n: torch.randn(n, generator=gen).to(device, dtype) for n in self._shapes}
+        self._x_gen = gen
+        self._t = t
+        self._device, self._dtype = device, dtype
+        self._exact: dict[tuple[int, int], bool] = {}
+
+    def exact(self, width: int, count: int) -> bool:
+        """True if `count` plans of `width` rows give the same bits in one GEMM as one by one."""
+        key = (width, count)
+        if self.disabled:
+            return False
+        if key not in self._exact:
+            self._exact[key] = count > 1 and all(self._check(n, width, count) for n in self._shapes)
+        return self._exact[key]
+
+    def _check(self, n: int, width: int, count: int) -> bool:
+        x = torch.randn(count * width, self._t, generator=self._x_gen).to(self._device, self._dtype)
+        w, b = self._w[n], self._b[n]
+        batched = project(x, w, b)
+        single = torch.cat([project(x[i * width : (i + 1) * width], w, b) for i in range(count)])
+        return bool(torch.equal(batched, single))
+
+    def warm(self, widths: Sequence[int], counts: Sequence[int]) -> bool:
+        """Probe the given sizes now (start-up). If none is exact, batching is off for good
+        (no more probes); otherwise other sizes are probed when first needed."""
+        found = [self.exact(w, c) for w in widths for c in counts]
+        if not any(found):
+            self.disabled = True
+        return any(found)
+
+    disabled = False
+
+
 def build_pages(
     config: DiTConfig,
     load_layer: LayerSource,
     adaln_inputs: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor],
-) -> None:
+    probe: BatchingProbe | None = None,
+) -> int:
     """One rebuild pass: stream every adaln_proj once and project every plan.
 
     `adaln_inputs[k]` is silu(temb) of plan k, shape (width_k, T); `outputs[k]` is where its
     pages go, shape (width_k, page_numel) (a slab slot view is fine). One layer is held in
-    memory at a time; each plan gets its own GEMM with M = its width (bit-exactness rule).
+    memory at a time. Each plan's rows are bit-identical to a GEMM with M = its width
+    (bit-exactness rule): plans of equal width share one GEMM only where `probe` proved that
+    exact on this device. Returns the number of GEMMs per layer.
     """
     if len(adaln_inputs) != len(outputs):
         raise ValueError("adaln_inputs and outputs must have the same length")
+    groups: dict[int, list[int]] = {}
+    for i, x in enumerate(adaln_inputs):
+        groups.setdefault(int(x.shape[0]), []).append(i)
+    batched = {w: probe is not None and probe.exact(w, len(idx)) for w, idx in groups.items()}
+    stacked = {w: torch.cat([adaln_inputs[i] for i in idx]) for w, idx in groups.items() if batched[w]}
+    gemms = 0
     for name, cols in zip(adaln_layer_names(config), page_slices(config), strict=True):
         weight, bias = load_layer(name)
-        for x, out in zip(adaln_inputs, outputs, strict=True):
-            out[:, cols].copy_(project(x, weight, bias))
+        gemms = 0
+        for w, idx in groups.items():
+            if batched[w]:
+                rows = project(stacked[w], weight, bias)  # (k*w, N): one read of the layer
+                for j, i in enumerate(idx):
+                    outputs[i][:, cols].copy_(rows[j * w : (j + 1) * w])
+                gemms += 1
+            else:
+                for i in idx:
+                    outputs[i][:, cols].copy_(project(adaln_inputs[i], weight, bias))
+                gemms += len(idx)
         del weight, bias
+    return gemms

@@ -20,6 +20,7 @@ from plancache_service.config import GB, CacheConfig
 from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, PlanCapacityError
 
 from . import __version__
+from .bench.runner import add_bench_flags, cmd_bench
 from .commands import UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
 from .launcher import add_serve_flags, serve
 from .remote import cmd_generate, cmd_update_weights
@@ -96,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     uw.add_argument("--request-id", default=None)
     uw.add_argument("--timeout-s", type=float, default=600.0)
     uw.set_defaults(func=cmd_update_weights)
+
+    bn = sub.add_parser("bench", help="run the benchmark scenarios on real services")
+    add_bench_flags(bn)
+    bn.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser("serve", help="start the sidecar and the generator (one command)")
     add_serve_flags(sv)

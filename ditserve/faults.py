@@ -1,8 +1,10 @@
-"""Test-only fault hook: crash this process at a named point.
+"""Test-only fault hook: crash (or stall) this process at a named point.
 
-Enabled only by the environment variable DITSERVE_FAULT (a comma-separated list of points,
-e.g. "update:after_prepare"). At a listed point the process SIGKILLs itself, which is how
-the crash tests stop a service at each phase of a weight update. Unset: a no-op.
+Enabled only by the environment variable DITSERVE_FAULT, a comma-separated list of
+`POINT` (SIGKILL this process there) or `POINT=sleep:SECONDS` (stall there, so a test can
+kill the *other* process at that phase). Points: update:after_prepare, update:during_drain,
+update:after_swap, update:before_commit, update:after_commit (generator);
+sidecar:before_commit, sidecar:after_persist (sidecar). Unset: a no-op.
 """
 
 from __future__ import annotations
@@ -10,14 +12,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 ENV = "DITSERVE_FAULT"
 log = logging.getLogger(__name__)
 
 
 def crash_point(name: str) -> None:
-    points = os.environ.get(ENV, "")
-    if points and name in {p.strip() for p in points.split(",")}:
+    spec = os.environ.get(ENV, "")
+    if not spec:
+        return
+    for item in spec.split(","):
+        point, _, action = item.strip().partition("=")
+        if point != name:
+            continue
+        if action.startswith("sleep:"):
+            log.critical("fault hook: stalling %s s at %s", action[6:], name)
+            time.sleep(float(action[6:]))
+            return
         log.critical("fault hook: killing this process at %s", name)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)

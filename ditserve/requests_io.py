@@ -60,6 +60,8 @@ def _defaults_from_args(args: argparse.Namespace) -> GenerationRequest:
 def requests_from_args(args: argparse.Namespace) -> list[GenerationRequest]:
     """The requests a command will run (not yet validated against a model config)."""
     defaults = _defaults_from_args(args)
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise RequestError("out", f"--out {args.out} exists and is not a directory")
     if not args.requests:
         return [GenerationRequest.from_dict({"request_id": args.request_id or "req-0"}, defaults)]
     path = Path(args.requests)

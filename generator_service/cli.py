@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout-s", type=float, default=d.drain_timeout_s, help="update drain bound (default %(default)s)"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
 
@@ -88,6 +89,11 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"ditserve generator: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     try:
         server = build_server(config_from_args(args))
     except (ValueError, CheckpointError, OSError) as e:

@@ -241,7 +241,9 @@ class GeneratorServer:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(cfg, backend, self.executor), self.server)
+        self._stopping = False
+        self._servicer = GeneratorServicer(cfg, backend, self.executor)
+        pb_grpc.add_GeneratorServicer_to_server(self._servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -251,9 +253,18 @@ class GeneratorServer:
         self.port = self.server.add_insecure_port(cfg.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.listen}")
-        self.set_serving(not backend.cached)
+        self._attached = not backend.cached
+        self._servicer.updates.on_change = self.refresh_health
+        self.refresh_health()
 
-    def set_serving(self, serving: bool) -> None:
+    def set_serving(self, attached: bool) -> None:
+        """The sidecar link's callback: attached or not."""
+        self._attached = attached
+        self.refresh_health()
+
+    def refresh_health(self) -> None:
+        """SERVING unless detached from the sidecar, updating weights, or stopping."""
+        serving = self._attached and not self._servicer.updates.updating and not self._stopping
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
@@ -264,6 +275,7 @@ class GeneratorServer:
         log.info("generator listening on port %d (%s mode)", self.port, "cached" if self.backend.cached else "resident")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        self.set_serving(False)
+        self._stopping = True
+        self.refresh_health()
         self.server.stop(grace_s).wait()
         self.executor.stop()

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,8 @@ class UpdateCoordinator:
         self.drain_timeout_s = drain_timeout_s
         self.commit_timeout_s = commit_timeout_s
         self._lock = threading.Lock()
+        self.updating = False
+        self.on_change: Callable[[], None] = lambda: None  # health follows `updating`
 
     def update(self, path: Path, expected_generation: int | None, request_id: str) -> UpdateResult:
         if not self._lock.acquire(blocking=False):
@@ -163,6 +166,7 @@ class UpdateCoordinator:
             crash_point("update:after_prepare")
         mark("prepare")
         self.executor.pause()
+        self._set_updating(True)
         try:
             crash_point("update:during_drain")
             if not self.executor.drain(self.drain_timeout_s):
@@ -189,7 +193,12 @@ class UpdateCoordinator:
                 backend.link.abort_update(str(path))
             raise
         finally:
+            self._set_updating(False)
             self.executor.resume()
+
+    def _set_updating(self, value: bool) -> None:
+        self.updating = value
+        self.on_change()
 
     def update_tensors(self, tensors: dict[str, torch.Tensor], expected: int | None) -> UpdateResult:
         """Resident mode only: replace named tensors under a new (process-local) generation."""

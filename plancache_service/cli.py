@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir", default=None, help="persist the weight generation here (state file wins over --checkpoint)"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
 
@@ -115,6 +116,11 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"ditserve plancache: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     try:
         cfg = config_from_args(args)
         server = build_server(cfg)

@@ -24,11 +24,21 @@ from ditcore.checkpoint import (
     validate_checkpoint,
 )
 from ditcore.model import TimestepEmbedder
-from ditcore.plans import PlanKey, build_pages
+from ditcore.plans import BatchingProbe, PlanKey, build_pages
 
 from .errors import CheckpointChangedError, RebuildError
 
 log = logging.getLogger(__name__)
+
+
+def make_probe(info: CheckpointInfo, device: torch.device) -> BatchingProbe:
+    """Start-up proof of whether batched rebuild GEMMs are bit-exact here (see BatchingProbe)."""
+    probe = BatchingProbe(info.config, device, info.config.torch_dtype)
+    on = probe.warm(widths=(1, 2), counts=(2, 50))
+    log.info(
+        "rebuild GEMM batching on %s: %s", device, "bit-exact, enabled" if on else "not bit-exact, one GEMM per plan"
+    )
+    return probe
 
 
 class RebuildSource:
@@ -43,6 +53,7 @@ class RebuildSource:
         checkpoint: str | Path | CheckpointInfo,
         device: torch.device,
         committed_digests: dict[str, str] | None = None,
+        probe: BatchingProbe | None = None,
     ) -> None:
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else validate_checkpoint(checkpoint)
         if not info.has_adaln:
@@ -57,6 +68,7 @@ class RebuildSource:
             state = {n: reader.get(f"time_embed.{n}") for n in embed.state_dict()}
         embed.load_state_dict(state, assign=True)
         self.time_embed = embed.to(device).eval().requires_grad_(False)
+        self.probe = probe if probe is not None else make_probe(info, device)
 
     @property
     def path(self) -> Path:
@@ -96,7 +108,7 @@ class RebuildSource:
 
         try:
             with CheckpointReader(self.info) as reader:
-                build_pages(self.config, load_layer, inputs, outputs)
+                build_pages(self.config, load_layer, inputs, outputs, probe=self.probe)
         except CheckpointError as e:
             raise RebuildError(f"rebuild failed: {e}") from e
         except OSError as e:

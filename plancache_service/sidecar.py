@@ -140,7 +140,7 @@ class Sidecar:
                 raise CheckpointError(
                     f"{weights_path}/config.json: incompatible with the served model (shapes or dtype differ)"
                 )
-            self._pending = RebuildSource(info, self.cache.device)
+            self._pending = RebuildSource(info, self.cache.device, probe=self.cache.source.probe)
             log.info("prepared weight update to %s (fingerprint %s)", weights_path, info.fingerprint[:16])
             return self._pending
 

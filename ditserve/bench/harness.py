@@ -1,0 +1,135 @@
+"""Benchmark harness: start real service pairs (sidecar + generator over a unix socket) with a
+given cache configuration, run requests through the Python client, record per-request stages.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ditserve.client import GeneratorClient
+from ditserve.launcher import wait_healthy
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One service configuration."""
+
+    name: str
+    gpu_plans: int = 128
+    host_cache_gb: float = 8.0
+    mode: str = "cached"  # or "resident"
+    prefetch: bool = True
+
+
+@dataclass
+class Record:
+    arm: str
+    label: str  # schedule label, e.g. "A"
+    request_id: str
+    latency_s: float  # client-side, submit to last chunk
+    sha256: str
+    generation: int
+    timings_ms: dict[str, float]
+    cache: dict[str, Any]
+    tier: str = ""  # "built", "host", "slot", "resident"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def service_s(self) -> float:
+        """Latency without queue wait (what the request itself cost once it started)."""
+        return self.latency_s - self.timings_ms.get("queue_ms", 0.0) / 1000
+
+
+def tier_of(cache: dict[str, Any], mode: str) -> str:
+    if mode == "resident":
+        return "resident"
+    if cache.get("built_plans"):
+        return "built"
+    if cache.get("host_hit_plans"):
+        return "host"
+    return "slot"
+
+
+class Services:
+    """A running pair (or a lone resident generator) in subprocesses; a context manager."""
+
+    def __init__(self, checkpoint: Path, arm: Arm, device: str, threads: int, workdir: Path) -> None:
+        self.arm = arm
+        self.dir = Path(tempfile.mkdtemp(prefix="ditbench-", dir="/tmp"))  # short socket path
+        self.sock = self.dir / "plancache.sock"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = workdir
+        py = sys.executable
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        port = _free_port()
+        self.target = f"127.0.0.1:{port}"
+        common = ["--device", device, "--threads", str(threads), "--log-level", "WARNING"]
+        gen = [py, "-m", "generator_service", "--listen", self.target, *common]
+        if arm.mode == "resident":
+            gen += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
+        else:
+            side = [py, "-m", "plancache_service", "--checkpoint", str(checkpoint), "--socket", str(self.sock)]
+            side += ["--gpu-plans", str(arm.gpu_plans), "--host-cache-gb", str(arm.host_cache_gb), *common]
+            self._start(side, f"unix:{self.sock}", env, "sidecar")
+            gen += ["--sidecar", f"unix:{self.sock}"]
+            if not arm.prefetch:
+                gen.append("--no-prefetch")
+        self._start(gen, self.target, env, "generator")
+        self.client = GeneratorClient(self.target)
+
+    def _start(self, argv: list[str], health: str, env: dict[str, str], name: str) -> None:
+        log = open(self.logs / f"{self.arm.name}-{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self.procs.append(proc)
+        try:
+            wait_healthy(health, 300, proc)
+        except Exception:
+            self.close()
+            raise
+
+    def run(self, label: str, request: dict[str, Any], request_id: str) -> Record:
+        t0 = time.perf_counter()
+        res = self.client.generate({**request, "request_id": request_id}, timeout=1800)
+        latency = time.perf_counter() - t0
+        return Record(
+            self.arm.name, label, request_id, latency, res.sha256, res.generation,
+            res.timings_ms, res.cache, tier_of(res.cache, self.arm.mode),
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    def __enter__(self) -> Services:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
