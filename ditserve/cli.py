@@ -23,7 +23,7 @@ from . import __version__
 from .bench.runner import add_bench_flags, cmd_bench
 from .commands import UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
 from .launcher import add_serve_flags, serve
-from .remote import cmd_generate, cmd_update_weights
+from .remote import add_client_flags, cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags
 
 EXIT_USAGE = 2
@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     gr.add_argument("--target", required=True, help="generator address HOST:PORT")
     gr.add_argument("--expected-generation", type=int, default=None, help="refuse unless this weight generation serves")
     add_request_flags(gr)
+    add_client_flags(gr)
     gr.set_defaults(func=cmd_generate)
 
     uw = sub.add_parser("update-weights", help="swap the served checkpoint (admin token required)")
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     uw.add_argument("--expected-generation", type=int, default=None, help="refuse unless this generation serves")
     uw.add_argument("--request-id", default=None)
     uw.add_argument("--timeout-s", type=float, default=600.0)
+    add_client_flags(uw)
     uw.set_defaults(func=cmd_update_weights)
 
     bn = sub.add_parser("bench", help="run the benchmark scenarios on real services")

@@ -37,10 +37,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def wait_healthy(target: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_healthy(
+    target: str,
+    timeout_s: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Poll grpc.health.v1 until SERVING; raise if the process exits or time runs out."""
     end = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as ch:
+    channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < end:
             if proc is not None and proc.poll() is not None:
@@ -69,7 +75,15 @@ def demo_checkpoint(run_dir: Path) -> Path:
 class Child:
     """One supervised service process."""
 
-    def __init__(self, name: str, argv: list[str], health_target: str, log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        health_target: str,
+        log_path: Path,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.credentials = credentials
         self.name = name
         self.argv = argv
         self.health_target = health_target
@@ -82,7 +96,7 @@ class Child:
         self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         logf.close()
         try:
-            wait_healthy(self.health_target, timeout_s, self.proc)
+            wait_healthy(self.health_target, timeout_s, self.proc, self.credentials)
         except Exception as e:
             self.stop()
             raise RuntimeError(f"{self.name} failed to start ({e}); see {self.log_path}") from e
@@ -108,7 +122,21 @@ def build_children(args: argparse.Namespace, run_dir: Path, checkpoint: Path) ->
     host = args.host
     gen_argv = [py, "-m", "generator_service", "--listen", f"{host}:{args.port}", "--device", args.device]
     gen_argv += ["--max-queue-depth", str(args.max_queue_depth), "--log-level", args.log_level]
-    gen_argv += ["--drain-timeout-s", str(args.drain_timeout_s)]
+    gen_argv += ["--drain-timeout-s", str(args.drain_timeout_s), "--log-format", args.log_format]
+    if args.metrics_port is not None:
+        gen_argv += ["--metrics-port", str(args.metrics_port)]
+    for flag in (
+        "max_steps",
+        "max_frames",
+        "max_height",
+        "max_width",
+        "max_prompt_bytes",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+    ):
+        if getattr(args, flag) is not None:
+            gen_argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.weights_root:
         gen_argv += ["--weights-root", args.weights_root]
     if args.admin_token:
@@ -129,14 +157,29 @@ def build_children(args: argparse.Namespace, run_dir: Path, checkpoint: Path) ->
             args.log_level,
             "--state-dir",
             args.state_dir or str(run_dir / "state"),
+            "--log-format",
+            args.log_format,
         ]
+        if args.metrics_port is not None:
+            side_argv += ["--metrics-port", str(args.metrics_port + 1)]
         children.append(Child("plancache sidecar", side_argv, f"unix:{sock}", run_dir / "plancache.log"))
         gen_argv += ["--adaln-mode", "cached", "--sidecar", f"unix:{sock}"]
-    children.append(Child("generator", gen_argv, f"{health_host}:{args.port}", run_dir / "generator.log"))
+    creds = None
+    if args.tls_cert:  # the launcher checks health as a TLS client trusting the server's own certificate
+        client_pair = {}
+        if args.tls_client_ca:  # mutual TLS: present the server's own pair (it must be signed by that CA)
+            client_pair = {
+                "private_key": Path(args.tls_key).read_bytes(),
+                "certificate_chain": Path(args.tls_cert).read_bytes(),
+            }
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(args.tls_cert).read_bytes(), **client_pair)
+    children.append(Child("generator", gen_argv, f"{health_host}:{args.port}", run_dir / "generator.log", creds))
     return children
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.no_metrics:
+        args.metrics_port = None
     run_dir = ensure_private_dir(args.run_dir or default_run_dir())
     checkpoint = Path(args.checkpoint) if args.checkpoint else demo_checkpoint(run_dir)
     validate_checkpoint(checkpoint)
@@ -151,7 +194,13 @@ def serve(args: argparse.Namespace) -> int:
         print(
             f"ditserve serving: generator on {args.host}:{args.port} ({args.adaln_mode} mode), "
             f"checkpoint {checkpoint}, run dir {run_dir}\n"
-            f'  try: grpcurl -plaintext -d \'{{"prompt": "a cat"}}\' 127.0.0.1:{args.port} '
+            + (
+                f"  metrics: http://127.0.0.1:{args.metrics_port}/metrics (generator), "
+                f"http://127.0.0.1:{args.metrics_port + 1}/metrics (sidecar)\n"
+                if args.metrics_port is not None and args.adaln_mode == "cached"
+                else ""
+            )
+            + f'  try: grpcurl -plaintext -d \'{{"prompt": "a cat"}}\' 127.0.0.1:{args.port} '
             "ditserve.generator.v1.Generator/Generate",
             flush=True,
         )
@@ -198,3 +247,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", default=None, help="UpdateWeights bearer token (default: $DITSERVE_ADMIN_TOKEN)")
     p.add_argument("--state-dir", default=None, help="sidecar state file dir (default <run-dir>/state)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0, help="update drain bound (default %(default)s)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="services' log format")
+    p.add_argument(
+        "--metrics-port", type=int, default=9400, help="generator /metrics on P, sidecar on P+1 (default %(default)s)"
+    )
+    p.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
+    for name in ("steps", "frames", "height", "width", "prompt-bytes"):
+        p.add_argument(f"--max-{name}", type=int, default=None, help="generator limit (default: the model's)")
+    p.add_argument("--tls-cert", default=None, help="serve the generator port over TLS (PEM)")
+    p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA")

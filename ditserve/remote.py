@@ -58,9 +58,23 @@ def run_one(client: GeneratorClient, req: GenerationRequest, expected_generation
             bar.close()
 
 
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="PEM CA to verify the server (enables TLS)")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
+
+
+def client_from_args(args: argparse.Namespace) -> GeneratorClient:
+    creds = None
+    if args.tls_ca or args.tls_cert:
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        creds = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    return GeneratorClient(args.target, credentials=creds)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     requests = requests_from_args(args)
-    with GeneratorClient(args.target) as client:
+    with client_from_args(args) as client:
         for req in requests:
             try:
                 res = run_one(client, req, args.expected_generation)
@@ -86,7 +100,7 @@ def cmd_update_weights(args: argparse.Namespace) -> int:
     req = pb.UpdateWeightsRequest(weights_path=args.path, request_id=args.request_id or "")
     if args.expected_generation is not None:
         req.expected_generation = args.expected_generation
-    with GeneratorClient(args.target) as client:
+    with client_from_args(args) as client:
         try:
             resp = client.stub.UpdateWeights(req, metadata=metadata, timeout=args.timeout_s)
         except grpc.RpcError as e:

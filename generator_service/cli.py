@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ditcore import CheckpointError
+from ditserve.obs import setup_logging
 from ditserve.paths import default_socket, grpc_target
 
 from .backend import Backend, CachedBackend, ResidentBackend
@@ -49,6 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout-s", type=float, default=d.drain_timeout_s, help="update drain bound (default %(default)s)"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default off)"
+    )
+    for name, what in (
+        ("steps", "denoise steps"),
+        ("frames", "pixel frames"),
+        ("height", "pixels"),
+        ("width", "pixels"),
+        ("prompt-bytes", "prompt bytes"),
+    ):
+        p.add_argument(f"--max-{name}", type=int, default=None, help=f"limit on {what} (default: the model's)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve the public port over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates (mutual TLS)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
@@ -70,6 +86,15 @@ def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
         admin_token=args.admin_token or os.environ.get(TOKEN_ENV, ""),
         weights_root=Path(args.weights_root) if args.weights_root else None,
         drain_timeout_s=args.drain_timeout_s,
+        metrics_port=args.metrics_port,
+        max_steps=args.max_steps,
+        max_frames=args.max_frames,
+        max_height=args.max_height,
+        max_width=args.max_width,
+        max_prompt_bytes=args.max_prompt_bytes,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        tls_client_ca=Path(args.tls_client_ca) if args.tls_client_ca else None,
     )
 
 
@@ -88,7 +113,7 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if args.threads is not None:
         if args.threads < 1:
             print(f"ditserve generator: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)

@@ -36,6 +36,24 @@ class GeneratorConfig:
     """UpdateWeights paths must resolve inside this directory."""
     drain_timeout_s: float = 60.0
     """How long an update waits for the running request before it aborts."""
+    metrics_port: int | None = None
+    """Prometheus /metrics HTTP port (off when None)."""
+    max_steps: int | None = None
+    """Operator limit on `steps` (default: the model's, 1000)."""
+    max_frames: int | None = None
+    """Operator limit on `frames` (default: the preset's max_frames)."""
+    max_height: int | None = None
+    """Operator limit on `height` in pixels (default: the preset's)."""
+    max_width: int | None = None
+    """Operator limit on `width` in pixels (default: the preset's)."""
+    max_prompt_bytes: int | None = None
+    """Operator limit on prompt and negative prompt bytes (default: the preset's text_len)."""
+    tls_cert: Path | None = None
+    """PEM server certificate for the public port (TLS when set, with tls_key)."""
+    tls_key: Path | None = None
+    """PEM private key of tls_cert."""
+    tls_client_ca: Path | None = None
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
 
     def __post_init__(self) -> None:
         if self.adaln_mode not in ("cached", "resident"):
@@ -46,5 +64,13 @@ class GeneratorConfig:
             raise ValueError("--sidecar is required with --adaln-mode cached")
         if not 1 <= self.max_queue_depth <= 100_000:
             raise ValueError(f"--max-queue-depth must be in [1, 100000], got {self.max_queue_depth}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        for name in ("max_steps", "max_frames", "max_height", "max_width", "max_prompt_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if not 1024 <= self.chunk_bytes < self.max_message_bytes:
             raise ValueError("--chunk-bytes must be in [1024, max message bytes)")

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,7 @@ class _Prefetched:
 class Executor:
     def __init__(self, backend: Backend, max_queue_depth: int, prefetch: bool = True) -> None:
         self.backend = backend
+        self.on_finish: Callable[[Job, JobResult | None, BaseException | None], None] = lambda *_: None
         self.max_queue_depth = max_queue_depth
         self.prefetch = prefetch and backend.cached
         self._lock = threading.Condition()
@@ -210,6 +211,7 @@ class Executor:
         except BaseException as e:
             if lease is not None:
                 lease.release()
+            self.on_finish(job, None, e)
             job.emit("error", e)
             return
         timings = {
@@ -222,8 +224,12 @@ class Executor:
         log.info(
             "request %s done: generation %d sha256 %s timings %s cache %s",
             job.request.request_id, generation, result.sha256[:16], timings, result.cache,
+            extra={"request_id": job.request.request_id, "generation": generation, "sha256": result.sha256,
+                   "timings_ms": timings, "cache": result.cache, "task": job.request.task, "steps": job.request.steps},
         )  # fmt: skip
-        job.emit("result", JobResult(result, generation, timings))
+        done = JobResult(result, generation, timings)
+        self.on_finish(job, done, None)
+        job.emit("result", done)
 
     def _denoise(self, job: Job, lease: Any) -> tuple[GenerationResult, int]:
         def on_step(done: int, total: int) -> None:

@@ -166,6 +166,9 @@ class SidecarLink:
                 ("grpc.max_receive_message_length", 16 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # gRPC's default reconnect backoff grows to 120 s: after a long sidecar outage the
+                # generator would reattach up to minutes late. Cap it near our own retry pause.
+                ("grpc.max_reconnect_backoff_ms", max(1000, int(reconnect_s * 2000))),
             ],
         )
         self._stub = pb_grpc.PlanCacheStub(self._channel)

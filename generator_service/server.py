@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
+from ditserve.obs import MetricsServer, RpcMetrics
 from ditserve.rpc_errors import abort
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
@@ -27,6 +28,7 @@ from .backend import Backend
 from .config import GeneratorConfig
 from .errors import GeneratorError, ResultTooLargeError
 from .executor import Executor, Job, JobResult
+from .metrics import GeneratorMetrics
 from .updates import UpdateCoordinator, check_token, resolve_weights_path
 
 _TENSOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +80,36 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int 
     return GenerationRequest(**kwargs), expected
 
 
+def check_limits(request: GenerationRequest, cfg: GeneratorConfig) -> None:
+    """Operator limits (flags), tighter than the model's own: INVALID_ARGUMENT naming the field."""
+    for field, value, limit in (
+        ("steps", request.steps, cfg.max_steps),
+        ("frames", request.frames, cfg.max_frames),
+        ("height", request.height, cfg.max_height),
+        ("width", request.width, cfg.max_width),
+    ):
+        if limit is not None and value > limit:
+            raise RequestError(field, f"{value} exceeds this server's limit {limit} (--max-{field})")
+    if cfg.max_prompt_bytes is not None:
+        for field in ("prompt", "negative_prompt"):
+            n = len(getattr(request, field).encode("utf-8"))
+            if n > cfg.max_prompt_bytes:
+                raise RequestError(
+                    field, f"is {n} bytes; this server allows at most {cfg.max_prompt_bytes} (--max-prompt-bytes)"
+                )
+
+
+def server_credentials(cfg: GeneratorConfig) -> grpc.ServerCredentials:
+    """TLS for the public port; with a client CA, clients must present certificates (mTLS)."""
+    assert cfg.tls_cert is not None and cfg.tls_key is not None
+    pair = [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())]
+    if cfg.tls_client_ca is not None:
+        return grpc.ssl_server_credentials(
+            pair, root_certificates=cfg.tls_client_ca.read_bytes(), require_client_auth=True
+        )
+    return grpc.ssl_server_credentials(pair)
+
+
 def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
     out = []
     for name, t in (("video", res.result.video), ("audio", res.result.audio)):
@@ -104,8 +136,9 @@ def response_from_result(res: JobResult, mode: int, with_data: bool = True) -> p
 
 
 class GeneratorServicer(pb_grpc.GeneratorServicer):
-    def __init__(self, cfg: GeneratorConfig, backend: Backend, executor: Executor) -> None:
+    def __init__(self, cfg: GeneratorConfig, backend: Backend, executor: Executor, metrics: GeneratorMetrics) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.backend = backend
         self.executor = executor
         self.updates = UpdateCoordinator(backend, executor, cfg.drain_timeout_s)
@@ -114,6 +147,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
         try:
             request, expected = request_from_proto(msg)
+            check_limits(request, self.cfg)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
             job = Job(request, expected_generation=expected, deadline=deadline)
@@ -182,7 +216,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 path = resolve_weights_path(self.cfg.weights_root, request.weights_path)
                 result = self.updates.update(path, expected, request.request_id or "update")
         except Exception as e:
+            self.metrics.updates.labels(getattr(e, "reason", "failed")).inc()
             abort(context, e)
+        self.metrics.updates.labels("committed").inc()
         log.info(
             "weights updated: generation %d -> %d (%s)",
             result.previous_generation,
@@ -229,8 +265,12 @@ class GeneratorServer:
         self.cfg = cfg
         self.backend = backend
         self.executor = Executor(backend, cfg.max_queue_depth, prefetch=cfg.prefetch)
+        self.metrics = GeneratorMetrics(backend, self.executor)
+        self.executor.on_finish = self.metrics.on_finish
+        self.metrics_server: MetricsServer | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="generator"),
+            interceptors=[RpcMetrics(self.metrics.registry, "ditserve_generator")],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -242,7 +282,7 @@ class GeneratorServer:
             ],
         )
         self._stopping = False
-        self._servicer = GeneratorServicer(cfg, backend, self.executor)
+        self._servicer = GeneratorServicer(cfg, backend, self.executor, self.metrics)
         pb_grpc.add_GeneratorServicer_to_server(self._servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -250,7 +290,11 @@ class GeneratorServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(cfg.listen)
+        self.port = (
+            self.server.add_secure_port(cfg.listen, server_credentials(cfg))
+            if cfg.tls_cert
+            else self.server.add_insecure_port(cfg.listen)
+        )
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.listen}")
         self._attached = not backend.cached
@@ -270,6 +314,7 @@ class GeneratorServer:
             self.health.set(name, status)
 
     def start(self) -> None:
+        self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.metrics_port)
         self.executor.start()
         self.server.start()
         log.info("generator listening on port %d (%s mode)", self.port, "cached" if self.backend.cached else "resident")
@@ -279,3 +324,5 @@ class GeneratorServer:
         self.refresh_health()
         self.server.stop(grace_s).wait()
         self.executor.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ditcore import CheckpointError
+from ditserve.obs import setup_logging
 from ditserve.paths import default_run_dir, default_socket, ensure_private_dir
 
 from .cache import PlanCache
@@ -45,6 +46,8 @@ class SidecarConfig:
     """Interval of Attach-stream heartbeats."""
     state_dir: Path | None = None
     """Where (generation, weights_path, digests) persist; its state file wins over `checkpoint`."""
+    metrics_port: int | None = None
+    """Prometheus /metrics HTTP port (off when None)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir", default=None, help="persist the weight generation here (state file wins over --checkpoint)"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (default off)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
@@ -86,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         ensure_private_dir(sock.parent)
         address = f"unix:{sock}"
     state_dir = Path(args.state_dir) if args.state_dir else None
-    return SidecarConfig(Path(args.checkpoint), cache, address, args.heartbeat_s, state_dir)
+    return SidecarConfig(Path(args.checkpoint), cache, address, args.heartbeat_s, state_dir, args.metrics_port)
 
 
 def build_server(cfg: SidecarConfig) -> SidecarServer:
@@ -107,7 +114,7 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
     try:
         sidecar = Sidecar(cache, cfg.state_dir)
         sidecar.check_source()
-        return SidecarServer(sidecar, cfg.address, cfg.heartbeat_s)
+        return SidecarServer(sidecar, cfg.address, cfg.heartbeat_s, cfg.metrics_port)
     except BaseException:
         cache.close()
         raise
@@ -115,7 +122,7 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if args.threads is not None:
         if args.threads < 1:
             print(f"ditserve plancache: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
+from ditserve.obs import MetricsServer, RpcMetrics
 from ditserve.rpc_errors import abort
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
@@ -26,6 +27,7 @@ from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 from .cache import CacheStats
 from .device import SlabDescriptor
 from .errors import PlanCacheError
+from .metrics import sidecar_registry
 from .sidecar import Sidecar
 from .state import StateFileError
 
@@ -158,11 +160,15 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
 class SidecarServer:
     """A running sidecar: the grpc server, its health servicer and the stop event."""
 
-    def __init__(self, sidecar: Sidecar, address: str, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self, sidecar: Sidecar, address: str, heartbeat_s: float = 1.0, metrics_port: int | None = None
+    ) -> None:
         self.sidecar = sidecar
         self.stopping = threading.Event()
+        self.registry = sidecar_registry(sidecar)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="plancache"),
+            interceptors=[RpcMetrics(self.registry, "ditserve_plancache")],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -184,12 +190,15 @@ class SidecarServer:
             self.socket_path = Path(address[len("unix:") :])
             if self.socket_path.exists():
                 self.socket_path.unlink()  # a stale socket from a crashed sidecar
+        self.metrics_port = metrics_port
+        self.metrics: MetricsServer | None = None
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self.address = address
 
     def start(self) -> None:
+        self.metrics = MetricsServer(self.registry, self.metrics_port)
         self.server.start()
         self.sidecar.on_serving_change = self.set_serving
         self.set_serving(not self.sidecar.state().not_serving_reason)
@@ -205,6 +214,8 @@ class SidecarServer:
         self.set_serving(False)
         self.stopping.set()
         self.server.stop(grace_s).wait()
+        if self.metrics is not None:
+            self.metrics.close()
         self.sidecar.cache.close()
         if self.socket_path is not None and self.socket_path.exists():
             os.unlink(self.socket_path)

@@ -64,6 +64,7 @@ class Sidecar:
         self._not_serving = ""
         self._pending: RebuildSource | None = None
         self.on_serving_change: Callable[[bool], None] | None = None
+        self.update_outcomes = {"prepared": 0, "committed": 0, "aborted": 0, "refused": 0}
         if state_dir is not None:
             self._persist(cache.generation, cache.source)
 
@@ -141,6 +142,7 @@ class Sidecar:
                     f"{weights_path}/config.json: incompatible with the served model (shapes or dtype differ)"
                 )
             self._pending = RebuildSource(info, self.cache.device, probe=self.cache.source.probe)
+            self.update_outcomes["prepared"] += 1
             log.info("prepared weight update to %s (fingerprint %s)", weights_path, info.fingerprint[:16])
             return self._pending
 
@@ -163,6 +165,7 @@ class Sidecar:
             self.cache.retarget(pending, new_generation, before=persist)
             self._pending = None
             self.set_not_serving("")
+            self.update_outcomes["committed"] += 1
             log.info("committed generation %d: %s", new_generation, pending.path)
             return new_generation, pending.fingerprint
 
@@ -172,6 +175,7 @@ class Sidecar:
                 return False
             log.info("aborted weight update to %s", self._pending.path)
             self._pending = None
+            self.update_outcomes["aborted"] += 1
             return True
 
     def _persist(self, generation: int, source: RebuildSource) -> None:

@@ -1,0 +1,57 @@
+"""Generator Prometheus metrics: request latency by stage, plans by tier as the generator saw
+them, queue depth, generation, sidecar link, weight-update outcomes (plus RPC counts from
+`ditserve.obs.RpcMetrics`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .backend import Backend
+from .executor import Executor, Job, JobResult
+
+P = "ditserve_generator"
+_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class GeneratorMetrics:
+    def __init__(self, backend: Backend, executor: Executor) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.stage = Histogram(
+            f"{P}_request_stage_seconds", "Request latency by stage", ["stage"], registry=r, buckets=_BUCKETS
+        )
+        self.outcomes = Counter(f"{P}_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.plans = Counter(f"{P}_plans", "Plans by the tier that served them", ["tier"], registry=r)
+        self.rebuild = Counter(f"{P}_rebuild_seconds", "Rebuild seconds reported to this generator", registry=r)
+        self.updates = Counter(f"{P}_weight_updates", "UpdateWeights outcomes", ["outcome"], registry=r)
+        Gauge(f"{P}_queue_depth", "Requests waiting or running", registry=r).set_function(lambda: executor.queue_depth)
+        Gauge(f"{P}_generation", "Weight generation served (0 when unknown)", registry=r).set_function(
+            lambda: _safe(backend.generation)
+        )
+        Gauge(f"{P}_sidecar_connected", "1 when attached to the sidecar (resident: 1)", registry=r).set_function(
+            lambda: 1 if backend.status().get("serving") else 0
+        )
+
+    def on_finish(self, job: Job, result: JobResult | None, error: BaseException | None) -> None:
+        if result is None:
+            self.outcomes.labels(getattr(error, "reason", type(error).__name__)).inc()
+            return
+        self.outcomes.labels("ok").inc()
+        t = result.timings_ms
+        for stage in ("queue", "prepare", "encode", "denoise", "total"):
+            self.stage.labels(stage).observe(t.get(f"{stage}_ms", 0.0) / 1000)
+        c: dict[str, Any] = result.result.cache or {}
+        for tier, key in (("slot_hit", "gpu_hit_plans"), ("host_hit", "host_hit_plans"), ("built", "built_plans")):
+            if c.get(key):
+                self.plans.labels(tier).inc(c[key])
+        if c.get("rebuild_s"):
+            self.rebuild.inc(c["rebuild_s"])
+
+
+def _safe(fn: Any) -> float:
+    try:
+        return float(fn())
+    except Exception:
+        return 0.0
