@@ -69,7 +69,9 @@ def bf16_models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     return _models(root)
 
 
-def _assert_same(a_video: torch.Tensor, a_audio: torch.Tensor | None, b_video: torch.Tensor, b_audio: torch.Tensor | None) -> None:
+def _assert_same(
+    a_video: torch.Tensor, a_audio: torch.Tensor | None, b_video: torch.Tensor, b_audio: torch.Tensor | None
+) -> None:
     assert torch.equal(a_video, b_video)
     assert (a_audio is None) == (b_audio is None)
     if a_audio is not None and b_audio is not None:
@@ -103,13 +105,19 @@ def test_deterministic_across_processes(models: Models, tiny_ckpt: Path) -> None
         for _ in range(2)
     ]
     shas = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        lines = [json.loads(line) for line in out.splitlines() if line.strip()]
-        assert len(lines) == 1
-        assert lines[0]["request_id"] == "req-0"
-        shas.append(lines[0]["sha256"])
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+            assert len(lines) == 1
+            assert lines[0]["request_id"] == "req-0"
+            shas.append(lines[0]["sha256"])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert shas == [expected, expected]
 
 
