@@ -202,6 +202,7 @@ class PlanCache:
                 )
                 self._leases[lease.lease_id] = lease
                 self._c["prepares"] += 1
+                self._c["slot_hit_plans"] += len(hits)
                 return lease
 
     def check_request(self, keys: Sequence[PlanKey]) -> None:
@@ -336,7 +337,6 @@ class PlanCache:
         for s in hit_slots:
             self._lru.move_to_end(s)
             self._pins[s] += 1
-        self._c["slot_hit_plans"] += len(hits)
         new_slots = []
         for k in missing:
             if self._free:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.checkpoint import CheckpointReader, write_checkpoint
+from ditcore.checkpoint import CheckpointReader, read_shard_header, write_checkpoint
 from ditcore.plans import PlanKey, f32_bits
 from plancache_service.cache import MAX_KEYS, PlanCache
 from plancache_service.device import (
@@ -58,6 +58,7 @@ from plancache_helpers import (  # isort: skip
     pages_needed,
     prepare,
     run,
+    same_bits,
     snapshot,
     t2v,
     t2va,
@@ -204,7 +205,7 @@ def test_lru_evicts_least_recently_used_and_pure_hits_touch(make: MakeCache, tou
 
 # ============================================================================ 4. leases
 def test_leased_plans_are_never_evicted_with_two_concurrent_leases(make: MakeCache, ref: Reference) -> None:
-    x, y, z = keys_of(X), keys_of(Y), keys_of(Z)
+    x, y = keys_of(X), keys_of(Y)
     cache = make(gpu_plans=8)  # X u Y = 7 plans, one slot free
     la = prepare(cache, X, owner="a")
     lb = prepare(cache, Y, owner="b")
@@ -298,7 +299,7 @@ def test_host_admission_is_all_or_nothing(make: MakeCache) -> None:
     assert cache.host.groups() == host_before[0]
     assert cache.host.plan_keys() == host_before[1]
     assert cache.host.used_pages == host_before[2]
-    assert torch.equal(cache.host.buffer, host_before[3])
+    assert same_bits(cache.host.buffer, host_before[3])
     expect(cache, host_pressure_skips=1, host_group_evictions=0)
 
 
@@ -324,6 +325,21 @@ def test_swap_in_only_when_host_holds_every_missing_plan(make: MakeCache, ref: R
     assert (r.host_hit_plans, r.built_plans, r.gpu_hit_plans) == (2, 0, 2)
     expect(cache, host_hit_plans=2, swap_in_bytes=2 * PAGE_BYTES, rebuild_passes=3)
     assert_slots_match_reference(cache, ref)
+
+
+def test_swap_in_refreshes_the_host_groups_it_read_from(make: MakeCache) -> None:
+    x = keys_of(X)
+    cache = make(gpu_plans=4, host_pages=10)
+    run(cache, X)
+    run(cache, Y)  # slab: Y; host: [X, Y]
+    q = x[1:]  # a different group whose plans are all on the host, inside X's group
+    r = run(cache, q).report
+    assert (r.host_hit_plans, r.built_plans) == (3, 0)
+    expect(cache, host_groups=[group_of(Y), group_of(X), tuple(q)], host_used_bytes=7 * PAGE_BYTES)
+    run(cache, Z)  # 3 new pages, 3 free: nothing evicted
+    run(cache, t2v(4, 16.0))  # 3 more pages: the least recently used group, Y, goes first
+    assert cache.host.groups()[0] == group_of(X) and group_of(Y) not in cache.host.groups()
+    check_invariants(cache)
 
 
 def test_host_tier_stays_within_cap_under_random_traffic(make: MakeCache, ref: Reference) -> None:
@@ -449,7 +465,7 @@ def test_failed_rebuild_leaves_cache_consistent_and_retry_works(
     for k in x:
         s = cache.slot_of(k)
         assert int(cache.table[s, COL_STATE]) == READY
-        assert torch.equal(cache.slab[s], x_pages[s])
+        assert same_bits(cache.slab[s], x_pages[s])
     assert_slots_match_reference(cache, ref, x)
 
     r = run(cache, Y).report  # the same request, now that reads work again
@@ -458,10 +474,8 @@ def test_failed_rebuild_leaves_cache_consistent_and_retry_works(
     assert_slots_match_reference(cache, ref)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_damaged_shard_fails_prepare_naming_the_file_and_recovers(
-    make: MakeCache, tmp_path: Path, damage: str
-) -> None:
+@pytest.mark.parametrize("damage", ["truncate", "delete", "overwrite"])
+def test_damaged_shard_fails_prepare_naming_the_file_and_recovers(make: MakeCache, tmp_path: Path, damage: str) -> None:
     ckpt = write_checkpoint(TINY, tmp_path / "ckpt", seed=0, shards=2)
     source = RebuildSource(ckpt, CPU)
     ref = Reference(ckpt, source)
@@ -477,6 +491,15 @@ def test_damaged_shard_fails_prepare_naming_the_file_and_recovers(
     if damage == "truncate":
         with open(shard, "r+b") as fh:
             fh.truncate(shard.stat().st_size - 64)
+    elif damage == "overwrite":  # same size and header, different weights at the tensor's start
+        hdr = read_shard_header(shard)
+        at = len(hdr.header_bytes) + hdr.tensors["final_layer.adaln_proj.weight"].begin
+        with open(shard, "r+b") as fh:
+            fh.seek(at)
+            old = fh.read(16)
+            fh.seek(at)
+            fh.write(bytes(b ^ 0x55 for b in old))
+        assert shard.stat().st_size == saved.stat().st_size
     else:
         shard.unlink()
 
@@ -499,14 +522,21 @@ def _bad_requests() -> list[tuple[str, list[PlanKey], int, type[Exception], list
     good = keys_of(X)
     inf, nan, ninf = PlanKey((0x7F800000,)), PlanKey((0x7FC00000,)), PlanKey((0xFF800000,))
     return [
-        ("too many plans", keys_of(t2v(9, 3.0)), 3, PlanCapacityError, ["9 distinct plans", "at most 8", "--gpu-plans"]),
+        (
+            "too many plans",
+            keys_of(t2v(9, 3.0)),
+            3,
+            PlanCapacityError,
+            ["9 distinct plans", "at most 8", "--gpu-plans"],
+        ),
         ("inf", [*good[:2], inf, good[3]], 3, InvalidPlanRequestError, ["plan_keys[2]", "non-finite"]),
         ("nan", [nan], 3, InvalidPlanRequestError, ["plan_keys[0]", "non-finite"]),
         ("-inf", [good[0], ninf], 3, InvalidPlanRequestError, ["plan_keys[1]"]),
         ("empty", [], 3, InvalidPlanRequestError, ["plan_keys", "at least one"]),
         ("repeated timestep", [PlanKey((good[1].bits[0], good[1].bits[0]))], 3, InvalidPlanRequestError, ["distinct"]),
         ("too many keys", [good[0]] * (MAX_KEYS + 1), 3, InvalidPlanRequestError, [str(MAX_KEYS)]),
-        ("generation", good, 2, GenerationMismatchError, ["serves generation 3", "sent 2"]),
+        ("old generation", good, 2, GenerationMismatchError, ["serves generation 3", "sent 2"]),
+        ("new generation", good, 4, GenerationMismatchError, ["serves generation 3", "sent 4"]),
     ]
 
 
@@ -524,7 +554,7 @@ def test_rejected_requests_leave_every_plan_in_place(
     for w in words:
         assert w in str(ei.value)
     if isinstance(ei.value, GenerationMismatchError):
-        assert (ei.value.current_generation, ei.value.caller_generation) == (3, 2)
+        assert (ei.value.current_generation, ei.value.caller_generation) == (3, generation)
     assert_unchanged(cache, before)
     if generation == cache.generation:
         with pytest.raises(error):
@@ -645,3 +675,48 @@ def test_release_owner_and_unknown_leases(make: MakeCache) -> None:
     with pytest.raises(UnknownLeaseError):
         cache.release(b1.lease_id)
     expect(cache, leases=0, slots_leased=0, resident=10)
+
+
+def test_concurrent_prepares_and_releases_keep_the_cache_consistent(make: MakeCache, ref: Reference) -> None:
+    import random
+    import threading
+
+    specs = [X, Y, Z, t2va(3, 5.0, 3.0), t2va(4, 7.0, 2.0)]
+    cache = make(gpu_plans=10, host_pages=12)
+    errors: list[BaseException] = []
+    done = {"ok": 0, "busy": 0}
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(15):
+                try:
+                    lease = prepare(cache, rng.choice(specs), owner=f"w{seed}")
+                except SlabBusyError:
+                    with lock:
+                        done["busy"] += 1
+                    continue
+                for k, s in zip(lease.keys, lease.slots, strict=True):  # leased slots stay put
+                    assert int(cache.table[s, COL_STATE]) == READY
+                    assert tuple(int(v) for v in cache.table[s, ROW_WORDS : ROW_WORDS + k.width]) == k.bits
+                    assert torch.equal(cache.slab[s, : k.width], ref.pages(k))
+                cache.release(lease.lease_id)
+                with lock:
+                    done["ok"] += 1
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    for s in specs:
+        for k in keys_of(s):
+            ref.pages(k)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors[0]
+    assert done["ok"] + done["busy"] == 45 and done["ok"] > 0
+    expect(cache, leases=0, slots_leased=0, prepares=done["ok"], failed_prepares=0)
+    assert_slots_match_reference(cache, ref)

@@ -155,6 +155,19 @@ def _alternating() -> list[GenerationRequest]:
     return reqs
 
 
+def _cli_args(ckpt: Path, requests_file: Path, *extra: str) -> list[str]:
+    return [
+        "generate-local",
+        "--checkpoint",
+        str(ckpt),
+        "--adaln-mode",
+        "cached",
+        "--requests",
+        str(requests_file),
+        *extra,
+    ]
+
+
 def _run_subprocess(argv: list[str]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -174,10 +187,7 @@ def test_cli_generate_local_cached_alternating_schedules_hit_the_slab(
 ) -> None:
     reqs = _alternating()
     file = _write_requests(tmp_path / "reqs.jsonl", reqs)
-    proc = _run_subprocess(
-        ["generate-local", "--checkpoint", str(ckpt), "--adaln-mode", "cached", "--requests", str(file)]
-        + ["--gpu-plans", "100", "--host-cache-gb", "0"]
-    )
+    proc = _run_subprocess(_cli_args(ckpt, file, "--gpu-plans", "100", "--host-cache-gb", "0"))
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert [line["request_id"] for line in lines] == ["r0", "r1", "r2", "r3"]
@@ -191,10 +201,7 @@ def test_cli_generate_local_cached_alternating_schedules_hit_the_slab(
 
 def test_cli_generate_local_small_slab_swaps_in_from_host(ckpt: Path, tmp_path: Path, capsys: Any) -> None:
     file = _write_requests(tmp_path / "reqs.jsonl", _alternating())
-    code = cli_main(
-        ["generate-local", "--checkpoint", str(ckpt), "--adaln-mode", "cached", "--requests", str(file)]
-        + ["--gpu-plans", "50", "--host-cache-gb", "0.01"]
-    )
+    code = cli_main(_cli_args(ckpt, file, "--gpu-plans", "50", "--host-cache-gb", "0.01"))
     out = capsys.readouterr().out
     assert code == 0
     caches = [json.loads(line)["cache"] for line in out.splitlines() if line.strip()]
@@ -205,10 +212,7 @@ def test_cli_generate_local_small_slab_swaps_in_from_host(ckpt: Path, tmp_path: 
 
 def test_cli_too_small_gpu_plans_exits_2_naming_the_flag(ckpt: Path, tmp_path: Path, capsys: Any) -> None:
     file = _write_requests(tmp_path / "reqs.jsonl", [request("t2v", 5.0, steps=8)])
-    code = cli_main(
-        ["generate-local", "--checkpoint", str(ckpt), "--adaln-mode", "cached", "--requests", str(file)]
-        + ["--gpu-plans", "4", "--host-cache-gb", "0"]
-    )
+    code = cli_main(_cli_args(ckpt, file, "--gpu-plans", "4", "--host-cache-gb", "0"))
     captured = capsys.readouterr()
     assert code == 2
     assert "--gpu-plans" in captured.err and "at most 4" in captured.err
