@@ -65,6 +65,18 @@ def request_to_proto(
     return msg
 
 
+SCHEDULE_HEADER = "x-ditserve-schedule"
+"""Metadata carrying the request's schedule, for load balancers with schedule affinity."""
+
+
+def schedule_affinity_key(request: GenerationRequest | Mapping[str, Any]) -> str:
+    """task/steps/flow_shift/audio_flow_shift: requests with equal keys share every plan."""
+    req = request if isinstance(request, GenerationRequest) else GenerationRequest.from_dict(dict(request))
+    s = req.schedule_spec()
+    audio = s.audio_flow_shift if s.task == "t2va" else ""
+    return f"{s.task}/{s.steps}/{s.flow_shift:g}/{audio if audio == '' else format(audio, 'g')}"
+
+
 def _cache_dict(c: pb.CacheReport) -> dict[str, Any]:
     return {
         "gpu_hit_plans": c.gpu_hit_plans,
@@ -136,6 +148,7 @@ class GeneratorClient:
     ) -> ClientResult:
         """Run one request over GenerateStream; raises grpc.RpcError with the server's status."""
         msg = pb.GenerateStreamRequest(request=request_to_proto(request, expected_generation))
+        metadata = [*(metadata or []), (SCHEDULE_HEADER, schedule_affinity_key(request))]
         header: pb.GenerateResponse | None = None
         data: dict[str, bytearray] = {}
         events: list[tuple[str, Any]] = []
@@ -173,7 +186,8 @@ class GeneratorClient:
         expected_generation: int | None = None,
         timeout: float | None = None,
     ) -> ClientResult:
-        resp = self.stub.Generate(request_to_proto(request, expected_generation), timeout=timeout)
+        md = [(SCHEDULE_HEADER, schedule_affinity_key(request))]
+        resp = self.stub.Generate(request_to_proto(request, expected_generation), timeout=timeout, metadata=md)
         return result_from_response(resp)
 
     def status(self, timeout: float = 10.0) -> pb.GetStatusResponse:
