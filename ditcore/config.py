@@ -196,6 +196,13 @@ PRESETS: dict[str, DiTConfig] = {
         video_channels=16, audio_channels=8, text_len=64, text_layers=1,
         max_frames=33, max_height=256, max_width=256, max_audio_length=256, preset="bench",
     ),
+    # H3's widths with 8 layers: the `ditserve bench --device cuda` preset (4.2 GB of adaln_proj).
+    "h3lite": DiTConfig(
+        hidden_size=5376, num_layers=8, num_heads=42, time_embed_dim=2688, freq_embed_dim=256,
+        video_channels=48, audio_channels=64, text_len=512, text_layers=2,
+        max_frames=121, max_height=1280, max_width=1280, max_audio_length=1024,
+        dtype="bfloat16", preset="h3lite",
+    ),
     # MiniMax-H3's shapes: shape arithmetic and GPU runs only, never materialized on CPU tests.
     "h3": DiTConfig(
         hidden_size=5376, num_layers=50, num_heads=42, time_embed_dim=2688, freq_embed_dim=256,

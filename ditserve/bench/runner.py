@@ -41,7 +41,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (8 if args.quick else 50)
     threads = args.threads or max(1, (os.cpu_count() or 2) // 2)  # two services share the cores
-    preset = args.preset or ("tiny" if args.quick else "bench")
+    preset = args.preset or ("tiny" if args.quick else "h3lite" if args.device.startswith("cuda") else "bench")
     if args.checkpoint:
         ckpt = Path(args.checkpoint)
     else:
