@@ -1,0 +1,41 @@
+"""`ditserve bench --quick` runs end to end (so the harness cannot rot) and writes its outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCENARIOS = {
+    "repeat_vs_first_seen", "host_tier", "alternating", "cached_vs_resident",
+    "sidecar_overhead", "prepare_latency", "rebuild_efficiency", "rebuild_overlap",
+}  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_bench_quick_writes_table_json_and_chart(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditserve", "bench", "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "bench.json").read_text())
+    assert set(doc) >= SCENARIOS
+    for name in SCENARIOS:
+        assert {"ratio", "target", "met"} <= set(doc[name]), name
+        assert isinstance(doc[name]["met"], bool)
+    # the quick run still shows the headline effects
+    assert doc["alternating"]["rebuilds_after_warmup"]["both_fit"] == 0
+    assert doc["alternating"]["rebuilds_after_warmup"]["one_fits_host"] == 0
+    assert doc["alternating"]["sha256_identical"] is True
+    assert doc["cached_vs_resident"]["sha256_identical"] is True
+    tiers = {r["tier"] for r in doc["_requests"]}
+    assert {"built", "host", "slot", "resident"} <= tiers
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    for name in SCENARIOS:
+        assert name in proc.stdout
