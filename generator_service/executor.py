@@ -180,17 +180,19 @@ class Executor:
                     return
                 job = self._queue.popleft()
                 self._running = job
+            final: tuple[str, Any]
             try:
-                self._run(job)
+                final = self._run(job)
             except BaseException as e:  # never let the executor die
                 log.exception("executor: unexpected error")
-                job.emit("error", e)
-            finally:
-                with self._lock:
-                    self._running = None
-                    self._lock.notify_all()
+                final = ("error", e)
+            with self._lock:  # free the queue slot before the client hears back
+                self._running = None
+                self._lock.notify_all()
+            job.emit(*final)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> tuple[str, Any]:
+        """Run one job; returns its final event (result or error) for the loop to send."""
         started = time.perf_counter()
         if job.prefetching:
             job.prefetch_done.wait()
@@ -212,8 +214,7 @@ class Executor:
             if lease is not None:
                 lease.release()
             self.on_finish(job, None, e)
-            job.emit("error", e)
-            return
+            return ("error", e)
         timings = {
             "queue_ms": round((started - job.admitted_at) * 1000, 3),
             "prepare_ms": round(job.prepare_ms, 3),
@@ -229,7 +230,7 @@ class Executor:
         )  # fmt: skip
         done = JobResult(result, generation, timings)
         self.on_finish(job, done, None)
-        job.emit("result", done)
+        return ("result", done)
 
     def _denoise(self, job: Job, lease: Any) -> tuple[GenerationResult, int]:
         def on_step(done: int, total: int) -> None:

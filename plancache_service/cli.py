@@ -96,6 +96,25 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     return SidecarConfig(Path(args.checkpoint), cache, address, args.heartbeat_s, state_dir, args.metrics_port)
 
 
+def shm_manifest(cfg: SidecarConfig) -> Path | None:
+    """Where this sidecar lists its /dev/shm files, so the next start can remove them if it
+    was killed (SIGKILL leaves them behind): beside the socket, else in the state dir."""
+    if cfg.address.startswith("unix:"):
+        return Path(cfg.address[len("unix:") :] + ".shm-files")
+    return cfg.state_dir / "plancache.shm-files" if cfg.state_dir is not None else None
+
+
+def remove_stale_shm(manifest: Path) -> None:
+    if not manifest.exists():
+        return
+    for line in manifest.read_text().splitlines():
+        p = Path(line.strip())
+        if p.name.startswith(("ditserve-slab-", "ditserve-table-")) and p.exists():
+            log.warning("removing %s left behind by a sidecar that did not stop cleanly", p)
+            p.unlink()
+    manifest.unlink()
+
+
 def build_server(cfg: SidecarConfig) -> SidecarServer:
     device = torch.device(cfg.cache.device)
     state = load_state(cfg.state_dir) if cfg.state_dir is not None else None
@@ -110,7 +129,12 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
             )  # fmt: skip
         source = RebuildSource(state.weights_path, device, committed_digests=state.digests)
         generation = state.generation
+    manifest = shm_manifest(cfg)
+    if manifest is not None:
+        remove_stale_shm(manifest)
     cache = PlanCache(cfg.cache, source, generation=generation)
+    if manifest is not None:
+        manifest.write_text("\n".join(cache.memory.paths) + "\n")
     try:
         sidecar = Sidecar(cache, cfg.state_dir)
         sidecar.check_source()

@@ -183,10 +183,19 @@ class HostBuffer:
 
 
 def available_memory_bytes() -> int:
+    """Free host memory, bounded by the cgroup (container) limit when there is one."""
     try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        avail = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError):  # pragma: no cover - non-Linux
         return 0
+    try:  # cgroup v2: memory.max minus what the group already uses
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 def allocate_host_pages(n_pages: int, page_numel: int, dtype: torch.dtype, pin: bool) -> HostBuffer:

@@ -217,6 +217,8 @@ class SidecarServer:
         if self.metrics is not None:
             self.metrics.close()
         self.sidecar.cache.close()
-        if self.socket_path is not None and self.socket_path.exists():
-            os.unlink(self.socket_path)
+        if self.socket_path is not None:
+            for leftover in (self.socket_path, Path(f"{self.socket_path}.shm-files")):
+                if leftover.exists():
+                    os.unlink(leftover)
         log.info("plancache sidecar stopped")

@@ -36,7 +36,15 @@ STEPS = 6
 
 
 def req(shift: float, audio: float, **kw: object) -> dict[str, object]:
-    return {"task": "t2va", "steps": STEPS, "flow_shift": shift, "audio_flow_shift": audio, "height": 32, "width": 32, **kw}
+    return {
+        "task": "t2va",
+        "steps": STEPS,
+        "flow_shift": shift,
+        "audio_flow_shift": audio,
+        "height": 32,
+        "width": 32,
+        **kw,
+    }
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -65,7 +73,9 @@ def root() -> Iterator[Path]:
 def pair(root: Path, gpu_plans: int, **gen_kw: object) -> Iterator[tuple[object, object]]:
     sock = root / f"s{gpu_plans}.sock"
     side = build_sidecar(
-        SidecarConfig(root / "A", CacheConfig(gpu_plans=gpu_plans, host_cache_bytes=10**8), f"unix:{sock}", 0.2, None, 0)
+        SidecarConfig(
+            root / "A", CacheConfig(gpu_plans=gpu_plans, host_cache_bytes=10**8), f"unix:{sock}", 0.2, None, 0
+        )
     )
     side.start()
     cfg = GeneratorConfig(
@@ -170,16 +180,20 @@ def test_json_log_lines_carry_request_fields() -> None:
 
 
 def test_operator_limits_refuse_with_the_flag_named(root: Path) -> None:
-    with pair(root, gpu_plans=64, max_steps=4, max_prompt_bytes=3) as (_, gen):
-        with GeneratorClient(f"127.0.0.1:{gen.port}") as c:  # type: ignore[attr-defined]
-            with pytest.raises(grpc.RpcError) as e:
-                c.generate_unary(req(5.0, 3.0))  # 6 steps > 4
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "--max-steps" in e.value.details() and "steps" in e.value.details()
-            with pytest.raises(grpc.RpcError) as e:
-                c.generate_unary({"steps": 2, "prompt": "long"})
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in e.value.details()
-            assert c.generate_unary({"steps": 2, "height": 32, "width": 32}).sha256
+    with (
+        pair(root, gpu_plans=64, max_steps=4, max_prompt_bytes=3) as (_, gen),
+        GeneratorClient(
+            f"127.0.0.1:{gen.port}"  # type: ignore[attr-defined]
+        ) as c,
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate_unary(req(5.0, 3.0))  # 6 steps > 4
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-steps" in e.value.details() and "steps" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate_unary({"steps": 2, "prompt": "long"})
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in e.value.details()
+        assert c.generate_unary({"steps": 2, "height": 32, "width": 32}).sha256
 
 
 def _cert(d: Path, name: str, ca: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
@@ -192,8 +206,31 @@ def _cert(d: Path, name: str, ca: tuple[Path, Path] | None = None) -> tuple[Path
         )  # fmt: skip
         return key, crt
     csr = d / f"{name}.csr"
-    subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={name}"], check=True, capture_output=True)
-    subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca[1], "-CAkey", ca[0], "-CAcreateserial", "-out", crt, "-days", "2"], check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={name}"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca[1],
+            "-CAkey",
+            ca[0],
+            "-CAcreateserial",
+            "-out",
+            crt,
+            "-days",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return key, crt
 
 
@@ -211,7 +248,10 @@ def test_tls_and_mutual_tls(root: Path, tmp_path: Path) -> None:
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     with pair(root, gpu_plans=64, tls_cert=crt, tls_key=key, tls_client_ca=ca_crt) as (_, gen):
         target = f"localhost:{gen.port}"  # type: ignore[attr-defined]
-        with GeneratorClient(target, credentials=grpc.ssl_channel_credentials(crt.read_bytes())) as c, pytest.raises(grpc.RpcError):
+        with (
+            GeneratorClient(target, credentials=grpc.ssl_channel_credentials(crt.read_bytes())) as c,
+            pytest.raises(grpc.RpcError),
+        ):
             c.status(timeout=3)  # no client certificate
         mtls = grpc.ssl_channel_credentials(crt.read_bytes(), ckey.read_bytes(), ccrt.read_bytes())
         with GeneratorClient(target, credentials=mtls) as c:

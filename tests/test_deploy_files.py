@@ -1,0 +1,173 @@
+"""Deployment files (docker/): the linters (scripts/validate_deploy.sh), the structure the
+services depend on (shared namespaces, /dev/shm, one socket path, native sidecar, headless
+Service), and docker/healthcheck.py against a real sidecar."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from plancache_service.cli import build_parser, build_server, config_from_args
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+K8S = DOCKER / "k8s"
+HEALTHCHECK = DOCKER / "healthcheck.py"
+SIDECAR_SERVICE = "ditserve.plancache.v1.PlanCache"
+GENERATOR_SERVICE = "ditserve.generator.v1.Generator"
+
+
+def _load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _flag(args: list[str], name: str) -> str:
+    """The value of `--name=value` (or `--name value`) in a container's argument list."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+        if arg == name:
+            return args[i + 1]
+    raise AssertionError(f"{name} not in {args}")
+
+
+@pytest.fixture(scope="module")
+def pod() -> dict[str, Any]:
+    return _load(K8S / "deployment.yaml")["spec"]["template"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return _load(DOCKER / "compose.yaml")
+
+
+# ----------------------------------------------------------------------------- the linters
+def test_validate_deploy_script_passes() -> None:
+    res = subprocess.run(
+        ["bash", str(REPO / "scripts" / "validate_deploy.sh")], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, f"validate_deploy.sh failed:\n{res.stdout}\n{res.stderr}"
+    assert "all checks passed" in res.stdout
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+def test_k8s_sidecar_is_native_and_probed_over_its_socket(pod: dict[str, Any]) -> None:
+    [sidecar] = pod["initContainers"]
+    [generator] = pod["containers"]
+    assert sidecar["restartPolicy"] == "Always"  # native sidecar: starts first, lives with the pod
+    assert sidecar["args"][0] == "plancache" and generator["args"][0] == "generator"
+    socket = _flag(sidecar["args"], "--socket")
+    assert _flag(generator["args"], "--sidecar") == f"unix:{socket}"
+    assert Path(socket).parent != Path("/run/ditserve")  # a subdir the sidecar owns, not the volume root
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        cmd = sidecar[probe]["exec"]["command"]
+        assert cmd[:4] == ["python", "/opt/ditserve/healthcheck.py", f"unix:{socket}", SIDECAR_SERVICE], probe
+    assert "--alive" in sidecar["livenessProbe"]["exec"]["command"]
+    assert generator["readinessProbe"]["grpc"] == {"port": 50051, "service": GENERATOR_SERVICE}
+    assert "grpc" not in generator["livenessProbe"]  # NOT_SERVING while the sidecar is away must not kill it
+
+
+def test_k8s_pod_shares_shm_socket_dir_and_pids(pod: dict[str, Any]) -> None:
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    containers = pod["initContainers"] + pod["containers"]
+    mounts = [{m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in containers]
+    shm = {m["/dev/shm"] for m in mounts}
+    run = {m["/run/ditserve"] for m in mounts}
+    assert len(shm) == 1 and len(run) == 1  # one volume each, mounted in both containers
+    assert volumes[shm.pop()]["emptyDir"]["medium"] == "Memory"
+    assert "emptyDir" in volumes[run.pop()]
+    assert pod["shareProcessNamespace"] is True  # CUDA IPC needs the PID namespace shared
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "ditserve-models", "readOnly": True}
+    assert all(m["readOnly"] for c in containers for m in c["volumeMounts"] if m["name"] == "models")
+
+
+def test_k8s_one_gpu_and_optional_admin_token(pod: dict[str, Any]) -> None:
+    [sidecar] = pod["initContainers"]
+    [generator] = pod["containers"]
+    assert generator["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in sidecar["resources"].get("limits", {})  # a second request = a second GPU
+    [token] = [e for e in generator["env"] if e["name"] == "DITSERVE_ADMIN_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
+def test_k8s_service_is_headless_and_selects_the_pods() -> None:
+    service = _load(K8S / "service.yaml")
+    deployment = _load(K8S / "deployment.yaml")
+    assert service["spec"]["clusterIP"] == "None"
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["grpc"] == 50051
+
+
+def test_kustomization_lists_every_resource_file() -> None:
+    listed = set(_load(K8S / "kustomization.yaml")["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+# ----------------------------------------------------------------------------- compose
+def test_compose_shares_ipc_and_pid_and_waits_for_a_healthy_sidecar(compose: dict[str, Any]) -> None:
+    side, gen = compose["services"]["plancache"], compose["services"]["generator"]
+    assert side["ipc"] == "shareable" and "shm_size" in side
+    assert gen["ipc"] == "service:plancache" and gen["pid"] == "service:plancache"
+    assert gen["depends_on"]["plancache"]["condition"] == "service_healthy"
+    socket = _flag(side["command"], "--socket")
+    assert _flag(gen["command"], "--sidecar") == f"unix:{socket}"
+    assert side["healthcheck"]["test"][-2:] == [f"unix:{socket}", SIDECAR_SERVICE]
+    assert gen["healthcheck"]["test"][-2:] == ["127.0.0.1:50051", GENERATOR_SERVICE]
+    for svc in (side, gen):
+        assert any(str(v).endswith(":/models:ro") for v in svc["volumes"])
+        assert any(str(v).endswith(":/run/ditserve") for v in svc["volumes"])
+
+
+def test_cpu_image_pins_the_torch_of_requirements_cpu() -> None:
+    [pin] = [ln for ln in (REPO / "requirements-cpu.txt").read_text().splitlines() if ln.startswith("torch==")]
+    match = re.search(r"^ARG TORCH_VERSION=(\S+)$", (DOCKER / "Dockerfile.cpu").read_text(), re.M)
+    assert match and f"torch=={match.group(1)}" == pin
+
+
+# ----------------------------------------------------------------------------- healthcheck.py
+@pytest.fixture
+def sidecar(tiny_ckpt: Path) -> Iterator[tuple[Any, str]]:
+    """A real sidecar on a unix socket (short dir: AF_UNIX paths are limited to 107 bytes)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="dhc-"))
+    socket = run_dir / "s" / "plancache.sock"
+    args = ["--checkpoint", str(tiny_ckpt), "--socket", str(socket), "--host-cache-gb", "0", "--gpu-plans", "4"]
+    server = build_server(config_from_args(build_parser().parse_args(args)))
+    server.start()
+    try:
+        yield server, f"unix:{socket}"
+    finally:
+        server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _healthcheck(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_healthcheck_exit_codes_against_a_real_sidecar(sidecar: tuple[Any, str]) -> None:
+    server, target = sidecar
+    ok = _healthcheck(target, SIDECAR_SERVICE)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    assert _healthcheck(target.removeprefix("unix:")).returncode == 0  # bare socket path, whole server
+    unknown = _healthcheck(target, "no.such.Service")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    server.set_serving(False)
+    assert _healthcheck(target, SIDECAR_SERVICE).returncode == 1
+    assert _healthcheck(target, SIDECAR_SERVICE, "--alive").returncode == 0
+
+
+def test_healthcheck_fails_when_nothing_listens_and_on_bad_usage(tmp_path: Path) -> None:
+    down = _healthcheck(f"unix:{tmp_path / 'none.sock'}", "--timeout-s", "2")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+    assert _healthcheck("127.0.0.1:1", "--timeout-s", "0").returncode == 2

@@ -1,0 +1,241 @@
+"""Fault tests with real processes: SIGKILL the sidecar or the generator mid-request, and stop
+`ditserve serve` with SIGTERM.
+
+- Sidecar killed during a request: that request fails UNAVAILABLE; a sidecar restarted on the
+  same socket and checkpoint is reattached by the generator on its own, and the next request
+  is bit-exact with the resident reference.
+- Generator killed during a request: the sidecar drops the dead session's leases within
+  seconds; a restarted generator finds the plans still hot (slot hits, nothing rebuilt).
+- `ditserve serve` stopped by SIGTERM leaves no process and no /dev/shm file of its run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from service_fixtures import (
+    SERVING,
+    ProcessGroup,
+    children_of,
+    free_port,
+    health_status,
+    pid_alive,
+    procs_fixture,  # noqa: F401 - the procs fixture
+    resident_sha256,
+    shm_files_of,
+    shm_listing,
+    sidecar_state,
+    svc_ckpt_fixture,  # noqa: F401 - the svc_ckpt fixture
+    wait_for,
+)
+
+from ditcore import GenerationRequest
+from ditserve.client import GeneratorClient, request_to_proto
+from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
+from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+SLOTS = 1024
+# Long enough to be mid-denoise when the kill lands (hundreds of steps at the largest tiny size).
+LONG_REQUEST: dict[str, Any] = {
+    "request_id": "long",
+    "task": "t2v",
+    "steps": 600,
+    "flow_shift": 5.0,
+    "guidance_scale": 5.0,
+    "frames": 17,
+    "height": 64,
+    "width": 64,
+}
+# Same schedule (same plan keys), cheap steps: no guidance, the smallest latent.
+SAME_SCHEDULE_CHEAP: dict[str, Any] = {**LONG_REQUEST, "guidance_scale": 1.0, "frames": 1, "height": 16, "width": 16}
+CHECK_REQUEST: dict[str, Any] = {
+    "request_id": "after-restart",
+    "task": "t2va",
+    "prompt": "thunder",
+    "steps": 6,
+    "flow_shift": 6.0,
+    "audio_flow_shift": 2.0,
+    "seed": 3,
+    "frames": 5,
+    "height": 32,
+    "width": 32,
+    "audio_length": 8,
+}
+
+
+def _start_pair(procs: ProcessGroup, ckpt: Path, port: int | None = None) -> tuple[Any, Any, Path, str]:
+    sock = procs.workdir / "pc.sock"
+    port = port or free_port()
+    side = procs.sidecar(ckpt, sock, gpu_plans=SLOTS)
+    gen = procs.generator(sock, port)
+    procs.wait_healthy(f"unix:{sock}", side)
+    procs.wait_healthy(f"127.0.0.1:{port}", gen)
+    return side, gen, sock, f"127.0.0.1:{port}"
+
+
+def _open_stream(target: str, req: dict[str, Any]) -> tuple[grpc.Channel, Any, Any]:
+    ch = grpc.insecure_channel(target)
+    msg = gen_pb.GenerateStreamRequest(request=request_to_proto(GenerationRequest.from_dict(dict(req))))
+    call = gen_grpc.GeneratorStub(ch).GenerateStream(msg, timeout=120)
+    return ch, call, iter(call)
+
+
+def _read_until_step(it: Any, step: int) -> list[str]:
+    kinds = []
+    for ev in it:
+        kinds.append(ev.WhichOneof("event"))
+        if kinds[-1] == "step" and ev.step.step >= step:
+            return kinds
+    raise AssertionError(f"the stream ended before step {step}: {kinds}")
+
+
+def _drain(it: Any) -> list[str]:
+    """Read the rest of a stream; return the kinds seen (raises the stream's RpcError)."""
+    return [ev.WhichOneof("event") for ev in it]
+
+
+# ----------------------------------------------------------------------------- sidecar crash
+def test_sidecar_killed_mid_request_then_restarted(procs: ProcessGroup, svc_ckpt: Path) -> None:
+    side, gen, sock, target = _start_pair(procs, svc_ckpt)
+    run_files = shm_files_of(side.pid)
+    assert len(run_files) == 2, run_files  # the slab and the slot table
+    procs.leaked_files |= run_files  # a SIGKILLed sidecar cannot unlink them; clean up after the test
+
+    ch, _call, it = _open_stream(target, LONG_REQUEST)
+    with ch:
+        _read_until_step(it, 2)
+        side.kill9()
+        with pytest.raises(grpc.RpcError) as ei:
+            _drain(it)
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, (ei.value.code(), ei.value.details(), procs.logs())
+
+    # detached: NOT_SERVING, and new requests are refused UNAVAILABLE (not queued forever)
+    wait_for(lambda: health_status(target) != SERVING, 5, what="the generator to report NOT_SERVING")
+    with GeneratorClient(target) as client:
+        st = client.status()
+        assert not st.sidecar_connected and not st.serving
+        with pytest.raises(grpc.RpcError) as ei:
+            client.generate_unary(CHECK_REQUEST, timeout=30)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # restart the sidecar on the same socket and checkpoint: the generator reattaches by itself
+    side2 = procs.sidecar(svc_ckpt, sock, name="sidecar-restarted", gpu_plans=SLOTS)
+    procs.wait_healthy(f"unix:{sock}", side2)
+    t0 = time.monotonic()
+    wait_for(lambda: health_status(target) == SERVING, 20, interval=0.1, what="the generator to reattach")
+    reattach_s = time.monotonic() - t0
+    procs.leaked_files |= shm_files_of(side2.pid)
+    assert gen.running(), "the generator survived the sidecar crash"
+
+    with GeneratorClient(target) as client:
+        res = client.generate(CHECK_REQUEST, timeout=60)
+        assert client.status().sidecar_connected
+    assert res.sha256 == resident_sha256(svc_ckpt, CHECK_REQUEST)
+    assert res.generation == 1
+    assert res.cache["built_plans"] + res.cache["gpu_hit_plans"] == CHECK_REQUEST["steps"]
+    st = sidecar_state(str(sock))
+    assert st.session_attached and st.leases_held == 0
+    assert reattach_s < 10, f"reattach took {reattach_s:.1f} s"
+
+
+# ----------------------------------------------------------------------------- generator crash
+def test_generator_killed_leases_dropped_and_plans_stay_hot(procs: ProcessGroup, svc_ckpt: Path) -> None:
+    side, gen, sock, target = _start_pair(procs, svc_ckpt)
+    port = int(target.rsplit(":", 1)[1])
+    steps = LONG_REQUEST["steps"]
+
+    ch, _call, it = _open_stream(target, LONG_REQUEST)
+    with ch:
+        kinds = _read_until_step(it, 2)
+        assert "plans_ready" in kinds
+        st = sidecar_state(str(sock))
+        assert st.leases_held == 1 and st.stats.slots_leased == steps, st
+        gen.kill9()
+        t_kill = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            _drain(it)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    wait_for(lambda: sidecar_state(str(sock)).leases_held == 0, 5, what="the sidecar to drop the dead session's lease")
+    assert time.monotonic() - t_kill < 5
+    st = sidecar_state(str(sock))
+    assert not st.session_attached and st.stats.slots_leased == 0
+    assert st.stats.slots_ready >= steps, "the plans stay in the slab"
+    assert side.running()
+
+    gen2 = procs.generator(sock, port, name="generator-restarted")
+    procs.wait_healthy(target, gen2)
+    with GeneratorClient(target) as client:
+        res = client.generate({**SAME_SCHEDULE_CHEAP, "request_id": "again"}, timeout=120)
+    ready = dict(res.events)["plans_ready"]
+    assert ready["built_plans"] == 0 and ready["host_hit_plans"] == 0, ready
+    assert ready["gpu_hit_plans"] == steps, ready
+    assert res.cache["gpu_hit_plans"] == steps and res.cache["built_plans"] == 0
+    st = sidecar_state(str(sock))
+    assert st.session_attached and st.leases_held == 0
+
+
+# ----------------------------------------------------------------------------- ditserve serve
+def _processes_mentioning(text: str) -> set[int]:
+    """PIDs (other than ours) whose command line contains `text` (like `pgrep -f`)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and pid_alive(int(d.name)):
+            out.add(int(d.name))
+    return out
+
+
+def _children(pid: int) -> set[int]:
+    return {c for c in children_of(pid) if pid_alive(c)}
+
+
+def test_serve_sigterm_leaves_no_process_and_no_shm_file(procs: ProcessGroup, svc_ckpt: Path) -> None:
+    run_dir = procs.workdir / "run"
+    port = free_port()
+    shm_before = shm_listing()
+    serve = procs.start("serve", [
+        sys.executable, "-m", "ditserve", "serve", "--run-dir", run_dir, "--port", port, "--checkpoint", svc_ckpt,
+        "--gpu-plans", "32", "--host-cache-gb", "0.01",
+    ])  # fmt: skip
+    target = f"127.0.0.1:{port}"
+    procs.wait_healthy(target, serve, timeout=120)
+
+    children = wait_for(lambda: len(c := _children(serve.pid)) == 2 and c, 10, what="both children")
+    procs.extra_pids |= children
+    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in children}
+    assert sorted("plancache_service" in c for c in cmdlines.values()) == [False, True], cmdlines
+    assert any("generator_service" in c for c in cmdlines.values()), cmdlines
+    assert _processes_mentioning(str(run_dir)) >= children
+    run_files = set().union(*(shm_files_of(pid) for pid in children))
+    assert len(run_files) == 2 and all(Path(f).exists() for f in run_files), run_files
+    procs.leaked_files |= run_files  # removed at teardown should the test fail
+    assert (run_dir / "plancache.sock").exists()
+
+    with GeneratorClient(target) as client:
+        assert client.generate({**CHECK_REQUEST, "request_id": "serve-1"}, timeout=60).sha256
+
+    serve.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert serve.proc.wait(60) == 0, procs.logs()  # type: ignore[union-attr]
+    wait_for(lambda: not any(pid_alive(p) for p in children), 5, what="the children to exit")
+    assert not _processes_mentioning(str(run_dir)), "no process of this run is left"
+    # The run's files are the ones its processes mapped (other processes on this machine may
+    # create /dev/shm/ditserve-* files meanwhile, so a bare before/after diff cannot tell).
+    new_files = shm_listing() - shm_before
+    assert not (new_files & run_files), f"left behind: {new_files & run_files}"
+    assert not any(Path(f).exists() for f in run_files)
+    assert not (run_dir / "plancache.sock").exists()
