@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import torch
 from ditcore import CheckpointError
 from ditserve.obs import setup_logging
 from ditserve.paths import default_socket, grpc_target
+from ditserve.service_main import run_service
 
 from .backend import Backend, CachedBackend, ResidentBackend
 from .config import GeneratorConfig
@@ -114,23 +112,10 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"ditserve generator: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
-    try:
-        server = build_server(config_from_args(args))
-    except (ValueError, CheckpointError, OSError) as e:
-        print(f"ditserve generator: error: {e}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"generator serving on port {server.port}", flush=True)
-    stop.wait()
-    server.stop()
-    if isinstance(server.backend, CachedBackend):
-        server.backend.close()
-    return 0
+    return run_service(
+        "ditserve generator",
+        args.threads,
+        lambda: build_server(config_from_args(args)),
+        (ValueError, CheckpointError, OSError),
+        lambda server: f"generator serving on port {server.port}",  # type: ignore[attr-defined]
+    )

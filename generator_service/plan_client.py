@@ -182,6 +182,9 @@ class SidecarLink:
         self._thread.start()
 
     def close(self) -> None:
+        """Idempotent: end the session and the channel."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         stream = self._stream
         if stream is not None:

@@ -324,5 +324,8 @@ class GeneratorServer:
         self.refresh_health()
         self.server.stop(grace_s).wait()
         self.executor.stop()
+        close = getattr(self.backend, "close", None)
+        if close is not None:  # the cached backend's sidecar link
+            close()
         if self.metrics_server is not None:
             self.metrics_server.close()

@@ -16,13 +16,14 @@ nothing until it reattaches; then it loads whatever generation the sidecar names
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,14 +130,8 @@ class UpdateCoordinator:
         self.on_change: Callable[[], None] = lambda: None  # health follows `updating`
 
     def update(self, path: Path, expected_generation: int | None, request_id: str) -> UpdateResult:
-        if not self._lock.acquire(blocking=False):
-            raise UpdateError(
-                "ABORTED", "UPDATE_IN_PROGRESS", "another weight update is running; retry when it is done"
-            )
-        try:
+        with self._exclusive():
             return self._update(path, expected_generation, request_id)
-        finally:
-            self._lock.release()
 
     def _update(self, path: Path, expected: int | None, request_id: str) -> UpdateResult:
         phases: dict[str, float] = {}
@@ -149,14 +144,7 @@ class UpdateCoordinator:
             t = now
 
         backend = self.backend
-        previous = backend.generation()
-        if expected is not None and expected != previous:
-            raise UpdateError(
-                "ABORTED",
-                "GENERATION_MISMATCH",
-                f"expected_generation {expected} does not match the served generation {previous}",
-                {"current_generation": str(previous)},
-            )
+        previous = self._check_expected(expected)
         info = backend.validate_update(path)  # step 1: raises before any mutation
         mark("validate")
         log.info("update %s: %s (generation %d)", request_id, path, previous)
@@ -209,19 +197,8 @@ class UpdateCoordinator:
                 "tensor-pushed updates are refused in cached mode: plans are rebuilt from checkpoint files and "
                 "pushed tensors have none on disk; write a checkpoint under --weights-root and pass weights_path",
             )  # fmt: skip
-        if not self._lock.acquire(blocking=False):
-            raise UpdateError(
-                "ABORTED", "UPDATE_IN_PROGRESS", "another weight update is running; retry when it is done"
-            )
-        try:
-            previous = backend.generation()
-            if expected is not None and expected != previous:
-                raise UpdateError(
-                    "ABORTED",
-                    "GENERATION_MISMATCH",
-                    f"expected_generation {expected} does not match the served generation {previous}",
-                    {"current_generation": str(previous)},
-                )
+        with self._exclusive():
+            previous = self._check_expected(expected)
             t0 = time.perf_counter()
             staged = backend.stage_tensors(tensors)
             self.executor.pause()
@@ -241,8 +218,30 @@ class UpdateCoordinator:
                 self.executor.resume()
             ms = round((time.perf_counter() - t0) * 1000, 3)
             return UpdateResult(generation, previous, str(backend.info.path), fingerprint, {"total_ms": ms})
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """One update at a time: a second one is refused, not queued."""
+        if not self._lock.acquire(blocking=False):
+            raise UpdateError(
+                "ABORTED", "UPDATE_IN_PROGRESS", "another weight update is running; retry when it is done"
+            )
+        try:
+            yield
         finally:
             self._lock.release()
+
+    def _check_expected(self, expected: int | None) -> int:
+        """The served generation, refusing (ABORTED) a stale `expected_generation`."""
+        current = self.backend.generation()
+        if expected is not None and expected != current:
+            raise UpdateError(
+                "ABORTED",
+                "GENERATION_MISMATCH",
+                f"expected_generation {expected} does not match the served generation {current}",
+                {"current_generation": str(current)},
+            )
+        return current
 
     def _commit(self, previous: int, path: str, fingerprint: str) -> tuple[int, str]:
         backend = self.backend

@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import signal
-import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +18,7 @@ import torch
 from ditcore import CheckpointError
 from ditserve.obs import setup_logging
 from ditserve.paths import default_run_dir, default_socket, ensure_private_dir
+from ditserve.service_main import run_service
 
 from .cache import PlanCache
 from .config import GB, CacheConfig
@@ -147,22 +145,10 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"ditserve plancache: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
-    try:
-        cfg = config_from_args(args)
-        server = build_server(cfg)
-    except (ValueError, CheckpointError, OSError, StateFileError) as e:
-        print(f"ditserve plancache: error: {e}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"plancache sidecar serving on {server.address}", flush=True)
-    stop.wait()
-    server.stop()
-    return 0
+    return run_service(
+        "ditserve plancache",
+        args.threads,
+        lambda: build_server(config_from_args(args)),
+        (ValueError, CheckpointError, OSError, StateFileError),
+        lambda server: f"plancache sidecar serving on {server.address}",  # type: ignore[attr-defined]
+    )

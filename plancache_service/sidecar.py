@@ -25,7 +25,6 @@ from .cache import CacheStats, Lease, PlanCache
 from .errors import (
     CheckpointChangedError,
     GenerationMismatchError,
-    NotServingError,
     SessionError,
     UpdateConflictError,
 )
@@ -99,7 +98,11 @@ class Sidecar:
     def prepare(self, session_id: str, generation: int, keys: Sequence[PlanKey]) -> Lease:
         self._check_session(session_id)
         if self._not_serving:
-            raise NotServingError(f"not serving plans: {self._not_serving}")
+            # The one reason not to serve is a rebuild source that changed on disk: the same
+            # (non-retryable) FAILED_PRECONDITION the first refusal had, not UNAVAILABLE, so a
+            # request's status does not depend on whether another prepare (e.g. the generator's
+            # prefetch) saw the change first.
+            raise CheckpointChangedError(f"not serving plans: {self._not_serving}")
         try:
             return self.cache.prepare(generation, keys, owner=session_id)
         except CheckpointChangedError as e:

@@ -88,8 +88,7 @@ def pair(root: Path, gpu_plans: int, **gen_kw: object) -> Iterator[tuple[object,
         assert gen.backend.link.wait_attached(30)  # type: ignore[attr-defined]
         yield side, gen
     finally:
-        gen.stop(1)
-        gen.backend.close()  # type: ignore[attr-defined]
+        gen.stop(1)  # also closes the sidecar link
         side.stop(1)
 
 
