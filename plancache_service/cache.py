@@ -372,14 +372,15 @@ class PlanCache:
         """Write the missing plans' pages into their FILLING slots, then fence."""
         if not missing:
             return PrepareReport(gpu_hit_plans=n_hits)
-        dst = [self.slab[s, : k.width] for k, s in zip(missing, slots, strict=True)]
         t0 = time.perf_counter()
         if from_host:
-            nbytes = 0
-            for k, out in zip(missing, dst, strict=True):
-                for j, row in enumerate(self.host.page_rows(k)):
-                    self.copier.copy(out[j], row)
-                    nbytes += row.numel() * row.element_size()
+            width = self.config.plan_width
+            pairs = [
+                (s * width + j, page)
+                for k, s in zip(missing, slots, strict=True)
+                for j, page in enumerate(self.host.page_indices(k))
+            ]
+            nbytes = self.copier.copy_rows(self.slab.view(-1, self.slab.shape[-1]), self.host.buffer, pairs)
             self.copier.fence()
             self.host.touch(missing)
             dt = time.perf_counter() - t0
@@ -388,7 +389,7 @@ class PlanCache:
                 self._c["swap_in_bytes"] += nbytes
                 self._swap_in_s += dt
             return PrepareReport(gpu_hit_plans=n_hits, host_hit_plans=len(missing), swap_in_s=round(dt, 6))
-        self.source.build(missing, dst)
+        self.source.build(missing, [self.slab[s, : k.width] for k, s in zip(missing, slots, strict=True)])
         self.copier.fence()
         dt = time.perf_counter() - t0
         with self._state:
@@ -424,11 +425,15 @@ class PlanCache:
         if self.host.capacity_pages == 0:
             return False
 
-        def write(key: PlanKey, rows: list[torch.Tensor]) -> None:
-            src = self.slab[self._key_slot[key]]
-            for j, row in enumerate(rows):
-                self.copier.copy(row, src[j])
+        width = self.config.plan_width
+        pairs: list[tuple[int, int]] = []
+
+        def write(key: PlanKey, rows: list[int]) -> None:
+            s = self._key_slot[key]
+            pairs.extend((row, s * width + j) for j, row in enumerate(rows))
 
         stored = self.host.admit(group, write)
-        self.copier.fence()
+        if pairs:
+            self.copier.copy_rows(self.host.buffer, self.slab.view(-1, self.slab.shape[-1]), pairs)
+            self.copier.fence()
         return stored

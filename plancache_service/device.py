@@ -239,6 +239,25 @@ class Copier:
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
 
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, pairs: list[tuple[int, int]]) -> int:
+        """Copy src[s] -> dst[d] for each (d, s); runs consecutive on both sides become one copy.
+
+        Returns the bytes copied. Pages of one plan (and plans taken in order) sit in
+        consecutive rows, so a group's swap-in is a handful of large copies, not one per page.
+        """
+        nbytes = 0
+        ordered = sorted(pairs)
+        i = 0
+        while i < len(ordered):
+            d0, s0 = ordered[i]
+            n = 1
+            while i + n < len(ordered) and ordered[i + n] == (d0 + n, s0 + n):
+                n += 1
+            self.copy(dst[d0 : d0 + n], src[s0 : s0 + n])
+            nbytes += n * dst.shape[1] * dst.element_size()
+            i += n
+        return nbytes
+
     def fence(self) -> None:
         """Wait until every copy and kernel issued for the cache has finished."""
         if self.device.type == "cuda":

@@ -64,8 +64,12 @@ class HostTier:
         return set(self._plans)
 
     def page_rows(self, key: PlanKey) -> list[torch.Tensor]:
-        """The held plan's pages, one (page_numel,) row view per timestep of the key."""
+        """The held plan's pages as (page_numel,) row views, one per timestep of the key."""
         return [self.buffer[p] for p in self._plans[key].pages]
+
+    def page_indices(self, key: PlanKey) -> list[int]:
+        """Rows of `buffer` holding the plan's pages, one per timestep of the key."""
+        return list(self._plans[key].pages)
 
     # ---------------------------------------------------------------- updates
     def touch(self, keys: Iterable[PlanKey]) -> None:
@@ -74,8 +78,8 @@ class HostTier:
         for g in [g for g in self._groups if wanted.intersection(g)]:
             self._groups.move_to_end(g)
 
-    def admit(self, group: Sequence[PlanKey], write: Callable[[PlanKey, list[torch.Tensor]], None]) -> bool:
-        """Store `group`; `write(key, dst_rows)` fills the page rows of plans not yet held.
+    def admit(self, group: Sequence[PlanKey], write: Callable[[PlanKey, list[int]], None]) -> bool:
+        """Store `group`; `write(key, rows)` must fill `buffer[rows]` for each plan not yet held.
 
         Returns False (and counts a pressure skip) when the group cannot fit even after
         evicting every other group; the tier is then left exactly as it was.
@@ -98,7 +102,7 @@ class HostTier:
         for k in new:
             pages = [self._free.pop() for _ in range(k.width)]
             self._plans[k] = _HostPlan(pages, refs=1)
-            write(k, [self.buffer[p] for p in pages])
+            write(k, pages)
         self._groups[g] = None
         return True
 

@@ -28,14 +28,15 @@ AB2 = key(6, 7)  # a width-2 plan
 class Writer:
     """Records which plans were written and fills row j of key k with k.bits[j] + 0.5."""
 
-    def __init__(self) -> None:
+    def __init__(self, t: HostTier) -> None:
+        self.tier = t
         self.written: list[PlanKey] = []
 
-    def __call__(self, k: PlanKey, rows: list[torch.Tensor]) -> None:
+    def __call__(self, k: PlanKey, rows: list[int]) -> None:
         assert len(rows) == k.width
         self.written.append(k)
         for j, row in enumerate(rows):
-            row.fill_(k.bits[j] + 0.5)
+            self.tier.buffer[row].fill_(k.bits[j] + 0.5)
 
 
 def tier(pages: int) -> HostTier:
@@ -67,7 +68,8 @@ def test_geometry() -> None:
 
 
 def test_admit_stores_group_and_pages() -> None:
-    t, w = tier(5), Writer()
+    t = tier(5)
+    w = Writer(t)
     assert t.admit([A, AB2, A], w)  # duplicates inside a group are stored once
     assert w.written == [A, AB2]
     expect_tier(t, [(A, AB2, A)])
@@ -75,7 +77,8 @@ def test_admit_stores_group_and_pages() -> None:
 
 
 def test_readmitting_a_stored_group_only_touches_it() -> None:
-    t, w = tier(4), Writer()
+    t = tier(4)
+    w = Writer(t)
     t.admit([A, B], w)
     t.admit([C], w)
     w.written.clear()
@@ -85,7 +88,8 @@ def test_readmitting_a_stored_group_only_touches_it() -> None:
 
 
 def test_lru_group_is_evicted_first_and_touch_reorders() -> None:
-    t, w = tier(4), Writer()
+    t = tier(4)
+    w = Writer(t)
     t.admit([A, B], w)
     t.admit([C, D], w)
     t.touch([B])  # (A, B) becomes most recent
@@ -96,7 +100,8 @@ def test_lru_group_is_evicted_first_and_touch_reorders() -> None:
 
 
 def test_shared_plan_survives_eviction_of_one_group() -> None:
-    t, w = tier(4), Writer()
+    t = tier(4)
+    w = Writer(t)
     t.admit([A, B], w)
     t.admit([A, C], w)  # A stored once, referenced twice
     assert w.written == [A, B, C] and t.used_pages == 3
@@ -111,7 +116,8 @@ def test_shared_plan_survives_eviction_of_one_group() -> None:
 def test_group_sharing_a_plan_with_its_victim_keeps_that_plan() -> None:
     # (AB2, A) holds 3 pages of 4; (AB2, B, C) needs 2 new pages, 1 free: evicting the old group
     # must free A but keep AB2, which the new group is about to reference.
-    t, w = tier(4), Writer()
+    t = tier(4)
+    w = Writer(t)
     t.admit([AB2, A], w)
     assert t.admit([AB2, B, C], w)
     expect_tier(t, [(AB2, B, C)], evictions=1)
@@ -119,7 +125,8 @@ def test_group_sharing_a_plan_with_its_victim_keeps_that_plan() -> None:
 
 
 def test_group_over_the_cap_is_skipped_and_tier_unchanged() -> None:
-    t, w = tier(3), Writer()
+    t = tier(3)
+    w = Writer(t)
     t.admit([A, B], w)
     before = t.buffer.clone()
     w.written.clear()
@@ -131,7 +138,8 @@ def test_group_over_the_cap_is_skipped_and_tier_unchanged() -> None:
 
 def test_admission_is_all_or_nothing_when_shared_pages_cannot_be_reclaimed() -> None:
     # (A, B, C) is stored; (A, AB2, D) needs 3 new pages; free 1 + reclaimable (B, C) 2 = 3: fits.
-    t, w = tier(4), Writer()
+    t = tier(4)
+    w = Writer(t)
     t.admit([A, B, C], w)
     assert t.admit([A, AB2, D], w)
     expect_tier(t, [(A, AB2, D)], evictions=1)
@@ -146,13 +154,15 @@ def test_admission_is_all_or_nothing_when_shared_pages_cannot_be_reclaimed() -> 
 
 
 def test_zero_capacity_tier_skips_everything() -> None:
-    t, w = tier(0), Writer()
+    t = tier(0)
+    w = Writer(t)
     assert not t.admit([A], w)
     expect_tier(t, [], skips=1)
 
 
 def test_clear_frees_every_page() -> None:
-    t, w = tier(4), Writer()
+    t = tier(4)
+    w = Writer(t)
     t.admit([A, B], w)
     t.admit([AB2], w)
     t.clear()
@@ -165,7 +175,8 @@ def test_clear_frees_every_page() -> None:
 def test_random_admissions_never_exceed_the_cap_or_corrupt_pages(seed: int) -> None:
     rng = random.Random(seed)
     universe = [key(i) for i in range(1, 9)] + [key(100 + i, 200 + i) for i in range(6)]
-    t, w = tier(8), Writer()
+    t = tier(8)
+    w = Writer(t)
     stored: list[tuple[PlanKey, ...]] = []  # model of the expected LRU list
     skips = evictions = 0
     for _ in range(300):

@@ -83,14 +83,23 @@ def repeat_vs_first_seen(ctx: BenchContext) -> dict[str, Any]:
     with ctx.services(Arm("repeat", gpu_plans=4 * ctx.steps, prefetch=False)) as svc:
         recs = ctx.run(svc, [x for label in labels for x in (label, label)])
     firsts, repeats = recs[0::2], recs[1::2]
-    saved = sum(f.service_s - r.service_s for f, r in zip(firsts, repeats, strict=True))
+    # Both requests of a pair do the same encode + denoise work, whose run-to-run noise (about 1%
+    # of a request) is as large as the rebuild itself on this preset; so "saved" compares what
+    # is left of each latency (prepare, RPC, transfer). The end-to-end difference is reported too.
+    saved = sum(_non_compute_s(f) - _non_compute_s(r) for f, r in zip(firsts, repeats, strict=True))
+    saved_e2e = sum(f.service_s - r.service_s for f, r in zip(firsts, repeats, strict=True))
     rebuild = sum(f.cache["rebuild_s"] for f in firsts)
     ratio = saved / rebuild if rebuild else float("nan")
     return {
         "ratio": round(ratio, 3), "target": "0.9 <= saved/rebuild <= 1.1", "met": 0.9 <= ratio <= 1.1,
-        "saved_s": round(saved, 4), "rebuild_s": round(rebuild, 4),
+        "saved_s": round(saved, 4), "saved_end_to_end_s": round(saved_e2e, 4), "rebuild_s": round(rebuild, 4),
+        "end_to_end_ratio": round(saved_e2e / rebuild, 3) if rebuild else None,
         "first_s": [round(r.service_s, 4) for r in firsts], "repeat_s": [round(r.service_s, 4) for r in repeats],
     }  # fmt: skip
+
+
+def _non_compute_s(r: Record) -> float:
+    return r.service_s - (r.timings_ms.get("encode_ms", 0.0) + r.timings_ms.get("denoise_ms", 0.0)) / 1000
 
 
 # ------------------------------------------------------------------ 2 + 3. host tier, alternating
@@ -150,10 +159,14 @@ def _memcpy_bandwidth(nbytes: int, device: str) -> float:
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
         return nbytes / (time.perf_counter() - t0)
-    src, dst = torch.empty(n).normal_(), torch.empty(n)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return n * 4 / best
+    # one copy between two pre-faulted buffers, with the CPU caches flushed first (the swap-in
+    # reads host pages that are not cache-hot either); median of 5
+    src, dst, flush = torch.empty(n).normal_(), torch.zeros(n), torch.zeros(16 * 2**20)
+    times = []
+    for _ in range(5):
+        flush.add_(1.0)
+        times.append(_timed(lambda: dst.copy_(src)))
+    return n * 4 / statistics.median(times)
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -167,7 +180,7 @@ def cached_vs_resident(ctx: BenchContext, both_fit: list[Record]) -> dict[str, A
     with ctx.services(Arm("resident", mode="resident")) as svc:
         res = ctx.run(svc, ["A"] * (ctx.repeats + 1))[1:]
     cached = [r for r in both_fit[2:] if r.label == "A"]
-    ratio = _mean([r.service_s for r in cached]) / _mean([r.service_s for r in res])
+    ratio = statistics.median(r.service_s for r in cached) / statistics.median(r.service_s for r in res)
     same = {r.sha256 for r in res} == {r.sha256 for r in cached}
     return {
         "ratio": round(ratio, 3), "target": "cached/resident <= 1.0 (and identical sha256)", "met": bool(ratio <= 1.0 and same),
@@ -193,7 +206,7 @@ def sidecar_overhead(ctx: BenchContext, both_fit: list[Record]) -> dict[str, Any
     finally:
         cache.close()
     service = [r.service_s for r in both_fit[2:] if r.label == "A"]
-    ratio = _mean(service) / _mean(embedded)
+    ratio = statistics.median(service) / statistics.median(embedded)
     return {
         "ratio": round(ratio, 4), "target": "service pair / embedded <= 1.02", "met": ratio <= 1.02,
         "service_s": [round(x, 4) for x in service], "embedded_s": [round(x, 4) for x in embedded],
