@@ -100,6 +100,7 @@ class ResidentBackend(Backend):
         self.info = validate_checkpoint(checkpoint, require_adaln=True)
         self._model = load_model(self.info, "resident").to(device)
         self._generation = 1  # local to this process: resident mode has no sidecar to persist it
+        self._fingerprint = self.info.fingerprint
 
     def model(self) -> DiT:
         return self._model
@@ -118,6 +119,7 @@ class ResidentBackend(Backend):
 
     def adopt(self, generation: int, weights_path: str, fingerprint: str) -> int:
         self._generation = generation
+        self._fingerprint = fingerprint  # "tensors:<sha256>" after a tensor-pushed update
         return generation
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> DiT:
@@ -136,7 +138,7 @@ class ResidentBackend(Backend):
         return model
 
     def status(self) -> dict[str, Any]:
-        return {"weights_path": str(self.info.path), "fingerprint": self.info.fingerprint, "serving": True}
+        return {"weights_path": str(self.info.path), "fingerprint": self._fingerprint, "serving": True}
 
 
 class CachedBackend(Backend):

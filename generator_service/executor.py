@@ -157,8 +157,8 @@ class Executor:
                 self._lock.wait(left)
             jobs = list(self._queue)
         for job in jobs:
-            if job.prefetching:
-                job.prefetch_done.wait(max(0.0, end - time.monotonic()))
+            if job.prefetching and not job.prefetch_done.wait(max(0.0, end - time.monotonic())):
+                return False  # a prefetch still holds (or is about to hold) a lease
             lease, job.prefetched = job.prefetched, None
             if lease is not None:
                 lease.release()
@@ -271,6 +271,9 @@ class Executor:
                 if job is None or self._queue[0] is not job or job.cancelled.is_set():
                     continue
                 job.prefetching = True
+                # a job can be prefetched again (drain released its lease, or a prefetch failed):
+                # waiters must wait for *this* prefetch, not see the last one's event still set
+                job.prefetch_done.clear()
             try:
                 t0 = time.perf_counter()
                 job.prefetched = self.backend.acquire(job.request)
