@@ -75,12 +75,15 @@ class Services:
         port = _free_port()
         self.target = f"127.0.0.1:{port}"
         common = ["--device", device, "--threads", str(threads), "--log-level", "WARNING"]
+        self.metrics_ports = {"generator": _free_port(), "sidecar": _free_port()}
         gen = [py, "-m", "generator_service", "--listen", self.target, *common]
+        gen += ["--metrics-port", str(self.metrics_ports["generator"])]
         if arm.mode == "resident":
             gen += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
         else:
             side = [py, "-m", "plancache_service", "--checkpoint", str(checkpoint), "--socket", str(self.sock)]
             side += ["--gpu-plans", str(arm.gpu_plans), "--host-cache-gb", str(arm.host_cache_gb), *common]
+            side += ["--metrics-port", str(self.metrics_ports["sidecar"])]
             self._start(side, f"unix:{self.sock}", env, "sidecar")
             gen += ["--sidecar", f"unix:{self.sock}"]
             if not arm.prefetch:
@@ -107,6 +110,18 @@ class Services:
             self.arm.name, label, request_id, latency, res.sha256, res.generation,
             res.timings_ms, res.cache, tier_of(res.cache, self.arm.mode),
         )  # fmt: skip
+
+    def scrape(self) -> str:
+        """Both services' /metrics, as Prometheus would see them."""
+        import urllib.request
+
+        out = []
+        for name, port in self.metrics_ports.items():
+            if name == "sidecar" and self.arm.mode == "resident":
+                continue
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            out.append(f"# ---- {name} (:{port}/metrics, arm {self.arm.name})\n{body}")
+        return "\n".join(out)
 
     def close(self) -> None:
         if hasattr(self, "client"):

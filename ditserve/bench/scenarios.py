@@ -118,6 +118,7 @@ def alternating(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any], dict
             if name == "one_fits_host":
                 st = _sidecar_stats(svc)
                 swap_bytes, swap_s = float(st.swap_in_bytes), float(st.swap_in_s)
+                (ctx.workdir / "metrics-after-alternating.txt").write_text(svc.scrape())
     warm = {n: r[2:] for n, r in runs.items()}
     rebuilds = {n: sum(1 for r in w if r.cache["built_plans"]) for n, w in warm.items()}
     same = all(len({r.sha256 for rs in runs.values() for r in rs if r.label == lab}) == 1 for lab in ("A", "B"))
