@@ -59,13 +59,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["repeat_vs_first_seen"] = scenarios.repeat_vs_first_seen(ctx)
     first_seen = [r for r in records if r.arm == "repeat" and r.tier == "built"]
     ctx.log("2-3. host tier and alternating schedules")
-    host, alt, runs = scenarios.alternating(ctx)
+    host, alt = scenarios.alternating(ctx)
     results["host_tier"] = host
     results["alternating"] = alt
-    ctx.log("4. cached vs resident")
-    results["cached_vs_resident"] = scenarios.cached_vs_resident(ctx, runs["both_fit"])
-    ctx.log("5. sidecar overhead")
-    results["sidecar_overhead"] = scenarios.sidecar_overhead(ctx, runs["both_fit"])
+    ctx.log("4-5. cached vs resident, sidecar overhead (interleaved)")
+    results["cached_vs_resident"], results["sidecar_overhead"] = scenarios.steady_state(ctx)
     ctx.log("6. PreparePlans latency")
     results["prepare_latency"] = scenarios.prepare_latency(ctx, calls=100 if args.quick else 300)
     ctx.log("7. rebuild efficiency")
