@@ -16,8 +16,6 @@ import grpc
 import torch
 
 from ditcore import GenerationRequest, generate, load_model, validate_checkpoint
-from ditcore.checkpoint import CheckpointReader
-from ditcore.config import adaln_layer_names
 from ditcore.plans import distinct_keys
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
@@ -27,6 +25,7 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as ppb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as ppb_grpc
 
 from .harness import Arm, Record, Services
+from .measure import memcpy_bandwidth, read_adaln_seconds
 
 SCHEDULES = {  # label -> (flow_shift, audio_flow_shift); distinct shifts give width-2 plans
     "A": (5.0, 3.0),
@@ -135,7 +134,7 @@ def alternating(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
     rebuild_s = _mean([r.cache["rebuild_s"] for r in host_runs[:2]])
     swap_each = _mean([r.cache["swap_in_s"] for r in host_runs[2:] if r.cache["host_hit_plans"]])
     swap_bw = swap_bytes / swap_s if swap_s else float("nan")
-    memcpy_bw = _memcpy_bandwidth(int(swap_bytes / max(1, len(host_runs) - 2)), ctx.device)
+    memcpy_bw = memcpy_bandwidth(int(swap_bytes / max(1, len(host_runs) - 2)), ctx.device)
     speedup = rebuild_s / swap_each if swap_each else float("nan")
     host = {
         "ratio": round(speedup, 2),
@@ -146,34 +145,6 @@ def alternating(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
         "bandwidth_ratio": round(swap_bw / memcpy_bw, 3),
     }  # fmt: skip
     return host, alt
-
-
-def _memcpy_bandwidth(nbytes: int, device: str) -> float:
-    """A plain copy of the same bytes between the same kinds of buffers (host -> slab)."""
-    n = max(1, nbytes // 4)
-    if device.startswith("cuda"):
-        src = torch.empty(n, pin_memory=True).normal_()
-        dst = torch.empty(n, device=device)
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        return nbytes / (time.perf_counter() - t0)
-    # one copy between two pre-faulted buffers, with the CPU caches flushed first (the swap-in
-    # reads host pages that are not cache-hot either); median of 5
-    src, dst, flush = torch.empty(n).normal_(), torch.zeros(n), torch.zeros(16 * 2**20)
-    times = []
-    for _ in range(5):
-        flush.add_(1.0)
-        times.append(_timed(lambda: dst.copy_(src)))
-    return n * 4 / statistics.median(times)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------ 4 + 5. cached vs resident, sidecar overhead
@@ -291,17 +262,7 @@ def rebuild_efficiency(ctx: BenchContext, first_seen: list[Record], bit_exact: b
     torch.set_num_threads(ctx.threads)
     info = validate_checkpoint(ctx.checkpoint)
 
-    def read() -> float:
-        t0 = time.perf_counter()
-        with CheckpointReader(info) as reader:
-            for name in adaln_layer_names(info.config):
-                w, b = reader.adaln_layer(name)
-                w.to(ctx.device).sum()
-                del w, b
-        return time.perf_counter() - t0
-
-    read()  # warm the page cache: the rebuilds above read a warm cache too
-    read_s = min(read() for _ in range(3))
+    read_s = read_adaln_seconds(info, ctx.device)
     rebuild_s = _mean([r.cache["rebuild_s"] for r in first_seen])
     plans = _mean([float(r.cache["built_plans"]) for r in first_seen])
     source = RebuildSource(info, torch.device(ctx.device))

@@ -19,23 +19,11 @@ from pathlib import Path
 import torch
 
 from ditcore import get_preset, validate_checkpoint, write_checkpoint
-from ditcore.checkpoint import CheckpointReader
-from ditcore.config import adaln_layer_names
 from ditcore.plans import ScheduleSpec
+from ditserve.bench.measure import memcpy_bandwidth, read_adaln_seconds
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.rebuild import RebuildSource
-
-
-def read_adaln_s(info) -> float:  # type: ignore[no-untyped-def]
-    """Seconds to read every adaln_proj weight and bias once (what any rebuild must read)."""
-    t0 = time.perf_counter()
-    with CheckpointReader(info) as reader:
-        for name in adaln_layer_names(info.config):
-            w, b = reader.adaln_layer(name)
-            w.sum()  # touch the bytes
-            del w, b
-    return time.perf_counter() - t0
 
 
 def run(checkpoint: Path, steps: int) -> dict[str, float]:
@@ -43,8 +31,7 @@ def run(checkpoint: Path, steps: int) -> dict[str, float]:
     cfg = info.config
     a = ScheduleSpec("t2va", steps, 5.0, 3.0).plan_keys()
     b = ScheduleSpec("t2va", steps, 4.0, 2.0).plan_keys()
-    read_adaln_s(info)  # warm the page cache: both sides then read from memory
-    read_s = min(read_adaln_s(info) for _ in range(3))
+    read_s = read_adaln_seconds(info)
     source = RebuildSource(info, torch.device("cpu"))
     cache = PlanCache(
         CacheConfig(gpu_plans=steps, plan_width=2, host_cache_bytes=4 * steps * 2 * cfg.page_bytes), source
@@ -60,11 +47,7 @@ def run(checkpoint: Path, steps: int) -> dict[str, float]:
         swap_s = la.report.swap_in_s
         swapped = sum(k.width for k in dict.fromkeys(a) if k not in set(b)) * cfg.page_bytes
         cache.release(la.lease_id)
-        # a plain memcpy of the same bytes between the same kinds of buffers
-        src = torch.empty(swapped // cfg.dtype_bytes, dtype=cfg.torch_dtype).normal_()
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        memcpy_s = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+        memcpy_bw = memcpy_bandwidth(swapped)
         hit_us = []
         for _ in range(200):
             t0 = time.perf_counter()
@@ -74,7 +57,7 @@ def run(checkpoint: Path, steps: int) -> dict[str, float]:
     finally:
         cache.close()
     hit_us.sort()
-    swap_bw, memcpy_bw = swapped / swap_s, swapped / memcpy_s
+    swap_bw = swapped / swap_s
     return {
         "steps": steps,
         "read_adaln_s": round(read_s, 4),
@@ -88,12 +71,6 @@ def run(checkpoint: Path, steps: int) -> dict[str, float]:
         "all_hit_prepare_us_p50": round(statistics.median(hit_us), 1),
         "all_hit_prepare_us_p99": round(hit_us[int(0.99 * (len(hit_us) - 1))], 1),
     }
-
-
-def _timed(fn) -> float:  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
