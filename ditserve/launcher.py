@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -63,6 +64,18 @@ def wait_healthy(
     raise TimeoutError(f"{target} did not become healthy within {timeout_s:.0f} s")
 
 
+def terminate(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> int | None:
+    """SIGTERM, wait up to `grace_s`, then SIGKILL; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
 def demo_checkpoint(run_dir: Path) -> Path:
     path = run_dir / f"demo-checkpoint-{DEMO_PRESET}"
     if not is_checkpoint_dir(path):
@@ -102,15 +115,8 @@ class Child:
             raise RuntimeError(f"{self.name} failed to start ({e}); see {self.log_path}") from e
 
     def stop(self, grace_s: float = 20.0) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        if self.proc is not None:
+            terminate(self.proc, grace_s)
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None

@@ -44,6 +44,7 @@ from ditcore import (
     validate_checkpoint,
     write_checkpoint,
 )
+from ditserve.launcher import terminate
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as cache_grpc
 
@@ -319,14 +320,7 @@ class ServiceProcess:
         p = self.proc
         if p is None:
             return None
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        return p.returncode
+        return terminate(p, grace_s)
 
     def log(self) -> str:
         try:

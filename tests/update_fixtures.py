@@ -21,10 +21,8 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,8 +35,12 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from service_fixtures import free_port
+from service_fixtures import short_tmpdir as _short_tmpdir
+from service_fixtures import wait_for as _wait_for
 
 from ditcore import GenerationRequest, generate, get_preset, load_model, write_checkpoint
+from ditserve.launcher import terminate
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
@@ -106,29 +108,12 @@ def long_request(steps: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- small helpers
 def short_tmpdir(prefix: str = "dsu-") -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _short_tmpdir(prefix)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll until `predicate()` is truthy and return it; AssertionError on timeout."""
-    end = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (grpc.RpcError, OSError) as e:
-            last = e
-        if time.monotonic() >= end:
-            raise AssertionError(f"timed out after {timeout:.1f} s waiting for {what} (last error: {last!r})")
-        time.sleep(interval)
+    return _wait_for(predicate, timeout, interval=interval, what=what)
 
 
 def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
@@ -494,15 +479,8 @@ class Proc:
         return self.proc.wait(timeout)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+        if self.proc is not None:
+            terminate(self.proc, grace_s)
 
     def log(self) -> str:
         try:

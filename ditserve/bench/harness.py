@@ -5,7 +5,6 @@ given cache configuration, run requests through the Python client, record per-re
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.client import GeneratorClient
-from ditserve.launcher import wait_healthy
+from ditserve.launcher import terminate, wait_healthy
 
 
 @dataclass(frozen=True)
@@ -127,13 +126,7 @@ class Services:
         if hasattr(self, "client"):
             self.client.close()
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            terminate(p, 30)
 
     def __enter__(self) -> Services:
         return self
