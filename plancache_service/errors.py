@@ -88,13 +88,6 @@ class SessionError(PlanCacheError):
     grpc_code = "FAILED_PRECONDITION"
 
 
-class NotServingError(PlanCacheError):
-    """The sidecar does not serve plans now (shutting down, or its rebuild source changed)."""
-
-    reason = "NOT_SERVING"
-    grpc_code = "UNAVAILABLE"
-
-
 class UpdateConflictError(PlanCacheError):
     """Another weight update is prepared, or commit/abort names a different one."""
 
