@@ -33,7 +33,8 @@ DEMO_PRESET = "small"
 MAX_RESTARTS_PER_MIN = 5
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -106,7 +107,7 @@ class Child:
 
     def start(self, timeout_s: float = 120.0) -> None:
         logf = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         logf.close()
         try:
             wait_healthy(self.health_target, timeout_s, self.proc, self.credentials)

@@ -13,10 +13,10 @@ bytes; pytest's tmp_path is often longer).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,7 +44,7 @@ from ditcore import (
     validate_checkpoint,
     write_checkpoint,
 )
-from ditserve.launcher import terminate
+from ditserve.launcher import die_with_parent, terminate
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as cache_grpc
 
@@ -229,16 +229,15 @@ def _print_uncaptured(request: pytest.FixtureRequest, text: str) -> None:
 
 
 # ----------------------------------------------------------------------------- processes
-def service_env() -> dict[str, str]:
+def service_env(fault: str | None = None) -> dict[str, str]:
+    """The services' environment: unbuffered, repo importable, DITSERVE_FAULT only if given."""
     env = dict(os.environ)
+    env.pop("DITSERVE_FAULT", None)
+    if fault:
+        env["DITSERVE_FAULT"] = fault
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
-
-
-def _die_with_parent() -> None:  # in the child, between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def pid_alive(pid: int) -> bool:
@@ -286,19 +285,22 @@ class ServiceProcess:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
 
-    def start(self) -> ServiceProcess:
+    def start(self, fault: str | None = None) -> ServiceProcess:
+        """Start (again); `fault` sets DITSERVE_FAULT for this start only."""
+        self.starts += 1
         with open(self.log_path, "ab") as logf:
-            logf.write(f"\n=== start: {' '.join(self.argv)}\n".encode())
+            logf.write(f"\n=== start #{self.starts} (DITSERVE_FAULT={fault!r}): {' '.join(self.argv)}\n".encode())
             logf.flush()
             self.proc = subprocess.Popen(
                 self.argv,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=service_env(),
+                env=service_env(fault),
                 cwd=REPO_ROOT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         return self
 
@@ -312,8 +314,13 @@ class ServiceProcess:
 
     def kill9(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL. Returns the exit code."""
@@ -327,6 +334,16 @@ class ServiceProcess:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def wait_log(self, pattern: str, timeout: float, since: int = 0) -> None:
+        """Wait until the log (from byte `since`) matches `pattern`."""
+        rx = re.compile(pattern)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if rx.search(self.log()[since:]):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: log never matched {pattern!r} within {timeout:.0f} s")
 
 
 class ProcessGroup:

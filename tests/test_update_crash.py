@@ -18,6 +18,7 @@ import signal
 
 import grpc
 import pytest
+from service_fixtures import health_status
 from update_fixtures import (
     NOT_SERVING,
     REQ_T2V,
@@ -26,7 +27,6 @@ from update_fixtures import (
     Cluster,
     Weights,
     cluster_fixture,  # noqa: F401 - the cluster fixture
-    health,
     read_state_file,
     ref_sha,
     weights_fixture,  # noqa: F401 - the weights fixture
@@ -160,7 +160,7 @@ def test_sidecar_killed_while_generator_is_at(cluster: Cluster, weights: Weights
     else:
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
         # no sidecar to ask: the generator serves nothing (and says so) until it reattaches
-        assert health(c.target) == NOT_SERVING
+        assert health_status(c.target, timeout=2.0) == NOT_SERVING
         assert not c.status().serving
         with pytest.raises(grpc.RpcError) as ei:
             c.generate(REQ_T2V, request_id="while-detached")

@@ -15,13 +15,9 @@ Unix sockets live in short `/tmp` directories (AF_UNIX paths are limited to 107 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,14 +29,13 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
-from service_fixtures import free_port
+from grpc_health.v1 import health_pb2
+from service_fixtures import ServiceProcess as Proc
+from service_fixtures import _print_uncaptured, free_port, health_status, resident_sha256, shm_files_of, status_details
 from service_fixtures import short_tmpdir as _short_tmpdir
 from service_fixtures import wait_for as _wait_for
 
-from ditcore import GenerationRequest, generate, get_preset, load_model, write_checkpoint
-from ditserve.launcher import terminate
+from ditcore import GenerationRequest, get_preset, write_checkpoint
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
@@ -118,20 +113,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     """The google.rpc.ErrorInfo a ditserve status carries (None if it has none)."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    if status is None:
-        return None
-    for d in status.details:
-        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            d.Unpack(info)
-            return info
-    return None
-
-
-def health(target: str, timeout: float = 2.0) -> int:
-    with grpc.insecure_channel(target) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+    return status_details(err)[0]
 
 
 def read_state_file(state_dir: Path) -> dict[str, Any]:
@@ -171,11 +153,6 @@ def weights_fixture(tmp_path_factory: pytest.TempPathFactory) -> Weights:
     return make_weights(tmp_path_factory.mktemp("upd"))
 
 
-@functools.lru_cache(maxsize=16)
-def _resident(path: str) -> Any:
-    return load_model(path, "resident")
-
-
 _ref_lock = threading.Lock()
 _ref_cache: dict[tuple[str, str], str] = {}
 
@@ -185,18 +162,11 @@ def ref_sha(ckpt: Path, req: dict[str, Any]) -> str:
     key = (str(ckpt), json.dumps(req, sort_keys=True))
     with _ref_lock:
         if key not in _ref_cache:
-            request = GenerationRequest.from_dict({**req, "request_id": "ref"})
-            _ref_cache[key] = generate(_resident(str(ckpt)), request).sha256
+            _ref_cache[key] = resident_sha256(ckpt, {**req, "request_id": "ref"})
         return _ref_cache[key]
 
 
 # ----------------------------------------------------------------------------- failure reporting
-def _print_uncaptured(request: pytest.FixtureRequest, text: str) -> None:
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    ctx = capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
-    with ctx:
-        sys.stderr.write(text)
-        sys.stderr.flush()
 
 
 # ----------------------------------------------------------------------------- in-process servers
@@ -230,10 +200,10 @@ class Pair:
             return cache_grpc.PlanCacheStub(ch).GetState(cache_pb.GetStateRequest(), timeout=10)
 
     def sidecar_health(self) -> int:
-        return health(self.sidecar_target)
+        return health_status(self.sidecar_target, timeout=2.0)
 
     def health(self) -> int:
-        return health(self.target)
+        return health_status(self.target, timeout=2.0)
 
     def generate(
         self, req: dict[str, Any], request_id: str = "upd", expected_generation: int | None = None, timeout: float = 60
@@ -413,92 +383,6 @@ def start_stream(pair: Pair, req: dict[str, Any], request_id: str) -> tuple[Back
 
 
 # ----------------------------------------------------------------------------- processes
-def service_env(fault: str | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("DITSERVE_FAULT", None)
-    if fault:
-        env["DITSERVE_FAULT"] = fault
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def shm_files_of(pid: int) -> set[str]:
-    """/dev/shm/ditserve-* files mapped by `pid` (a SIGKILLed sidecar leaks them)."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return set()
-    out = set()
-    for line in maps.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5].startswith("/dev/shm/ditserve-"):
-            out.add(parts[5].strip())
-    return out
-
-
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-
-    def start(self, fault: str | None = None) -> Proc:
-        self.starts += 1
-        with open(self.log_path, "ab") as logf:
-            logf.write(f"\n=== start #{self.starts} (DITSERVE_FAULT={fault!r}): {' '.join(self.argv)}\n".encode())
-            logf.flush()
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=service_env(fault),
-                cwd=REPO_ROOT,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def wait_exit(self, timeout: float) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is not None:
-            terminate(self.proc, grace_s)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def wait_log(self, pattern: str, timeout: float, since: int = 0) -> None:
-        """Wait until the log (from byte `since`) matches `pattern`."""
-        rx = re.compile(pattern)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if rx.search(self.log()[since:]):
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"{self.name}: log never matched {pattern!r} within {timeout:.0f} s")
-
-
 class Cluster:
     """A sidecar process and a generator process over a unix socket, with a persisted state dir."""
 
@@ -548,7 +432,7 @@ class Cluster:
             if not proc.running():
                 raise AssertionError(f"{proc.name} exited with {proc.proc and proc.proc.returncode}\n{self.logs()}")
             with contextlib.suppress(grpc.RpcError):
-                if health(target, timeout=1) == SERVING:
+                if health_status(target, timeout=1) == SERVING:
                     return
             time.sleep(0.1)
         raise AssertionError(f"{target} not SERVING within {timeout:.0f} s\n{self.logs()}")
