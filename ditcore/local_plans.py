@@ -16,6 +16,7 @@ import torch
 from .checkpoint import CheckpointInfo, CheckpointReader
 from .model import TimestepEmbedder
 from .plans import PlanKey, StepPlan, build_pages, distinct_keys
+from .sampler import CACHE_REPORT_KEYS
 
 
 class _Lease:
@@ -49,11 +50,6 @@ class LocalPlanProvider:
         outputs = [torch.empty(k.width, config.page_numel, dtype=config.torch_dtype) for k in keys]
         with CheckpointReader(self.info) as reader:
             build_pages(config, reader.adaln_layer, inputs, outputs)
-        report = {
-            "gpu_hit_plans": 0,
-            "host_hit_plans": 0,
-            "built_plans": len(keys),
-            "rebuild_s": round(time.perf_counter() - t0, 6),
-            "swap_in_s": 0.0,
-        }
+        report: dict[str, Any] = dict.fromkeys(CACHE_REPORT_KEYS, 0)
+        report.update(built_plans=len(keys), rebuild_s=round(time.perf_counter() - t0, 6), swap_in_s=0.0)
         return _Lease(dict(zip(keys, outputs, strict=True)), steps, report)

@@ -20,6 +20,15 @@ from .plans import StepPlan
 from .request import GenerationRequest, tokenize
 from .schedule import flow_schedule
 
+CACHE_REPORT_KEYS = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s")
+"""Fields of the cache report a plan lease carries: where a request's distinct plans came from."""
+
+
+def cache_report(source: Any) -> dict[str, Any]:
+    """The cache report read off anything carrying its fields (dataclass, proto message, dict)."""
+    get = source.get if isinstance(source, dict) else lambda k: getattr(source, k)
+    return {k: get(k) for k in CACHE_REPORT_KEYS}
+
 
 class PlanLease(Protocol):
     """Pages for every step of one request, valid until `release()`."""

@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from ditcore import GenerationRequest
-from ditcore.sampler import latents_sha256
+from ditcore.sampler import cache_report, latents_sha256
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
@@ -77,16 +77,6 @@ def schedule_affinity_key(request: GenerationRequest | Mapping[str, Any]) -> str
     return f"{s.task}/{s.steps}/{s.flow_shift:g}/{audio if audio == '' else format(audio, 'g')}"
 
 
-def _cache_dict(c: pb.CacheReport) -> dict[str, Any]:
-    return {
-        "gpu_hit_plans": c.gpu_hit_plans,
-        "host_hit_plans": c.host_hit_plans,
-        "built_plans": c.built_plans,
-        "rebuild_s": c.rebuild_s,
-        "swap_in_s": c.swap_in_s,
-    }
-
-
 def _timings(t: pb.StageTimings) -> dict[str, float]:
     return {f.name: getattr(t, f.name) for f in pb.StageTimings.DESCRIPTOR.fields}
 
@@ -104,7 +94,7 @@ def result_from_response(resp: pb.GenerateResponse, data: Mapping[str, bytes] | 
         sha256=resp.sha256,
         video=tensors["video"],
         audio=tensors.get("audio"),
-        cache=_cache_dict(resp.cache),
+        cache=cache_report(resp.cache),
         timings_ms=_timings(resp.timings),
         adaln_mode=pb.AdalnMode.Name(resp.adaln_mode),
     )
@@ -158,7 +148,7 @@ class GeneratorClient:
             if kind == "queued":
                 payload = ev.queued.position
             elif kind == "plans_ready":
-                payload = _cache_dict(ev.plans_ready.cache)
+                payload = cache_report(ev.plans_ready.cache)
             elif kind == "step":
                 payload = (ev.step.step, ev.step.total)
             elif kind == "result":

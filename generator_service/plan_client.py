@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from ditcore.plans import PlanKey
+from ditcore.sampler import cache_report
 from ditserve.rpc_errors import error_info
 from plancache_service.device import (
     COL_GENERATION,
@@ -272,15 +273,7 @@ class SidecarLink:
             resp = self._stub.PreparePlans(req, timeout=600)
         except grpc.RpcError as e:
             raise sidecar_error(e) from e
-        r = resp.report
-        report = {
-            "gpu_hit_plans": r.gpu_hit_plans,
-            "host_hit_plans": r.host_hit_plans,
-            "built_plans": r.built_plans,
-            "rebuild_s": r.rebuild_s,
-            "swap_in_s": r.swap_in_s,
-        }
-        lease = RemoteLease(self, att, resp.lease_id, keys, resp.slots, report, resp.generation)
+        lease = RemoteLease(self, att, resp.lease_id, keys, resp.slots, cache_report(resp.report), resp.generation)
         if len(lease.slots) != len(keys):
             lease.release()
             raise LeaseCheckError(f"lease {resp.lease_id}: {len(resp.slots)} slots for {len(keys)} steps")

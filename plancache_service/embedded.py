@@ -7,28 +7,20 @@ slot-reading rule against the sidecar's slab instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from ditcore.plans import StepPlan
+from ditcore.sampler import cache_report
 
 from .cache import Lease, PlanCache
-
-REPORT_KEYS = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s")
-
-
-def report_dict(lease: Lease) -> dict[str, Any]:
-    """The cache report printed per request: where its plans came from."""
-    d = lease.report.to_dict()
-    return {k: d[k] for k in REPORT_KEYS}
 
 
 class EmbeddedLease:
     def __init__(self, cache: PlanCache, lease: Lease) -> None:
         self._cache = cache
         self.lease = lease
-        self.report = report_dict(lease)
+        self.report = cache_report(lease.report)
 
     def pages(self, step: int) -> torch.Tensor:
         return self._cache.slab[self.lease.slots[step], : self.lease.keys[step].width]

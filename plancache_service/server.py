@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
+from ditcore.sampler import cache_report
 from ditserve.obs import MetricsServer, RpcMetrics
 from ditserve.rpc_errors import abort
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
@@ -96,19 +97,12 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
             lease = self.sidecar.prepare(request.session_id, request.generation, keys)
         except PlanCacheError as e:
             abort(context, e)
-        r = lease.report
-        log.debug("request %s: lease %d %s", request.request_id, lease.lease_id, r)
+        log.debug("request %s: lease %d %s", request.request_id, lease.lease_id, lease.report)
         return pb.PreparePlansResponse(
             lease_id=lease.lease_id,
             slots=list(lease.slots),
             generation=lease.generation,
-            report=pb.CacheReport(
-                gpu_hit_plans=r.gpu_hit_plans,
-                host_hit_plans=r.host_hit_plans,
-                built_plans=r.built_plans,
-                rebuild_s=r.rebuild_s,
-                swap_in_s=r.swap_in_s,
-            ),
+            report=pb.CacheReport(**cache_report(lease.report)),
         )
 
     def ReleasePlans(self, request: pb.ReleasePlansRequest, context: grpc.ServicerContext) -> pb.ReleasePlansResponse:
