@@ -120,10 +120,6 @@ class DiTConfig:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def block_mod_numel(self) -> int:
         """Output width of one `blocks.{i}.adaln_proj`: 6 chunks x 3 modalities x hidden."""
         return len(MOD_CHUNKS) * len(MODALITIES) * self.hidden_size

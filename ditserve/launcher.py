@@ -82,7 +82,6 @@ def demo_checkpoint(run_dir: Path) -> Path:
     if not is_checkpoint_dir(path):
         print(f"creating the demo checkpoint (preset {DEMO_PRESET}) in {path}", flush=True)
         write_checkpoint(get_preset(DEMO_PRESET), path, seed=0)
-    validate_checkpoint(path)
     return path
 
 
@@ -189,7 +188,7 @@ def serve(args: argparse.Namespace) -> int:
         args.metrics_port = None
     run_dir = ensure_private_dir(args.run_dir or default_run_dir())
     checkpoint = Path(args.checkpoint) if args.checkpoint else demo_checkpoint(run_dir)
-    validate_checkpoint(checkpoint)
+    validate_checkpoint(checkpoint)  # a bad one is refused here, before any child starts
     children = build_children(args, run_dir, checkpoint)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

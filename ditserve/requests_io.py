@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 
 from ditcore import DiTConfig, GenerationRequest, GenerationResult, RequestError
@@ -127,11 +126,3 @@ def write_result(out_dir: Path, result: GenerationResult, request: GenerationReq
     path = out_dir / f"{result.request_id}.safetensors"
     save_file(tensors, str(path), metadata=meta)
     return path
-
-
-def load_result(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read back a result file: (tensors, metadata)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f}, dict(f.metadata() or {})

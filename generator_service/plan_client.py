@@ -203,10 +203,6 @@ class SidecarLink:
     def attachment(self) -> Attachment | None:
         return self._att
 
-    @property
-    def connected(self) -> bool:
-        return self._att is not None
-
     def _run(self) -> None:
         client = f"generator@{socket.gethostname()}:{os.getpid()}"
         while not self._stop.is_set():
