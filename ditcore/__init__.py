@@ -14,6 +14,7 @@ from .loader import ADALN_MODES, load_model
 from .local_plans import LocalPlanProvider
 from .model import DiT
 from .plans import PlanKey, ScheduleSpec, StepPlan, build_pages, project
+from .report import CacheReport
 from .request import GenerationRequest, RequestError
 from .sampler import GenerationResult, PlanLease, PlanProvider, generate, latents_sha256
 from .schedule import flow_schedule
@@ -21,6 +22,7 @@ from .schedule import flow_schedule
 __all__ = [
     "ADALN_MODES",
     "PRESETS",
+    "CacheReport",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",

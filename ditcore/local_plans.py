@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from .checkpoint import CheckpointInfo, CheckpointReader
 from .model import TimestepEmbedder
 from .plans import PlanKey, StepPlan, build_pages, distinct_keys
-from .sampler import CACHE_REPORT_KEYS
+from .report import CacheReport
 
 
 class _Lease:
-    def __init__(self, pages: dict[PlanKey, torch.Tensor], steps: Sequence[StepPlan], report: dict[str, Any]) -> None:
+    def __init__(self, pages: dict[PlanKey, torch.Tensor], steps: Sequence[StepPlan], report: CacheReport) -> None:
         self._pages = pages
         self._steps = list(steps)
         self.report = report
@@ -50,6 +49,5 @@ class LocalPlanProvider:
         outputs = [torch.empty(k.width, config.page_numel, dtype=config.torch_dtype) for k in keys]
         with CheckpointReader(self.info) as reader:
             build_pages(config, reader.adaln_layer, inputs, outputs)
-        report: dict[str, Any] = dict.fromkeys(CACHE_REPORT_KEYS, 0)
-        report.update(built_plans=len(keys), rebuild_s=round(time.perf_counter() - t0, 6), swap_in_s=0.0)
+        report = CacheReport(built_plans=len(keys), rebuild_s=round(time.perf_counter() - t0, 6))
         return _Lease(dict(zip(keys, outputs, strict=True)), steps, report)

@@ -17,23 +17,15 @@ import torch
 
 from .model import DiT, Modulation, PageModulation
 from .plans import StepPlan
+from .report import CacheReport
 from .request import GenerationRequest, tokenize
 from .schedule import flow_schedule
-
-CACHE_REPORT_KEYS = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s")
-"""Fields of the cache report a plan lease carries: where a request's distinct plans came from."""
-
-
-def cache_report(source: Any) -> dict[str, Any]:
-    """The cache report read off anything carrying its fields (dataclass, proto message, dict)."""
-    get = source.get if isinstance(source, dict) else lambda k: getattr(source, k)
-    return {k: get(k) for k in CACHE_REPORT_KEYS}
 
 
 class PlanLease(Protocol):
     """Pages for every step of one request, valid until `release()`."""
 
-    report: dict[str, Any]
+    report: CacheReport
 
     def pages(self, step: int) -> torch.Tensor:
         """(W, page_numel) pages of step `step`, in model dtype."""
@@ -57,7 +49,7 @@ class GenerationResult:
     audio: torch.Tensor | None  # (Ca, La) float32
     sha256: str
     timings_ms: dict[str, float]
-    cache: dict[str, Any] | None = None
+    cache: CacheReport | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,7 +115,7 @@ def generate(
                 on_step(i + 1, len(step_plans))
         timings["denoise"] = _ms(t0)
     finally:
-        report = dict(lease.report) if lease is not None else None
+        report = lease.report if lease is not None else None
         if lease is not None:
             lease.release()
     timings["total"] = _ms(t_start)

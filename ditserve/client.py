@@ -20,7 +20,9 @@ import grpc
 import torch
 
 from ditcore import GenerationRequest
-from ditcore.sampler import cache_report, latents_sha256
+from ditcore.report import CacheReport
+from ditcore.sampler import latents_sha256
+from ditruntime.convert import from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
@@ -41,7 +43,7 @@ class ClientResult:
     sha256: str
     video: torch.Tensor
     audio: torch.Tensor | None
-    cache: dict[str, Any]
+    cache: CacheReport
     timings_ms: dict[str, float]
     adaln_mode: str = ""
     events: list[tuple[str, Any]] = field(default_factory=list)
@@ -94,7 +96,7 @@ def result_from_response(resp: pb.GenerateResponse, data: Mapping[str, bytes] | 
         sha256=resp.sha256,
         video=tensors["video"],
         audio=tensors.get("audio"),
-        cache=cache_report(resp.cache),
+        cache=from_proto(resp.cache, CacheReport),
         timings_ms=_timings(resp.timings),
         adaln_mode=pb.AdalnMode.Name(resp.adaln_mode),
     )
@@ -148,7 +150,7 @@ class GeneratorClient:
             if kind == "queued":
                 payload = ev.queued.position
             elif kind == "plans_ready":
-                payload = cache_report(ev.plans_ready.cache)
+                payload = from_proto(ev.plans_ready.cache, CacheReport)
             elif kind == "step":
                 payload = (ev.step.step, ev.step.total)
             elif kind == "result":

@@ -25,8 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ditcore import get_preset, validate_checkpoint, write_checkpoint
 from ditcore.checkpoint import is_checkpoint_dir
-
-from .paths import default_run_dir, ensure_private_dir
+from ditruntime.paths import default_run_dir, ensure_private_dir
 
 log = logging.getLogger("ditserve.serve")
 DEMO_PRESET = "small"

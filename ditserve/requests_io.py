@@ -111,7 +111,7 @@ def result_line(result: GenerationResult, request: GenerationRequest, **extra: A
     }
     line.update(extra)
     if result.cache is not None:
-        line["cache"] = result.cache
+        line["cache"] = result.cache.to_dict()
     return json.dumps(line, sort_keys=False)
 
 

@@ -12,16 +12,13 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from ditcore import CheckpointError
-from ditserve.obs import setup_logging
-from ditserve.paths import default_socket, grpc_target
-from ditserve.service_main import run_service
+from ditruntime.obs import setup_logging
+from ditruntime.paths import default_socket, grpc_target
+from ditruntime.service_main import run_service
 
-from .backend import Backend, CachedBackend, ResidentBackend
+from .app import build_server
 from .config import GeneratorConfig
-from .server import GeneratorServer
 
 log = logging.getLogger("generator_service")
 TOKEN_ENV = "DITSERVE_ADMIN_TOKEN"
@@ -94,19 +91,6 @@ def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
         tls_key=Path(args.tls_key) if args.tls_key else None,
         tls_client_ca=Path(args.tls_client_ca) if args.tls_client_ca else None,
     )
-
-
-def build_server(cfg: GeneratorConfig) -> GeneratorServer:
-    device = torch.device(cfg.device)
-    backend: Backend
-    if cfg.adaln_mode == "resident":
-        assert cfg.checkpoint is not None
-        backend = ResidentBackend(cfg.checkpoint, device)
-        return GeneratorServer(cfg, backend)
-    backend = CachedBackend(cfg.sidecar, device, cfg.reconnect_s)
-    server = GeneratorServer(cfg, backend)
-    backend.start(server.set_serving)
-    return server
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Generator errors; each names its gRPC status in `grpc_code` (see ditserve.rpc_errors)."""
+"""Generator errors; each names its gRPC status in `grpc_code` (see ditruntime.rpc_errors)."""
 
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ class Executor:
                 job.prepare_ms += (time.perf_counter() - t0) * 1000
             if lease is not None:
                 self.backend.verify(lease)
-                job.emit("plans_ready", (dict(lease.report), lease.generation))
+                job.emit("plans_ready", (lease.report, lease.generation))
             self._prefetch_wakeup.set()  # the next job's plans can build while this one denoises
             result, generation = self._denoise(job, lease)
         except BaseException as e:
@@ -226,7 +226,7 @@ class Executor:
             "request %s done: generation %d sha256 %s timings %s cache %s",
             job.request.request_id, generation, result.sha256[:16], timings, result.cache,
             extra={"request_id": job.request.request_id, "generation": generation, "sha256": result.sha256,
-                   "timings_ms": timings, "cache": result.cache, "task": job.request.task, "steps": job.request.steps},
+                   "timings_ms": timings, "cache": result.cache.to_dict() if result.cache else None, "task": job.request.task, "steps": job.request.steps},
         )  # fmt: skip
         done = JobResult(result, generation, timings)
         self.on_finish(job, done, None)

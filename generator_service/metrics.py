@@ -1,6 +1,6 @@
 """Generator Prometheus metrics: request latency by stage, plans by tier as the generator saw
 them, queue depth, generation, sidecar link, weight-update outcomes (plus RPC counts from
-`ditserve.obs.RpcMetrics`)."""
+`ditruntime.obs.RpcMetrics`)."""
 
 from __future__ import annotations
 
@@ -42,12 +42,14 @@ class GeneratorMetrics:
         t = result.timings_ms
         for stage in ("queue", "prepare", "encode", "denoise", "total"):
             self.stage.labels(stage).observe(t.get(f"{stage}_ms", 0.0) / 1000)
-        c: dict[str, Any] = result.result.cache or {}
-        for tier, key in (("slot_hit", "gpu_hit_plans"), ("host_hit", "host_hit_plans"), ("built", "built_plans")):
-            if c.get(key):
-                self.plans.labels(tier).inc(c[key])
-        if c.get("rebuild_s"):
-            self.rebuild.inc(c["rebuild_s"])
+        c = result.result.cache
+        if c is None:
+            return
+        for tier, n in (("slot_hit", c.gpu_hit_plans), ("host_hit", c.host_hit_plans), ("built", c.built_plans)):
+            if n:
+                self.plans.labels(tier).inc(n)
+        if c.rebuild_s:
+            self.rebuild.inc(c.rebuild_s)
 
 
 def _safe(fn: Any) -> float:

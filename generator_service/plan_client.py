@@ -22,15 +22,17 @@ import grpc
 import torch
 
 from ditcore.plans import PlanKey
-from ditcore.sampler import cache_report
-from ditserve.rpc_errors import error_info
-from plancache_service.device import (
+from ditcore.report import CacheReport
+from ditruntime.convert import from_proto
+from ditruntime.rpc_errors import error_info
+from ditruntime.slab import (
     COL_GENERATION,
     COL_LENGTH,
     COL_STATE,
     READY,
     ROW_WORDS,
     SlabDescriptor,
+    descriptor_from_proto,
     map_slab,
 )
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
@@ -40,7 +42,6 @@ from .errors import LeaseCheckError, SidecarError, SidecarUnavailableError
 
 log = logging.getLogger(__name__)
 
-_TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_CUDA_IPC: "cuda_ipc"}
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -57,23 +58,6 @@ class Attachment:
     weights_path: str
     fingerprint: str
     keepalive: Any = None  # mmaps backing the CPU views
-
-
-def descriptor_from_proto(d: pb.SlabDescriptor) -> SlabDescriptor:
-    return SlabDescriptor(
-        transport=_TRANSPORT_NAMES.get(d.transport, "unknown"),
-        slab_path=d.slab_path,
-        table_path=d.table_path,
-        slab_bytes=d.slab_bytes,
-        table_bytes=d.table_bytes,
-        dtype=d.dtype,
-        num_slots=d.num_slots,
-        width=d.width,
-        page_numel=d.page_numel,
-        device=d.device,
-        device_uuid=d.device_uuid,
-        ipc_handle=d.ipc_handle,
-    )
 
 
 def sidecar_error(err: grpc.RpcError) -> Exception:
@@ -95,7 +79,7 @@ class RemoteLease:
         lease_id: int,
         keys: Sequence[PlanKey],
         slots: Sequence[int],
-        report: dict[str, Any],
+        report: CacheReport,
         generation: int,
     ) -> None:
         self._link = link
@@ -269,7 +253,9 @@ class SidecarLink:
             resp = self._stub.PreparePlans(req, timeout=600)
         except grpc.RpcError as e:
             raise sidecar_error(e) from e
-        lease = RemoteLease(self, att, resp.lease_id, keys, resp.slots, cache_report(resp.report), resp.generation)
+        lease = RemoteLease(
+            self, att, resp.lease_id, keys, resp.slots, from_proto(resp.report, CacheReport), resp.generation
+        )
         if len(lease.slots) != len(keys):
             lease.release()
             raise LeaseCheckError(f"lease {resp.lease_id}: {len(resp.slots)} slots for {len(keys)} steps")

@@ -1,7 +1,7 @@
 """The generator's gRPC adapter: Generator servicer, health, reflection, graceful stop.
 
 Thin: converts proto <-> `GenerationRequest` / results, submits jobs to the executor, and
-maps every error through `ditserve.rpc_errors` (one table, documented in the README).
+maps every error through `ditruntime.rpc_errors` (one table, documented in the README).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
-from ditserve.obs import MetricsServer, RpcMetrics
-from ditserve.rpc_errors import abort
+from ditruntime.convert import to_proto
+from ditruntime.obs import MetricsServer, RpcMetrics
+from ditruntime.rpc_errors import abort
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
@@ -121,9 +122,7 @@ def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
 
 def response_from_result(res: JobResult, mode: int, with_data: bool = True) -> pb.GenerateResponse:
     r = res.result
-    cache = pb.CacheReport(
-        **{k: v for k, v in (r.cache or {}).items() if k in pb.CacheReport.DESCRIPTOR.fields_by_name}
-    )
+    cache = to_proto(r.cache, pb.CacheReport) if r.cache is not None else pb.CacheReport()
     return pb.GenerateResponse(
         request_id=r.request_id,
         generation=res.generation,
@@ -183,7 +182,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             elif kind == "plans_ready":
                 report, generation = payload
                 yield pb.GenerateStreamResponse(
-                    plans_ready=pb.PlansReady(cache=pb.CacheReport(**report), generation=generation)
+                    plans_ready=pb.PlansReady(cache=to_proto(report, pb.CacheReport), generation=generation)
                 )
             elif kind == "step":
                 yield pb.GenerateStreamResponse(step=pb.StepProgress(step=payload[0], total=payload[1]))

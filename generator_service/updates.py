@@ -31,7 +31,7 @@ import grpc
 import torch
 
 from ditcore import CheckpointNotFoundError
-from ditserve.faults import crash_point
+from ditruntime.faults import crash_point
 
 from .backend import Backend, CachedBackend, ResidentBackend
 from .errors import GeneratorError, SidecarUnavailableError

@@ -29,22 +29,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ditcore.plans import PlanKey, distinct_keys
+from ditcore.report import CacheReport
+from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_SEQ, COL_STATE, EMPTY, FILLING, READY, ROW_WORDS
 
 from .config import CacheConfig
-from .device import (
-    COL_GENERATION,
-    COL_LENGTH,
-    COL_SEQ,
-    COL_STATE,
-    EMPTY,
-    FILLING,
-    READY,
-    ROW_WORDS,
-    Copier,
-    SlabMemory,
-    allocate_host_pages,
-    available_memory_bytes,
-)
+from .device import Copier, SlabMemory, allocate_host_pages, available_memory_bytes
 from .errors import (
     CacheBusyError,
     GenerationMismatchError,
@@ -64,21 +53,6 @@ MAX_KEYS = 1000  # one key per step; steps are capped at 1000
 
 
 @dataclass(frozen=True)
-class PrepareReport:
-    """Where a request's distinct plans came from, and what it cost."""
-
-    gpu_hit_plans: int = 0
-    host_hit_plans: int = 0
-    built_plans: int = 0
-    rebuild_s: float = 0.0
-    swap_in_s: float = 0.0
-    host_stored: bool = False
-
-    def to_dict(self) -> dict[str, float | int | bool]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
 class Lease:
     """The slots one request holds: `slots[i]` holds the plan of step i."""
 
@@ -87,7 +61,7 @@ class Lease:
     generation: int
     keys: tuple[PlanKey, ...]
     slots: tuple[int, ...]
-    report: PrepareReport
+    report: CacheReport
 
 
 @dataclass(frozen=True)
@@ -196,7 +170,7 @@ class PlanCache:
                 for k, s in zip(missing, new_slots, strict=True):
                     self._publish(s, k)
                 stored = self._store_group(group)
-                report = PrepareReport(**{**report.to_dict(), "host_stored": stored})
+                report = report.replace(host_stored=stored)
                 lease = Lease(
                     next(self._ids), owner, generation, tuple(keys), tuple(self._key_slot[k] for k in keys), report
                 )
@@ -368,10 +342,10 @@ class PlanCache:
         self._mark(s, EMPTY, None)
         self._c["slot_evictions"] += 1
 
-    def _fill(self, missing: list[PlanKey], slots: list[int], from_host: bool, n_hits: int) -> PrepareReport:
+    def _fill(self, missing: list[PlanKey], slots: list[int], from_host: bool, n_hits: int) -> CacheReport:
         """Write the missing plans' pages into their FILLING slots, then fence."""
         if not missing:
-            return PrepareReport(gpu_hit_plans=n_hits)
+            return CacheReport(gpu_hit_plans=n_hits)
         t0 = time.perf_counter()
         if from_host:
             width = self.config.plan_width
@@ -388,7 +362,7 @@ class PlanCache:
                 self._c["host_hit_plans"] += len(missing)
                 self._c["swap_in_bytes"] += nbytes
                 self._swap_in_s += dt
-            return PrepareReport(gpu_hit_plans=n_hits, host_hit_plans=len(missing), swap_in_s=round(dt, 6))
+            return CacheReport(gpu_hit_plans=n_hits, host_hit_plans=len(missing), swap_in_s=round(dt, 6))
         self.source.build(missing, [self.slab[s, : k.width] for k, s in zip(missing, slots, strict=True)])
         self.copier.fence()
         dt = time.perf_counter() - t0
@@ -396,7 +370,7 @@ class PlanCache:
             self._c["built_plans"] += len(missing)
             self._c["rebuild_passes"] += 1
             self._rebuild_s += dt
-        return PrepareReport(gpu_hit_plans=n_hits, built_plans=len(missing), rebuild_s=round(dt, 6))
+        return CacheReport(gpu_hit_plans=n_hits, built_plans=len(missing), rebuild_s=round(dt, 6))
 
     def _publish(self, s: int, key: PlanKey) -> None:
         self._slot_key[s] = key

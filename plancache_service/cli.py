@@ -10,42 +10,18 @@ import argparse
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ditcore import CheckpointError
-from ditserve.obs import setup_logging
-from ditserve.paths import default_run_dir, default_socket, ensure_private_dir
-from ditserve.service_main import run_service
+from ditruntime.obs import setup_logging
+from ditruntime.paths import default_run_dir, default_socket, ensure_private_dir
+from ditruntime.service_main import run_service
 
-from .cache import PlanCache
-from .config import GB, CacheConfig
-from .rebuild import RebuildSource
-from .server import SidecarServer
-from .sidecar import Sidecar
-from .state import STATE_FILE, StateFileError, load_state
+from .app import build_server
+from .config import GB, CacheConfig, SidecarConfig
+from .state import StateFileError
 
 log = logging.getLogger("plancache_service")
-
-
-@dataclass(frozen=True)
-class SidecarConfig:
-    """Everything `ditserve plancache` is started with."""
-
-    checkpoint: Path
-    """Checkpoint plans are rebuilt from (needs native adaln_proj tensors)."""
-    cache: CacheConfig
-    """Slab and host-tier capacity and placement."""
-    address: str
-    """'unix:/path' (default: <run dir>/plancache.sock) or 'host:port' (TCP, opt-in)."""
-    heartbeat_s: float = 1.0
-    """Interval of Attach-stream heartbeats."""
-    state_dir: Path | None = None
-    """Where (generation, weights_path, digests) persist; its state file wins over `checkpoint`."""
-    metrics_port: int | None = None
-    """Prometheus /metrics HTTP port (off when None)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,54 +68,6 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         address = f"unix:{sock}"
     state_dir = Path(args.state_dir) if args.state_dir else None
     return SidecarConfig(Path(args.checkpoint), cache, address, args.heartbeat_s, state_dir, args.metrics_port)
-
-
-def shm_manifest(cfg: SidecarConfig) -> Path | None:
-    """Where this sidecar lists its /dev/shm files, so the next start can remove them if it
-    was killed (SIGKILL leaves them behind): beside the socket, else in the state dir."""
-    if cfg.address.startswith("unix:"):
-        return Path(cfg.address[len("unix:") :] + ".shm-files")
-    return cfg.state_dir / "plancache.shm-files" if cfg.state_dir is not None else None
-
-
-def remove_stale_shm(manifest: Path) -> None:
-    if not manifest.exists():
-        return
-    for line in manifest.read_text().splitlines():
-        p = Path(line.strip())
-        if p.name.startswith(("ditserve-slab-", "ditserve-table-")) and p.exists():
-            log.warning("removing %s left behind by a sidecar that did not stop cleanly", p)
-            p.unlink()
-    manifest.unlink()
-
-
-def build_server(cfg: SidecarConfig) -> SidecarServer:
-    device = torch.device(cfg.cache.device)
-    state = load_state(cfg.state_dir) if cfg.state_dir is not None else None
-    if state is None:
-        source = RebuildSource(cfg.checkpoint, device)
-        generation = 1  # generation 0 means "none yet"
-    else:
-        if Path(state.weights_path) != cfg.checkpoint:
-            log.warning(
-                "state file %s names %s (generation %d); it wins over --checkpoint %s",
-                cfg.state_dir / STATE_FILE, state.weights_path, state.generation, cfg.checkpoint,
-            )  # fmt: skip
-        source = RebuildSource(state.weights_path, device, committed_digests=state.digests)
-        generation = state.generation
-    manifest = shm_manifest(cfg)
-    if manifest is not None:
-        remove_stale_shm(manifest)
-    cache = PlanCache(cfg.cache, source, generation=generation)
-    if manifest is not None:
-        manifest.write_text("\n".join(cache.memory.paths) + "\n")
-    try:
-        sidecar = Sidecar(cache, cfg.state_dir)
-        sidecar.check_source()
-        return SidecarServer(sidecar, cfg.address, cfg.heartbeat_s, cfg.metrics_port)
-    except BaseException:
-        cache.close()
-        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:

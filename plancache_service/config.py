@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 GB = 1000**3
 
@@ -36,3 +37,21 @@ class CacheConfig:
             raise ValueError(f"host_cache_bytes (--host-cache-gb) must be >= 0, got {self.host_cache_bytes}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything `ditserve plancache` is started with."""
+
+    checkpoint: Path
+    """Checkpoint plans are rebuilt from (needs native adaln_proj tensors)."""
+    cache: CacheConfig
+    """Slab and host-tier capacity and placement."""
+    address: str
+    """'unix:/path' (default: <run dir>/plancache.sock) or 'host:port' (TCP, opt-in)."""
+    heartbeat_s: float = 1.0
+    """Interval of Attach-stream heartbeats."""
+    state_dir: Path | None = None
+    """Where (generation, weights_path, digests) persist; its state file wins over `checkpoint`."""
+    metrics_port: int | None = None
+    """Prometheus /metrics HTTP port (off when None)."""

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import torch
 
 from ditcore.plans import StepPlan
-from ditcore.sampler import cache_report
 
 from .cache import Lease, PlanCache
 
@@ -20,7 +19,7 @@ class EmbeddedLease:
     def __init__(self, cache: PlanCache, lease: Lease) -> None:
         self._cache = cache
         self.lease = lease
-        self.report = cache_report(lease.report)
+        self.report = lease.report
 
     def pages(self, step: int) -> torch.Tensor:
         return self._cache.slab[self.lease.slots[step], : self.lease.keys[step].width]

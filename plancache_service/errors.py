@@ -1,7 +1,7 @@
 """Plan-cache errors: a small hierarchy the gRPC adapter maps to status codes in one place.
 
 Each class names its gRPC status in `grpc_code` (a `grpc.StatusCode` member name, kept as
-a string so this module stays free of grpc); `ditserve.rpc_errors` is the one mapping.
+a string so this module stays free of grpc); `ditruntime.rpc_errors` is the one mapping.
 Every error is raised before any cache state changes, except `RebuildError`, which is raised
 after the failed prepare has returned its slots (the cache stays consistent and retryable).
 """

@@ -1,6 +1,6 @@
 """The sidecar's gRPC adapter: PlanCache servicer, health, reflection, graceful stop.
 
-Thin: converts proto <-> core objects and maps errors through `ditserve.rpc_errors`.
+Thin: converts proto <-> core objects and maps errors through `ditruntime.rpc_errors`.
 Listens on a unix socket in a 0700 directory by default; TCP is opt-in.
 """
 
@@ -19,14 +19,14 @@ from grpc_reflection.v1alpha import reflection
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
-from ditcore.sampler import cache_report
-from ditserve.obs import MetricsServer, RpcMetrics
-from ditserve.rpc_errors import abort
+from ditruntime.convert import to_proto
+from ditruntime.obs import MetricsServer, RpcMetrics
+from ditruntime.rpc_errors import abort
+from ditruntime.slab import descriptor_to_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
 from .cache import CacheStats
-from .device import SlabDescriptor
 from .errors import PlanCacheError
 from .metrics import sidecar_registry
 from .sidecar import Sidecar
@@ -36,25 +36,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlanCache"].full_name
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-_TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "cuda_ipc": pb.TRANSPORT_CUDA_IPC}
-
-
-def descriptor_to_proto(d: SlabDescriptor) -> pb.SlabDescriptor:
-    return pb.SlabDescriptor(
-        transport=_TRANSPORTS[d.transport],
-        slab_path=d.slab_path,
-        table_path=d.table_path,
-        slab_bytes=d.slab_bytes,
-        table_bytes=d.table_bytes,
-        dtype=d.dtype,
-        num_slots=d.num_slots,
-        width=d.width,
-        page_numel=d.page_numel,
-        device=d.device,
-        device_uuid=d.device_uuid,
-        ipc_handle=d.ipc_handle,
-        table_row_words=d.table_words,
-    )
 
 
 def stats_to_proto(s: CacheStats) -> pb.CacheStats:
@@ -102,7 +83,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
             lease_id=lease.lease_id,
             slots=list(lease.slots),
             generation=lease.generation,
-            report=pb.CacheReport(**cache_report(lease.report)),
+            report=to_proto(lease.report, pb.CacheReport),
         )
 
     def ReleasePlans(self, request: pb.ReleasePlansRequest, context: grpc.ServicerContext) -> pb.ReleasePlansResponse:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ditcore.checkpoint import CheckpointError, validate_checkpoint
 from ditcore.plans import PlanKey
-from ditserve.faults import crash_point
+from ditruntime.faults import crash_point
 
 from .cache import CacheStats, Lease, PlanCache
 from .errors import (

@@ -16,9 +16,9 @@ from ditcore.checkpoint import validate_checkpoint
 from ditcore.config import get_preset
 from ditcore.local_plans import LocalPlanProvider
 from ditcore.plans import PlanKey, ScheduleSpec, StepPlan, distinct_keys
+from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, EMPTY, READY, ROW_WORDS
 from plancache_service.cache import Lease, PlanCache
 from plancache_service.config import CacheConfig
-from plancache_service.device import COL_GENERATION, COL_LENGTH, COL_STATE, EMPTY, READY, ROW_WORDS
 from plancache_service.rebuild import RebuildSource
 
 TINY = get_preset("tiny")

@@ -486,11 +486,10 @@ def start_inprocess_pair(
     chunk_bytes: int = 1024 * 1024,
     heartbeat_s: float = 0.5,
 ) -> InProcessPair:
-    from generator_service.cli import build_server as build_generator
+    from generator_service.app import build_server as build_generator
     from generator_service.config import GeneratorConfig
-    from plancache_service.cli import SidecarConfig
-    from plancache_service.cli import build_server as build_sidecar
-    from plancache_service.config import CacheConfig
+    from plancache_service.app import build_server as build_sidecar
+    from plancache_service.config import CacheConfig, SidecarConfig
 
     sock = sock_dir / "pc.sock"
     cache = CacheConfig(gpu_plans=gpu_plans, plan_width=plan_width, host_cache_bytes=host_cache_bytes)

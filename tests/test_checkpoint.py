@@ -533,4 +533,4 @@ def test_cached_mode_never_reads_adaln_bytes(tmp_path: Path, tiny_ckpt: Path) ->
     assert got.audio is not None and want.audio is not None
     assert torch.equal(got.audio, want.audio)
     assert got.sha256 == want.sha256
-    assert got.cache is not None and got.cache["built_plans"] == 5
+    assert got.cache is not None and got.cache.built_plans == 5

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from ditcore import GenerationRequest, generate, latents_sha256, load_model, validate_checkpoint
 from ditcore.checkpoint import read_shard_header
 
-CACHE_KEYS = {"gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s"}
+CACHE_KEYS = {"gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored"}
 SMALL = ["--steps", "4", "--height", "32", "--width", "32", "--frames", "5", "--audio-length", "8"]
 
 

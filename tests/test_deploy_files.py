@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from plancache_service.cli import build_parser, build_server, config_from_args
+from plancache_service.app import build_server
+from plancache_service.cli import build_parser, config_from_args
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"

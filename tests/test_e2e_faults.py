@@ -141,7 +141,7 @@ def test_sidecar_killed_mid_request_then_restarted(procs: ProcessGroup, svc_ckpt
         assert client.status().sidecar_connected
     assert res.sha256 == resident_sha256(svc_ckpt, CHECK_REQUEST)
     assert res.generation == 1
-    assert res.cache["built_plans"] + res.cache["gpu_hit_plans"] == CHECK_REQUEST["steps"]
+    assert res.cache.built_plans + res.cache.gpu_hit_plans == CHECK_REQUEST["steps"]
     st = sidecar_state(str(sock))
     assert st.session_attached and st.leases_held == 0
     assert reattach_s < 10, f"reattach took {reattach_s:.1f} s"
@@ -177,9 +177,9 @@ def test_generator_killed_leases_dropped_and_plans_stay_hot(procs: ProcessGroup,
     with GeneratorClient(target) as client:
         res = client.generate({**SAME_SCHEDULE_CHEAP, "request_id": "again"}, timeout=120)
     ready = dict(res.events)["plans_ready"]
-    assert ready["built_plans"] == 0 and ready["host_hit_plans"] == 0, ready
-    assert ready["gpu_hit_plans"] == steps, ready
-    assert res.cache["gpu_hit_plans"] == steps and res.cache["built_plans"] == 0
+    assert ready.built_plans == 0 and ready.host_hit_plans == 0, ready
+    assert ready.gpu_hit_plans == steps, ready
+    assert res.cache.gpu_hit_plans == steps and res.cache.built_plans == 0
     st = sidecar_state(str(sock))
     assert st.session_attached and st.leases_held == 0
 

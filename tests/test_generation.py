@@ -136,8 +136,15 @@ def test_cached_equals_resident(models: Models, task: str, guidance: float) -> N
     assert got.sha256 == want.sha256
     assert want.cache is None
     assert got.cache is not None
-    assert set(got.cache) == {"gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s"}
-    assert got.cache["built_plans"] == len(set(req.schedule_spec().plan_keys())) == req.steps
+    assert set(got.cache.to_dict()) == {
+        "gpu_hit_plans",
+        "host_hit_plans",
+        "built_plans",
+        "rebuild_s",
+        "swap_in_s",
+        "host_stored",
+    }
+    assert got.cache.built_plans == len(set(req.schedule_spec().plan_keys())) == req.steps
 
 
 def test_cached_equals_resident_equal_audio_shift(models: Models) -> None:

@@ -11,9 +11,10 @@ import torch
 
 from ditcore import GenerationRequest, generate, get_preset, load_model, write_checkpoint
 from ditcore.plans import ScheduleSpec
+from ditruntime.slab import READY, map_slab
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
-from plancache_service.device import READY, SlabMemory, allocate_host_pages, map_slab
+from plancache_service.device import SlabMemory, allocate_host_pages
 from plancache_service.embedded import EmbeddedPlanProvider
 from plancache_service.rebuild import RebuildSource
 
@@ -63,7 +64,7 @@ def test_cached_equals_resident_on_cuda(tmp_path: Path) -> None:
             req = GenerationRequest(task="t2va", steps=8, flow_shift=flow, audio_flow_shift=audio, height=32, width=32)
             a, b = generate(resident, req), generate(cached, req, provider)
             assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio), b.cache
-        assert b.cache["host_hit_plans"] > 0 and cache.host_pinned
+        assert b.cache.host_hit_plans > 0 and cache.host_pinned
     finally:
         cache.close()
 

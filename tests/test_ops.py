@@ -18,14 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ditcore import get_preset, write_checkpoint
 from ditcore.plans import ScheduleSpec
+from ditruntime.obs import JsonFormatter
 from ditserve.client import GeneratorClient
-from ditserve.obs import JsonFormatter
-from generator_service.cli import build_server as build_generator
+from generator_service.app import build_server as build_generator
 from generator_service.config import GeneratorConfig
+from plancache_service.app import build_server as build_sidecar
 from plancache_service.cache import PlanCache
-from plancache_service.cli import SidecarConfig
-from plancache_service.cli import build_server as build_sidecar
-from plancache_service.config import CacheConfig
+from plancache_service.config import CacheConfig, SidecarConfig
 from plancache_service.metrics import sidecar_registry
 from plancache_service.rebuild import RebuildSource
 from plancache_service.sidecar import Sidecar

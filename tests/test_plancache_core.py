@@ -18,8 +18,7 @@ import torch
 
 from ditcore.checkpoint import CheckpointReader, read_shard_header, write_checkpoint
 from ditcore.plans import PlanKey, f32_bits
-from plancache_service.cache import MAX_KEYS, PlanCache
-from plancache_service.device import (
+from ditruntime.slab import (
     COL_GENERATION,
     COL_LENGTH,
     COL_STATE,
@@ -28,6 +27,7 @@ from plancache_service.device import (
     ROW_WORDS,
     map_slab,
 )
+from plancache_service.cache import MAX_KEYS, PlanCache
 from plancache_service.errors import (
     CacheBusyError,
     CheckpointChangedError,

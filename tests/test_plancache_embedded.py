@@ -96,7 +96,7 @@ def test_cached_equals_resident_for_cold_build_slot_hit_and_host_swap_in(
             got = generate(cached, req, provider)
             assert_same_output(got, want[req.request_id])
             assert cache.leases() == []  # generate released its lease
-            sources.append({k: got.cache[k] for k in ("built_plans", "gpu_hit_plans", "host_hit_plans")})
+            sources.append({k: getattr(got.cache, k) for k in ("built_plans", "gpu_hit_plans", "host_hit_plans")})
         assert sources == [
             {"built_plans": 8, "gpu_hit_plans": 0, "host_hit_plans": 0},  # cold
             {"built_plans": 0, "gpu_hit_plans": 8, "host_hit_plans": 0},  # slot hit
@@ -129,10 +129,10 @@ def test_failed_rebuild_does_not_disturb_later_cached_generation(
         expect(cache, resident=set(a.schedule_spec().plan_keys()), leases=0, failed_prepares=1)
 
         got = generate(cached, a, provider)  # slot hits on the plans built before the failure
-        assert got.cache is not None and got.cache["gpu_hit_plans"] == 8
+        assert got.cache is not None and got.cache.gpu_hit_plans == 8
         assert_same_output(got, want_a)
         got = generate(cached, b, provider)  # the failed request, retried
-        assert got.cache is not None and got.cache["built_plans"] == 7
+        assert got.cache is not None and got.cache.built_plans == 7
         assert_same_output(got, want_b)
         check_invariants(cache)
     finally:

@@ -110,7 +110,7 @@ def test_generate_matches_resident_reference(pair: InProcessPair, svc_ckpt: Path
     assert res.generation == 1
     assert res.adaln_mode == "ADALN_MODE_CACHED"
     c = res.cache
-    assert c["gpu_hit_plans"] + c["host_hit_plans"] + c["built_plans"] == req["steps"]
+    assert c.plans == req["steps"]
 
 
 def test_stream_event_order_and_chunks_equal_unary(
@@ -158,12 +158,12 @@ def test_repeated_request_is_all_slot_hits(pair: InProcessPair) -> None:
     req = {**T2V_REQUEST, "request_id": "repeat", "steps": 9, "flow_shift": 4.25}
     with GeneratorClient(pair.target) as client:
         first = client.generate(req, timeout=60)
-        assert first.cache["built_plans"] >= 1, first.cache  # a schedule no other test uses
-        assert sum(first.cache[k] for k in ("gpu_hit_plans", "host_hit_plans", "built_plans")) == 9
+        assert first.cache.built_plans >= 1, first.cache  # a schedule no other test uses
+        assert sum(getattr(first.cache, k) for k in ("gpu_hit_plans", "host_hit_plans", "built_plans")) == 9
         second = client.generate(req, timeout=60)
     ready = dict(second.events)["plans_ready"]
-    assert ready["gpu_hit_plans"] == 9 and ready["built_plans"] == 0 and ready["host_hit_plans"] == 0, ready
-    assert second.cache["gpu_hit_plans"] == 9 and second.cache["built_plans"] == 0
+    assert ready.gpu_hit_plans == 9 and ready.built_plans == 0 and ready.host_hit_plans == 0, ready
+    assert second.cache.gpu_hit_plans == 9 and second.cache.built_plans == 0
     assert second.sha256 == first.sha256
 
 
@@ -312,7 +312,7 @@ def test_request_that_never_fits_the_slab_is_failed_precondition(
         ok = client.generate_unary(
             {**T2V_REQUEST, "request_id": "fits", "steps": GPU_PLANS, "guidance_scale": 1.0, "height": 16}, timeout=60
         )
-    assert ok.cache["gpu_hit_plans"] + ok.cache["host_hit_plans"] + ok.cache["built_plans"] == GPU_PLANS
+    assert ok.cache.gpu_hit_plans + ok.cache.host_hit_plans + ok.cache.built_plans == GPU_PLANS
 
 
 def test_request_wider_than_a_slot_is_failed_precondition(slow_pair: InProcessPair) -> None:

@@ -254,11 +254,10 @@ class PairFactory:
         admin_token: str = TOKEN,
         max_queue_depth: int = 16,
     ) -> Pair:
-        from generator_service.cli import build_server as build_generator
+        from generator_service.app import build_server as build_generator
         from generator_service.config import GeneratorConfig
-        from plancache_service.cli import SidecarConfig
-        from plancache_service.cli import build_server as build_sidecar
-        from plancache_service.config import CacheConfig
+        from plancache_service.app import build_server as build_sidecar
+        from plancache_service.config import CacheConfig, SidecarConfig
 
         work = short_tmpdir()
         self.dirs.append(work)
@@ -290,7 +289,7 @@ class PairFactory:
         return pair
 
     def resident(self, checkpoint: Path | None = None, *, admin_token: str = TOKEN) -> Pair:
-        from generator_service.cli import build_server as build_generator
+        from generator_service.app import build_server as build_generator
         from generator_service.config import GeneratorConfig
 
         generator = build_generator(

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ditcore.report import CacheReport
 from ditserve.client import GeneratorClient
 from ditserve.launcher import terminate, wait_healthy
 
@@ -37,7 +38,7 @@ class Record:
     sha256: str
     generation: int
     timings_ms: dict[str, float]
-    cache: dict[str, Any]
+    cache: CacheReport
     tier: str = ""  # "built", "host", "slot", "resident"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -50,12 +51,12 @@ class Record:
         return self.latency_s - self.timings_ms.get("queue_ms", 0.0) / 1000
 
 
-def tier_of(cache: dict[str, Any], mode: str) -> str:
+def tier_of(cache: CacheReport, mode: str) -> str:
     if mode == "resident":
         return "resident"
-    if cache.get("built_plans"):
+    if cache.built_plans:
         return "built"
-    if cache.get("host_hit_plans"):
+    if cache.host_hit_plans:
         return "host"
     return "slot"
 

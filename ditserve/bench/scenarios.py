@@ -87,7 +87,7 @@ def repeat_vs_first_seen(ctx: BenchContext) -> dict[str, Any]:
     # is left of each latency (prepare, RPC, transfer). The end-to-end difference is reported too.
     saved = sum(_non_compute_s(f) - _non_compute_s(r) for f, r in zip(firsts, repeats, strict=True))
     saved_e2e = sum(f.service_s - r.service_s for f, r in zip(firsts, repeats, strict=True))
-    rebuild = sum(f.cache["rebuild_s"] for f in firsts)
+    rebuild = sum(f.cache.rebuild_s for f in firsts)
     ratio = saved / rebuild if rebuild else float("nan")
     return {
         "ratio": round(ratio, 3), "target": "0.9 <= saved/rebuild <= 1.1", "met": 0.9 <= ratio <= 1.1,
@@ -119,7 +119,7 @@ def alternating(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
                 swap_bytes, swap_s = float(st.swap_in_bytes), float(st.swap_in_s)
                 (ctx.workdir / "metrics-after-alternating.txt").write_text(svc.scrape())
     warm = {n: r[2:] for n, r in runs.items()}
-    rebuilds = {n: sum(1 for r in w if r.cache["built_plans"]) for n, w in warm.items()}
+    rebuilds = {n: sum(1 for r in w if r.cache.built_plans) for n, w in warm.items()}
     same = all(len({r.sha256 for rs in runs.values() for r in rs if r.label == lab}) == 1 for lab in ("A", "B"))
     lat = {n: round(_mean([r.service_s for r in w]), 4) for n, w in warm.items()}
     met3 = rebuilds["both_fit"] == 0 and rebuilds["one_fits_host"] == 0 and rebuilds["one_fits_no_host"] == len(seq) - 2
@@ -131,8 +131,8 @@ def alternating(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
         "per_request_s": {n: [round(r.service_s, 4) for r in rs] for n, rs in runs.items()},
     }  # fmt: skip
     host_runs = runs["one_fits_host"]
-    rebuild_s = _mean([r.cache["rebuild_s"] for r in host_runs[:2]])
-    swap_each = _mean([r.cache["swap_in_s"] for r in host_runs[2:] if r.cache["host_hit_plans"]])
+    rebuild_s = _mean([r.cache.rebuild_s for r in host_runs[:2]])
+    swap_each = _mean([r.cache.swap_in_s for r in host_runs[2:] if r.cache.host_hit_plans])
     swap_bw = swap_bytes / swap_s if swap_s else float("nan")
     memcpy_bw = memcpy_bandwidth(int(swap_bytes / max(1, len(host_runs) - 2)), ctx.device)
     speedup = rebuild_s / swap_each if swap_each else float("nan")
@@ -263,8 +263,8 @@ def rebuild_efficiency(ctx: BenchContext, first_seen: list[Record], bit_exact: b
     info = validate_checkpoint(ctx.checkpoint)
 
     read_s = read_adaln_seconds(info, ctx.device)
-    rebuild_s = _mean([r.cache["rebuild_s"] for r in first_seen])
-    plans = _mean([float(r.cache["built_plans"]) for r in first_seen])
+    rebuild_s = _mean([r.cache.rebuild_s for r in first_seen])
+    plans = _mean([float(r.cache.built_plans) for r in first_seen])
     source = RebuildSource(info, torch.device(ctx.device))
     keys = distinct_keys(GenerationRequest(**ctx.request("A")).schedule_spec().plan_keys())
     batched = source.probe.exact(2, len(keys) - 1)
@@ -314,7 +314,7 @@ def rebuild_overlap(ctx: BenchContext) -> dict[str, Any]:
     return {
         "ratio": round(ratio, 3), "target": "first-seen queued behind a running request <= 1.05 x warm", "met": ratio <= 1.05,
         "first_seen_s": round(y.service_s, 4), "warm_s": round(y_warm.service_s, 4),
-        "first_seen_cache": y.cache, "first_seen_queue_ms": y.timings_ms.get("queue_ms"),
+        "first_seen_cache": y.cache.to_dict(), "first_seen_queue_ms": y.timings_ms.get("queue_ms"),
         "x_latency_s": round(out["X"].latency_s, 4),
     }  # fmt: skip
 

@@ -99,18 +99,20 @@ class PreparePlansRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CacheReport(_message.Message):
-    __slots__ = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s")
+    __slots__ = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored")
     GPU_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
     HOST_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
     BUILT_PLANS_FIELD_NUMBER: _ClassVar[int]
     REBUILD_S_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_STORED_FIELD_NUMBER: _ClassVar[int]
     gpu_hit_plans: int
     host_hit_plans: int
     built_plans: int
     rebuild_s: float
     swap_in_s: float
-    def __init__(self, gpu_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ...) -> None: ...
+    host_stored: bool
+    def __init__(self, gpu_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ..., host_stored: _Optional[bool] = ...) -> None: ...
 
 class PreparePlansResponse(_message.Message):
     __slots__ = ("lease_id", "slots", "report", "generation")

@@ -1,0 +1,38 @@
+"""The cache report: where one request's distinct plans came from and what that cost.
+
+One dataclass from the plan-cache core to the client: the core fills it, leases carry it,
+`generate()` returns it, and both protos' `CacheReport` messages are converted from its
+fields by name (`ditruntime.convert`, which refuses a field with no counterpart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    gpu_hit_plans: int = 0
+    """Distinct plans already resident in slab slots."""
+    host_hit_plans: int = 0
+    """Distinct plans swapped in from the host tier."""
+    built_plans: int = 0
+    """Distinct plans rebuilt from the checkpoint."""
+    rebuild_s: float = 0.0
+    """Seconds spent in the rebuild pass."""
+    swap_in_s: float = 0.0
+    """Seconds spent swapping in from the host tier."""
+    host_stored: bool = False
+    """Whether the request's plan group is now held by the host tier."""
+
+    @property
+    def plans(self) -> int:
+        """Distinct plans the request needed (every tier together)."""
+        return self.gpu_hit_plans + self.host_hit_plans + self.built_plans
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> CacheReport:
+        return replace(self, **changes)

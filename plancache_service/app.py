@@ -1,0 +1,66 @@
+"""Assembly of the plan-cache sidecar: one `build_server(config)` that constructs every part
+(rebuild source, cache, sidecar core, gRPC server) and passes collaborators in."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .cache import PlanCache
+from .config import SidecarConfig
+from .rebuild import RebuildSource
+from .server import SidecarServer
+from .sidecar import Sidecar
+from .state import STATE_FILE, load_state
+
+log = logging.getLogger("plancache_service")
+
+
+def shm_manifest(cfg: SidecarConfig) -> Path | None:
+    """Where this sidecar lists its /dev/shm files, so the next start can remove them if it
+    was killed (SIGKILL leaves them behind): beside the socket, else in the state dir."""
+    if cfg.address.startswith("unix:"):
+        return Path(cfg.address[len("unix:") :] + ".shm-files")
+    return cfg.state_dir / "plancache.shm-files" if cfg.state_dir is not None else None
+
+
+def remove_stale_shm(manifest: Path) -> None:
+    if not manifest.exists():
+        return
+    for line in manifest.read_text().splitlines():
+        p = Path(line.strip())
+        if p.name.startswith(("ditserve-slab-", "ditserve-table-")) and p.exists():
+            log.warning("removing %s left behind by a sidecar that did not stop cleanly", p)
+            p.unlink()
+    manifest.unlink()
+
+
+def build_server(cfg: SidecarConfig) -> SidecarServer:
+    device = torch.device(cfg.cache.device)
+    state = load_state(cfg.state_dir) if cfg.state_dir is not None else None
+    if state is None:
+        source = RebuildSource(cfg.checkpoint, device)
+        generation = 1  # generation 0 means "none yet"
+    else:
+        if Path(state.weights_path) != cfg.checkpoint:
+            log.warning(
+                "state file %s names %s (generation %d); it wins over --checkpoint %s",
+                cfg.state_dir / STATE_FILE, state.weights_path, state.generation, cfg.checkpoint,
+            )  # fmt: skip
+        source = RebuildSource(state.weights_path, device, committed_digests=state.digests)
+        generation = state.generation
+    manifest = shm_manifest(cfg)
+    if manifest is not None:
+        remove_stale_shm(manifest)
+    cache = PlanCache(cfg.cache, source, generation=generation)
+    if manifest is not None:
+        manifest.write_text("\n".join(cache.memory.paths) + "\n")
+    try:
+        sidecar = Sidecar(cache, cfg.state_dir)
+        sidecar.check_source()
+        return SidecarServer(sidecar, cfg.address, cfg.heartbeat_s, cfg.metrics_port)
+    except BaseException:
+        cache.close()
+        raise
