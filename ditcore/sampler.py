@@ -25,7 +25,10 @@ from .schedule import flow_schedule
 class PlanLease(Protocol):
     """Pages for every step of one request, valid until `release()`."""
 
-    report: CacheReport
+    @property
+    def report(self) -> CacheReport:
+        """Where the request's plans came from (read-only)."""
+        ...
 
     def pages(self, step: int) -> torch.Tensor:
         """(W, page_numel) pages of step `step`, in model dtype."""

@@ -16,12 +16,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ditcore import CheckpointError, ConfigError, RequestError
-from plancache_service.config import GB, CacheConfig
+from ditruntime.flags import add_flags
+from plancache_service.config import CacheConfig
 from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, PlanCapacityError
 
 from . import __version__
 from .bench.runner import add_bench_flags, cmd_bench
-from .commands import UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
+from .commands import LOCAL_CACHE_FLAGS, UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
 from .launcher import add_serve_flags, serve
 from .remote import add_client_flags, cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags
@@ -69,17 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     gl = sub.add_parser("generate-local", help="run requests in this process (no services)")
     gl.add_argument("--checkpoint", required=True, help="checkpoint directory")
     gl.add_argument("--adaln-mode", choices=("resident", "cached"), default="resident")
-    cache = gl.add_argument_group("plan cache (cached mode)")
-    cache.add_argument("--gpu-plans", type=int, default=CacheConfig.gpu_plans, help="slab slots (default %(default)s)")
-    cache.add_argument(
-        "--plan-width", type=int, default=CacheConfig.plan_width, help="pages per slot (default %(default)s)"
-    )
-    cache.add_argument(
-        "--host-cache-gb",
-        type=float,
-        default=CacheConfig.host_cache_bytes / GB,
-        help="host tier cap, 0 = off (default %(default)s)",
-    )
+    add_flags(gl, CacheConfig, only=LOCAL_CACHE_FLAGS, group="plan cache (cached mode)")
     add_request_flags(gl)
     gl.set_defaults(func=cmd_generate_local)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,9 @@ from ditcore import (
     write_checkpoint,
 )
 from ditcore.checkpoint import is_checkpoint_dir
+from ditruntime.flags import from_args
 from plancache_service.cache import PlanCache
-from plancache_service.config import GB, CacheConfig
+from plancache_service.config import CacheConfig
 from plancache_service.embedded import EmbeddedPlanProvider
 from plancache_service.rebuild import RebuildSource
 
@@ -32,6 +32,8 @@ from .requests_io import requests_from_args, result_line, validate_all, write_re
 
 GIB = 1024**3
 MIB = 1024**2
+LOCAL_CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
+"""The CacheConfig flags of `generate-local` (its slab is always in host memory)."""
 
 
 class UsageError(Exception):
@@ -117,20 +119,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cache_config_from_args(args: argparse.Namespace, device: str = "cpu") -> CacheConfig:
-    if not (math.isfinite(args.host_cache_gb) and args.host_cache_gb >= 0):
-        raise UsageError(f"--host-cache-gb must be finite and >= 0, got {args.host_cache_gb}")
-    try:
-        return CacheConfig(
-            gpu_plans=args.gpu_plans,
-            plan_width=args.plan_width,
-            host_cache_bytes=int(args.host_cache_gb * GB),
-            device=device,
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-
-
 def cmd_generate_local(args: argparse.Namespace) -> int:
     requests = requests_from_args(args)
     info = validate_checkpoint(args.checkpoint, require_adaln=True)
@@ -138,7 +126,8 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
     if args.adaln_mode == "resident":
         _run_local(load_model(info, "resident"), None, requests, args)
         return 0
-    cache = PlanCache(cache_config_from_args(args), RebuildSource(info, torch.device("cpu")))
+    cache_config = from_args(CacheConfig, args, only=LOCAL_CACHE_FLAGS)  # bounds were checked while parsing
+    cache = PlanCache(cache_config, RebuildSource(info, torch.device("cpu")))
     try:
         for req in requests:  # every request must fit this slab before any runs
             cache.check_request(req.schedule_spec().plan_keys())

@@ -1,4 +1,6 @@
 """`ditserve serve`: start the sidecar, wait for its health, start the generator, supervise.
+Its flags are the children's config declarations (GeneratorConfig, CacheConfig, SidecarConfig);
+each child gets its config rendered back to flags (ditruntime.flags.to_argv).
 
 Creates the demo checkpoint (preset `small`) in the run dir when no --checkpoint is given.
 SIGINT / SIGTERM stop the generator, then the sidecar (which removes its /dev/shm files);
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ditcore import get_preset, validate_checkpoint, write_checkpoint
 from ditcore.checkpoint import is_checkpoint_dir
-from ditruntime.paths import default_run_dir, ensure_private_dir
+from ditruntime.flags import LaunchOptions, add_flags, from_args, to_argv
+from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir
+from generator_service.config import GeneratorConfig
+from plancache_service.config import CacheConfig, SidecarConfig
+
+from .commands import UsageError
 
 log = logging.getLogger("ditserve.serve")
 DEMO_PRESET = "small"
@@ -76,8 +84,13 @@ def terminate(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> int | None:
     return proc.returncode
 
 
+def demo_path(run_dir: Path) -> Path:
+    return run_dir / f"demo-checkpoint-{DEMO_PRESET}"
+
+
 def demo_checkpoint(run_dir: Path) -> Path:
-    path = run_dir / f"demo-checkpoint-{DEMO_PRESET}"
+    """The demo checkpoint, written on first use."""
+    path = demo_path(run_dir)
     if not is_checkpoint_dir(path):
         print(f"creating the demo checkpoint (preset {DEMO_PRESET}) in {path}", flush=True)
         write_checkpoint(get_preset(DEMO_PRESET), path, seed=0)
@@ -121,74 +134,97 @@ class Child:
         return self.proc is not None and self.proc.poll() is not None
 
 
-def build_children(args: argparse.Namespace, run_dir: Path, checkpoint: Path) -> list[Child]:
+SERVE_GENERATOR_EXCLUDE = ("checkpoint", "sidecar", "listen", "metrics_port", "max_message_bytes", "prefetch")
+"""GeneratorConfig fields that are not `serve` flags: derived from serve's own options, or left at default."""
+SERVE_CACHE_EXCLUDE = ("device",)
+"""One --device (GeneratorConfig's) places both the DiT and the slab."""
+SERVE_SIDECAR_ONLY = ("state_dir",)
+"""The SidecarConfig flags of `serve` besides the cache's (the rest derive from serve's options)."""
+SERVE_LAUNCH_EXCLUDE = ("threads",)
+FORWARDED_LAUNCH = ("log_level", "log_format")
+"""Launch options both children get from `serve`."""
+
+
+def child_configs(
+    args: argparse.Namespace, run_dir: Path, checkpoint: Path
+) -> tuple[GeneratorConfig, SidecarConfig | None]:
+    """The generator's config and, in cached mode, the sidecar's, from `serve`'s flags."""
+    cached = args.adaln_mode == "cached"
+    address = f"unix:{run_dir / SOCKET_NAME}"
+    gen = from_args(
+        GeneratorConfig,
+        args,
+        exclude=SERVE_GENERATOR_EXCLUDE,
+        checkpoint=None if cached else checkpoint,
+        sidecar=address if cached else "",
+        listen=f"{args.host}:{args.port}",
+        metrics_port=args.metrics_port,
+    )
+    if not cached:
+        return gen, None
+    side = from_args(
+        SidecarConfig,
+        args,
+        only=SERVE_SIDECAR_ONLY,
+        checkpoint=checkpoint,
+        cache=from_args(CacheConfig, args, exclude=SERVE_CACHE_EXCLUDE, device=gen.device),
+        address=address,
+        metrics_port=None if args.metrics_port is None else args.metrics_port + 1,
+    )
+    if side.state_dir is None:
+        side = replace(side, state_dir=run_dir / "state")
+    return gen, side
+
+
+def build_children(
+    args: argparse.Namespace, launch: LaunchOptions, gen: GeneratorConfig, side: SidecarConfig | None
+) -> list[Child]:
+    """The supervised processes: each child's argv renders its config (`to_argv`), nothing else."""
     py = sys.executable
-    sock = run_dir / "plancache.sock"
-    host = args.host
-    gen_argv = [py, "-m", "generator_service", "--listen", f"{host}:{args.port}", "--device", args.device]
-    gen_argv += ["--max-queue-depth", str(args.max_queue_depth), "--log-level", args.log_level]
-    gen_argv += ["--drain-timeout-s", str(args.drain_timeout_s), "--log-format", args.log_format]
-    if args.metrics_port is not None:
-        gen_argv += ["--metrics-port", str(args.metrics_port)]
-    for flag in (
-        "max_steps",
-        "max_frames",
-        "max_height",
-        "max_width",
-        "max_prompt_bytes",
-        "tls_cert",
-        "tls_key",
-        "tls_client_ca",
-    ):
-        if getattr(args, flag) is not None:
-            gen_argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    if args.weights_root:
-        gen_argv += ["--weights-root", args.weights_root]
-    if args.admin_token:
-        gen_argv += ["--admin-token", args.admin_token]  # also inherited as $DITSERVE_ADMIN_TOKEN
-    health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    run_dir = Path(launch.run_dir or default_run_dir())
+    common = to_argv(launch, only=FORWARDED_LAUNCH)
     children = []
-    if args.adaln_mode == "resident":
-        gen_argv += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
-    else:
-        side_argv = [py, "-m", "plancache_service", "--checkpoint", str(checkpoint), "--socket", str(sock)]
-        side_argv += ["--gpu-plans", str(args.gpu_plans), "--plan-width", str(args.plan_width)]
-        side_argv += [
-            "--host-cache-gb",
-            str(args.host_cache_gb),
-            "--device",
-            args.device,
-            "--log-level",
-            args.log_level,
-            "--state-dir",
-            args.state_dir or str(run_dir / "state"),
-            "--log-format",
-            args.log_format,
-        ]
-        if args.metrics_port is not None:
-            side_argv += ["--metrics-port", str(args.metrics_port + 1)]
-        children.append(Child("plancache sidecar", side_argv, f"unix:{sock}", run_dir / "plancache.log"))
-        gen_argv += ["--adaln-mode", "cached", "--sidecar", f"unix:{sock}"]
-    creds = None
-    if args.tls_cert:  # the launcher checks health as a TLS client trusting the server's own certificate
-        client_pair = {}
-        if args.tls_client_ca:  # mutual TLS: present the server's own pair (it must be signed by that CA)
-            client_pair = {
-                "private_key": Path(args.tls_key).read_bytes(),
-                "certificate_chain": Path(args.tls_cert).read_bytes(),
-            }
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(args.tls_cert).read_bytes(), **client_pair)
-    children.append(Child("generator", gen_argv, f"{health_host}:{args.port}", run_dir / "generator.log", creds))
+    if side is not None:
+        socket = side.address.removeprefix("unix:")
+        side_argv = [py, "-m", "plancache_service", *to_argv(side, exclude=("address",)), f"--socket={socket}"]
+        children.append(Child("plancache sidecar", side_argv + common, side.address, run_dir / "plancache.log"))
+    host = args.host
+    health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    gen_argv = [py, "-m", "generator_service", *to_argv(gen), *common]
+    health = f"{health_host}:{args.port}"
+    children.append(Child("generator", gen_argv, health, run_dir / "generator.log", health_credentials(gen)))
     return children
 
 
-def serve(args: argparse.Namespace) -> int:
+def health_credentials(gen: GeneratorConfig) -> grpc.ChannelCredentials | None:
+    """With TLS, the launcher checks health as a client trusting the server's own certificate."""
+    if gen.tls_cert is None or gen.tls_key is None:
+        return None
+    client_pair = {}
+    if gen.tls_client_ca:  # mutual TLS: present the server's own pair (it must be signed by that CA)
+        client_pair = {"private_key": gen.tls_key.read_bytes(), "certificate_chain": gen.tls_cert.read_bytes()}
+    return grpc.ssl_channel_credentials(root_certificates=gen.tls_cert.read_bytes(), **client_pair)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[Child]]:
+    """The run dir, the checkpoint and the children; bad flags or a bad checkpoint raise before any start."""
     if args.no_metrics:
         args.metrics_port = None
-    run_dir = ensure_private_dir(args.run_dir or default_run_dir())
-    checkpoint = Path(args.checkpoint) if args.checkpoint else demo_checkpoint(run_dir)
-    validate_checkpoint(checkpoint)  # a bad one is refused here, before any child starts
-    children = build_children(args, run_dir, checkpoint)
+    launch = from_args(LaunchOptions, args, exclude=SERVE_LAUNCH_EXCLUDE)
+    run_dir = ensure_private_dir(launch.run_dir or default_run_dir())
+    checkpoint = Path(args.checkpoint) if args.checkpoint else demo_path(run_dir)
+    try:
+        gen, side = child_configs(args, run_dir, checkpoint)
+    except ValueError as e:  # a combination of flags no config accepts
+        raise UsageError(str(e)) from e
+    if not args.checkpoint:
+        demo_checkpoint(run_dir)
+    validate_checkpoint(checkpoint)
+    return run_dir, checkpoint, build_children(args, launch, gen, side)
+
+
+def serve(args: argparse.Namespace) -> int:
+    run_dir, checkpoint, children = prepare(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -235,30 +271,16 @@ def _restart(child: Child, stop: threading.Event) -> None:
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    from plancache_service.config import GB, CacheConfig
-
+    """serve's own options, then the children's flags from their config declarations."""
     p.add_argument("--checkpoint", default=None, help="checkpoint dir (default: a generated demo checkpoint)")
     p.add_argument("--port", type=int, default=50051, help="generator port (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="generator bind address (default %(default)s)")
-    p.add_argument("--run-dir", default=None, help=f"socket, logs, demo checkpoint (default {default_run_dir()})")
-    p.add_argument("--adaln-mode", choices=("cached", "resident"), default="cached")
-    p.add_argument("--gpu-plans", type=int, default=CacheConfig.gpu_plans)
-    p.add_argument("--plan-width", type=int, default=CacheConfig.plan_width)
-    p.add_argument("--host-cache-gb", type=float, default=CacheConfig.host_cache_bytes / GB)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-queue-depth", type=int, default=16)
-    p.add_argument("--log-level", default="INFO", help="services' log level (default %(default)s)")
-    p.add_argument("--weights-root", default=None, help="UpdateWeights paths must resolve inside it (default: off)")
-    p.add_argument("--admin-token", default=None, help="UpdateWeights bearer token (default: $DITSERVE_ADMIN_TOKEN)")
-    p.add_argument("--state-dir", default=None, help="sidecar state file dir (default <run-dir>/state)")
-    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="update drain bound (default %(default)s)")
-    p.add_argument("--log-format", choices=("text", "json"), default="text", help="services' log format")
     p.add_argument(
         "--metrics-port", type=int, default=9400, help="generator /metrics on P, sidecar on P+1 (default %(default)s)"
     )
     p.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
-    for name in ("steps", "frames", "height", "width", "prompt-bytes"):
-        p.add_argument(f"--max-{name}", type=int, default=None, help="generator limit (default: the model's)")
-    p.add_argument("--tls-cert", default=None, help="serve the generator port over TLS (PEM)")
-    p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
-    p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA")
+    add_flags(p, LaunchOptions, exclude=SERVE_LAUNCH_EXCLUDE)
+    add_flags(p, GeneratorConfig, exclude=SERVE_GENERATOR_EXCLUDE, group="generator")
+    side = p.add_argument_group("plan-cache sidecar (cached mode)")
+    add_flags(side, CacheConfig, exclude=SERVE_CACHE_EXCLUDE)
+    add_flags(side, SidecarConfig, only=SERVE_SIDECAR_ONLY)

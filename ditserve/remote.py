@@ -67,7 +67,10 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
 def client_from_args(args: argparse.Namespace) -> GeneratorClient:
     creds = None
     if args.tls_ca or args.tls_cert:
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+
+        def read(p: str | None) -> bytes | None:
+            return Path(p).read_bytes() if p else None
+
         creds = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
     return GeneratorClient(args.target, credentials=creds)
 

@@ -1,23 +1,40 @@
-"""Assembly of the generator: one `build_server(config)` that constructs every part (backend,
-executor, metrics, update coordinator, gRPC server) and passes collaborators in."""
+"""Assembly of the generator: one `build_server(config)` that constructs every part (serving
+state, backend and sidecar client, executor, metrics, update coordinator, gRPC server) and
+passes each its collaborators; nothing is wired after construction."""
 
 from __future__ import annotations
 
 import torch
 
-from .backend import Backend, CachedBackend, ResidentBackend
+from .backend import Backend
+from .cached import CachedBackend, CachedWeights
 from .config import GeneratorConfig
-from .server import GeneratorServer
+from .executor import Executor
+from .health import ServingState
+from .metrics import GeneratorMetrics, register_state_gauges
+from .resident import ResidentBackend
+from .server import GeneratorServer, HealthPublisher
+from .sidecar_client import SidecarClient
+from .updates import UpdateCoordinator
 
 
 def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     device = torch.device(cfg.device)
+    publisher = HealthPublisher()
     backend: Backend
     if cfg.adaln_mode == "resident":
-        assert cfg.checkpoint is not None
+        assert cfg.checkpoint is not None  # GeneratorConfig checks it
+        state = ServingState(attached=True, listener=publisher.publish)  # no sidecar to attach to
         backend = ResidentBackend(cfg.checkpoint, device)
-        return GeneratorServer(cfg, backend)
-    backend = CachedBackend(cfg.sidecar, device, cfg.reconnect_s)
-    server = GeneratorServer(cfg, backend)
-    backend.start(server.set_serving)
-    return server
+        prefetch = False  # nothing to lease ahead
+    else:
+        state = ServingState(attached=False, listener=publisher.publish)
+        weights = CachedWeights(device)
+        link = SidecarClient(cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state)
+        backend = CachedBackend(link, weights)
+        prefetch = cfg.prefetch
+    metrics = GeneratorMetrics()
+    executor = Executor(backend, cfg.max_queue_depth, prefetch, on_finish=metrics.on_finish)
+    register_state_gauges(metrics.registry, backend, executor)
+    updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
+    return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher)

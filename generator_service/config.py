@@ -1,76 +1,92 @@
-"""Generator configuration: one frozen dataclass built from CLI flags."""
+"""Generator configuration: one frozen dataclass whose fields declare their own CLI flags
+(ditruntime.flags), built from `ditserve generator` / `serve` flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from ditruntime.flags import check_bounds, flag
+
+TOKEN_ENV = "DITSERVE_ADMIN_TOKEN"
+MIB = 2**20
+LIMITS = ("max_steps", "max_frames", "max_height", "max_width", "max_prompt_bytes")
+
+
+def _limit(what: str) -> int | None:
+    return flag(None, f"limit on {what} (default: the model's)", low=1)
+
 
 @dataclass(frozen=True)
 class GeneratorConfig:
-    adaln_mode: str = "cached"
+    adaln_mode: str = flag(
+        "cached",
+        "cached: plans from the sidecar; resident: no sidecar (default %(default)s)",
+        choices=("cached", "resident"),
+    )
     """"cached" (plans from the sidecar) or "resident" (adaln_proj loaded; no sidecar)."""
-    checkpoint: Path | None = None
+    checkpoint: Path | None = flag(None, "resident mode: checkpoint dir (cached mode loads the sidecar's)")
     """Resident mode: the checkpoint. Cached mode: ignored; the sidecar's weights are loaded."""
-    sidecar: str = ""
+    sidecar: str = flag("", "sidecar socket or host:port (default <run-dir>/plancache.sock)")
     """Sidecar target: 'unix:/path/plancache.sock' or 'host:port' (cached mode)."""
-    listen: str = "127.0.0.1:50051"
+    listen: str = flag("127.0.0.1:50051", "public address host:port (default %(default)s)")
     """Public address (host:port; port 0 picks a free one)."""
-    device: str = "cpu"
+    device: str = flag("cpu", "cpu or cuda[:N] (default %(default)s)")
     """Device the DiT runs on."""
-    max_queue_depth: int = 16
+    max_queue_depth: int = flag(
+        16, "requests waiting or running before RESOURCE_EXHAUSTED (default %(default)s)", low=1, high=100_000
+    )
     """Requests waiting or running before Generate answers RESOURCE_EXHAUSTED."""
-    max_message_bytes: int = 64 * 1024 * 1024
-    """gRPC send/receive limit; a unary result above it must use GenerateStream."""
+    max_message_bytes: int = flag(
+        64 * MIB, "gRPC message limit in MiB (default %(default)s)", name="--max-message-mb", scale=MIB
+    )
+    """gRPC send/receive limit (`--max-message-mb`); a unary result above it must use GenerateStream."""
     chunk_bytes: int = 1024 * 1024
     """Tensor bytes per GenerateStream chunk (well under max_message_bytes)."""
     reconnect_s: float = 0.5
     """Pause between attempts to (re)attach to the sidecar."""
-    prefetch: bool = True
-    """Prepare the next queued request's plans while the current one denoises."""
+    prefetch: bool = flag(True, "do not prepare the next request's plans early", negate=True)
+    """Prepare the next queued request's plans while the current one denoises (`--no-prefetch`: don't)."""
     workers: int = 32
     """gRPC server threads (one per in-flight RPC, streams included)."""
-    admin_token: str = ""
+    admin_token: str = flag(
+        "", f"UpdateWeights bearer token (default: ${TOKEN_ENV}); unset = updates off", env=TOKEN_ENV
+    )
     """Bearer token UpdateWeights requires (`--admin-token` or DITSERVE_ADMIN_TOKEN); empty = updates off."""
-    weights_root: Path | None = None
+    weights_root: Path | None = flag(None, "UpdateWeights paths must resolve inside this directory")
     """UpdateWeights paths must resolve inside this directory."""
-    drain_timeout_s: float = 60.0
+    drain_timeout_s: float = flag(60.0, "update drain bound (default %(default)s)")
     """How long an update waits for the running request before it aborts."""
-    metrics_port: int | None = None
+    metrics_port: int | None = flag(None, "serve Prometheus /metrics on this port (default off)")
     """Prometheus /metrics HTTP port (off when None)."""
-    max_steps: int | None = None
+    max_steps: int | None = _limit("denoise steps")
     """Operator limit on `steps` (default: the model's, 1000)."""
-    max_frames: int | None = None
+    max_frames: int | None = _limit("pixel frames")
     """Operator limit on `frames` (default: the preset's max_frames)."""
-    max_height: int | None = None
+    max_height: int | None = _limit("height in pixels")
     """Operator limit on `height` in pixels (default: the preset's)."""
-    max_width: int | None = None
+    max_width: int | None = _limit("width in pixels")
     """Operator limit on `width` in pixels (default: the preset's)."""
-    max_prompt_bytes: int | None = None
+    max_prompt_bytes: int | None = _limit("prompt bytes")
     """Operator limit on prompt and negative prompt bytes (default: the preset's text_len)."""
-    tls_cert: Path | None = None
+    tls_cert: Path | None = flag(None, "PEM certificate: serve the public port over TLS")
     """PEM server certificate for the public port (TLS when set, with tls_key)."""
-    tls_key: Path | None = None
+    tls_key: Path | None = flag(None, "PEM private key of --tls-cert")
     """PEM private key of tls_cert."""
-    tls_client_ca: Path | None = None
+    tls_client_ca: Path | None = flag(None, "PEM CA: require client certificates (mutual TLS)")
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         if self.adaln_mode not in ("cached", "resident"):
             raise ValueError(f"--adaln-mode must be cached or resident, got {self.adaln_mode!r}")
         if self.adaln_mode == "resident" and self.checkpoint is None:
             raise ValueError("--checkpoint is required with --adaln-mode resident")
         if self.adaln_mode == "cached" and not self.sidecar:
             raise ValueError("--sidecar is required with --adaln-mode cached")
-        if not 1 <= self.max_queue_depth <= 100_000:
-            raise ValueError(f"--max-queue-depth must be in [1, 100000], got {self.max_queue_depth}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        for name in ("max_steps", "max_frames", "max_height", "max_width", "max_prompt_bytes"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if not 1024 <= self.chunk_bytes < self.max_message_bytes:
-            raise ValueError("--chunk-bytes must be in [1024, max message bytes)")
+            raise ValueError("chunk_bytes must be in [1024, max_message_bytes (--max-message-mb))")

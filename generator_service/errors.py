@@ -1,12 +1,18 @@
-"""Generator errors; each names its gRPC status in `grpc_code` (see ditruntime.rpc_errors)."""
+"""The generator's errors: each names its gRPC status in `grpc_code` and a stable `reason`
+(mapped once, by ditruntime.rpc_errors; see docs/architecture.md, "Errors"). No grpc here.
+The generation-mismatch error is ditruntime.errors.GenerationMismatchError, shared with the sidecar.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 
-class GeneratorError(Exception):
+from ditruntime.errors import ServiceError
+
+
+class GeneratorError(ServiceError):
     reason = "GENERATOR_ERROR"
     grpc_code = "INTERNAL"
-    metadata: dict[str, str] = {}  # noqa: RUF012 - overridden per instance
 
 
 class QueueFullError(GeneratorError):
@@ -14,22 +20,23 @@ class QueueFullError(GeneratorError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
-class GenerationMismatchError(GeneratorError):
-    """`expected_generation` does not match the served generation."""
-
-    reason = "GENERATION_MISMATCH"
-    grpc_code = "ABORTED"
-
-    def __init__(self, current: int, expected: int) -> None:
-        super().__init__(f"expected_generation {expected} does not match the served generation {current}")
-        self.metadata = {"current_generation": str(current), "expected_generation": str(expected)}
-
-
 class SidecarUnavailableError(GeneratorError):
-    """The plan-cache sidecar is not attached, or went away during the request."""
+    """The plan-cache sidecar is not attached, or went away during the call or the request."""
 
     reason = "SIDECAR_UNAVAILABLE"
     grpc_code = "UNAVAILABLE"
+
+
+class CommitOutcomeUnknownError(SidecarUnavailableError):
+    """CommitWeightUpdate's answer was lost: the sidecar may or may not have committed.
+
+    The generator drops its session and serves nothing until it reattaches and learns the
+    sidecar's generation (docs/architecture.md, "Weight generations and UpdateWeights").
+    """
+
+    def __init__(self, code_name: str) -> None:
+        super().__init__(f"the commit's outcome is unknown ({code_name}); not serving until the sidecar is back")
+        self.code_name = code_name
 
 
 class NotServingError(GeneratorError):
@@ -67,10 +74,28 @@ class LeaseCheckError(GeneratorError):
 
 
 class SidecarError(GeneratorError):
-    """The sidecar refused a call; carries the sidecar's status code name and reason."""
+    """The sidecar refused a call; carries the sidecar's status code name, reason and metadata."""
 
-    def __init__(self, code: str, reason: str, message: str, metadata: dict[str, str] | None = None) -> None:
-        super().__init__(f"plan cache: {message}")
+    def __init__(self, code: str, reason: str, message: str, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(f"plan cache: {message}", metadata)
         self.grpc_code = code
         self.reason = reason or "SIDECAR_ERROR"
-        self.metadata = dict(metadata or {})
+
+
+class UpdateError(GeneratorError):
+    """A weight update refused or failed; `grpc_code` and `reason` say which."""
+
+    def __init__(self, code: str, reason: str, message: str, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, metadata)
+        self.grpc_code = code
+        self.reason = reason
+
+
+def tensor_updates_refused() -> UpdateError:
+    """Cached mode cannot take pushed tensors: the sidecar rebuilds plans from checkpoint files."""
+    return UpdateError(
+        "FAILED_PRECONDITION",
+        "TENSOR_UPDATE_REFUSED",
+        "tensor-pushed updates are refused in cached mode: plans are rebuilt from checkpoint files and "
+        "pushed tensors have none on disk; write a checkpoint under --weights-root and pass weights_path",
+    )

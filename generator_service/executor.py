@@ -13,75 +13,51 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-from ditcore import GenerationRequest, GenerationResult, generate
+from ditcore import GenerationResult, generate
 from ditcore.plans import StepPlan
+from ditruntime.errors import GenerationMismatchError
 
-from .backend import Backend
+from .backend import Backend, ServedLease
 from .errors import (
     CancelledError,
     DeadlineExceededError,
-    GenerationMismatchError,
     GeneratorError,
     NotServingError,
     QueueFullError,
     SidecarUnavailableError,
 )
+from .jobs import Failed, Finished, Job, JobEvent, JobResult, PlansReady, Queued, StepDone
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Job:
-    """One admitted request and the channel its events flow back on."""
-
-    request: GenerationRequest
-    expected_generation: int | None = None
-    deadline: float | None = None  # time.monotonic() seconds
-    admitted_at: float = field(default_factory=time.perf_counter)
-    events: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    prefetched: Any = None
-    prefetching: bool = False
-    prefetch_done: threading.Event = field(default_factory=threading.Event)
-    prepare_ms: float = 0.0
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def emit(self, kind: str, payload: Any = None) -> None:
-        self.events.put((kind, payload))
-
-
-@dataclass(frozen=True)
-class JobResult:
-    result: GenerationResult
-    generation: int
-    timings_ms: dict[str, float]
+FinishListener = Callable[[Job, JobResult | None, BaseException | None], None]
+"""Called once per job that ran: (job, result, None) or (job, None, error)."""
 
 
 class _Prefetched:
     """A PlanProvider that hands out an already-prepared lease."""
 
-    def __init__(self, lease: Any) -> None:
+    def __init__(self, lease: ServedLease) -> None:
         self._lease = lease
 
-    def acquire(self, steps: Sequence[StepPlan]) -> Any:
+    def acquire(self, steps: Sequence[StepPlan]) -> ServedLease:
         return self._lease
 
 
 class Executor:
-    def __init__(self, backend: Backend, max_queue_depth: int, prefetch: bool = True) -> None:
+    """`prefetch` only helps a backend that leases plans (cached mode)."""
+
+    def __init__(
+        self, backend: Backend, max_queue_depth: int, prefetch: bool, on_finish: FinishListener | None = None
+    ) -> None:
         self.backend = backend
-        self.on_finish: Callable[[Job, JobResult | None, BaseException | None], None] = lambda *_: None
+        self._on_finish: FinishListener = on_finish or (lambda *_: None)
         self.max_queue_depth = max_queue_depth
-        self.prefetch = prefetch and backend.cached
+        self.prefetch = prefetch
         self._lock = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
@@ -127,7 +103,7 @@ class Executor:
                 raise QueueFullError(f"the queue is full ({depth} of {self.max_queue_depth} requests); retry later")
             self._queue.append(job)
             self._lock.notify_all()
-        job.emit("queued", depth)
+        job.emit(Queued(depth))
         self._prefetch_wakeup.set()
         return depth
 
@@ -180,18 +156,18 @@ class Executor:
                     return
                 job = self._queue.popleft()
                 self._running = job
-            final: tuple[str, Any]
+            final: JobEvent
             try:
                 final = self._run(job)
             except BaseException as e:  # never let the executor die
                 log.exception("executor: unexpected error")
-                final = ("error", e)
+                final = Failed(e)
             with self._lock:  # free the queue slot before the client hears back
                 self._running = None
                 self._lock.notify_all()
-            job.emit(*final)
+            job.emit(final)
 
-    def _run(self, job: Job) -> tuple[str, Any]:
+    def _run(self, job: Job) -> JobEvent:
         """Run one job; returns its final event (result or error) for the loop to send."""
         started = time.perf_counter()
         if job.prefetching:
@@ -201,20 +177,18 @@ class Executor:
         try:
             self._check_live(job)
             self._check_generation(job)
-            if lease is None and self.backend.cached:
-                t0 = time.perf_counter()
-                lease = self.backend.acquire(job.request)
-                job.prepare_ms += (time.perf_counter() - t0) * 1000
+            if lease is None:
+                lease = self._acquire(job)
             if lease is not None:
                 self.backend.verify(lease)
-                job.emit("plans_ready", (lease.report, lease.generation))
+                job.emit(PlansReady(lease.report, lease.generation))
             self._prefetch_wakeup.set()  # the next job's plans can build while this one denoises
             result, generation = self._denoise(job, lease)
         except BaseException as e:
             if lease is not None:
                 lease.release()
-            self.on_finish(job, None, e)
-            return ("error", e)
+            self._on_finish(job, None, e)
+            return Failed(e)
         timings = {
             "queue_ms": round((started - job.admitted_at) * 1000, 3),
             "prepare_ms": round(job.prepare_ms, 3),
@@ -229,13 +203,21 @@ class Executor:
                    "timings_ms": timings, "cache": result.cache.to_dict() if result.cache else None, "task": job.request.task, "steps": job.request.steps},
         )  # fmt: skip
         done = JobResult(result, generation, timings)
-        self.on_finish(job, done, None)
-        return ("result", done)
+        self._on_finish(job, done, None)
+        return Finished(done)
 
-    def _denoise(self, job: Job, lease: Any) -> tuple[GenerationResult, int]:
+    def _acquire(self, job: Job) -> ServedLease | None:
+        """The job's plans, leased now; None in resident mode (the model has no plans to lease)."""
+        t0 = time.perf_counter()
+        lease = self.backend.acquire(job.request)
+        if lease is not None:
+            job.prepare_ms += (time.perf_counter() - t0) * 1000
+        return lease
+
+    def _denoise(self, job: Job, lease: ServedLease | None) -> tuple[GenerationResult, int]:
         def on_step(done: int, total: int) -> None:
             self._check_live(job, lease)
-            job.emit("step", (done, total))
+            job.emit(StepDone(done, total))
 
         with self.backend.model_lock:
             generation = lease.generation if lease is not None else self.backend.generation()
@@ -243,7 +225,7 @@ class Executor:
             # generate() releases the lease in every outcome once it has acquired it
             return generate(self.backend.model(), job.request, provider, on_step=on_step), generation
 
-    def _check_live(self, job: Job, lease: Any = None) -> None:
+    def _check_live(self, job: Job, lease: ServedLease | None = None) -> None:
         if job.cancelled.is_set():
             raise CancelledError(f"request {job.request.request_id} was cancelled")
         if job.deadline is not None and time.monotonic() > job.deadline:
@@ -255,7 +237,7 @@ class Executor:
         lease, job.prefetched = job.prefetched, None
         if lease is not None:
             lease.release()
-        job.emit("error", err)
+        job.emit(Failed(err))
 
     # ---------------------------------------------------------------- prefetch
     def _prefetch_loop(self) -> None:
@@ -275,9 +257,7 @@ class Executor:
                 # waiters must wait for *this* prefetch, not see the last one's event still set
                 job.prefetch_done.clear()
             try:
-                t0 = time.perf_counter()
-                job.prefetched = self.backend.acquire(job.request)
-                job.prepare_ms += (time.perf_counter() - t0) * 1000
+                job.prefetched = self._acquire(job)
             except Exception as e:  # e.g. both leases do not fit: the job prepares when it runs
                 log.debug("prefetch for %s skipped: %s", job.request.request_id, e)
             finally:

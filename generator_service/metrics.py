@@ -4,19 +4,24 @@ them, queue depth, generation, sidecar link, weight-update outcomes (plus RPC co
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ditruntime.errors import ServiceError
+
 from .backend import Backend
-from .executor import Executor, Job, JobResult
+from .executor import Executor
+from .jobs import Job, JobResult
 
 P = "ditserve_generator"
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 
 class GeneratorMetrics:
-    def __init__(self, backend: Backend, executor: Executor) -> None:
+    """Counters the executor (`on_finish`) and the adapter (`updates`) move."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.stage = Histogram(
@@ -26,17 +31,10 @@ class GeneratorMetrics:
         self.plans = Counter(f"{P}_plans", "Plans by the tier that served them", ["tier"], registry=r)
         self.rebuild = Counter(f"{P}_rebuild_seconds", "Rebuild seconds reported to this generator", registry=r)
         self.updates = Counter(f"{P}_weight_updates", "UpdateWeights outcomes", ["outcome"], registry=r)
-        Gauge(f"{P}_queue_depth", "Requests waiting or running", registry=r).set_function(lambda: executor.queue_depth)
-        Gauge(f"{P}_generation", "Weight generation served (0 when unknown)", registry=r).set_function(
-            lambda: _safe(backend.generation)
-        )
-        Gauge(f"{P}_sidecar_connected", "1 when attached to the sidecar (resident: 1)", registry=r).set_function(
-            lambda: 1 if backend.status().get("serving") else 0
-        )
 
     def on_finish(self, job: Job, result: JobResult | None, error: BaseException | None) -> None:
         if result is None:
-            self.outcomes.labels(getattr(error, "reason", type(error).__name__)).inc()
+            self.outcomes.labels(error.reason if isinstance(error, ServiceError) else type(error).__name__).inc()
             return
         self.outcomes.labels("ok").inc()
         t = result.timings_ms
@@ -52,7 +50,20 @@ class GeneratorMetrics:
             self.rebuild.inc(c.rebuild_s)
 
 
-def _safe(fn: Any) -> float:
+def register_state_gauges(registry: CollectorRegistry, backend: Backend, executor: Executor) -> None:
+    """Gauges read at scrape time from the backend and the executor."""
+    Gauge(f"{P}_queue_depth", "Requests waiting or running", registry=registry).set_function(
+        lambda: executor.queue_depth
+    )
+    Gauge(f"{P}_generation", "Weight generation served (0 when unknown)", registry=registry).set_function(
+        lambda: _safe(backend.generation)
+    )
+    Gauge(f"{P}_sidecar_connected", "1 when attached to the sidecar (resident: 1)", registry=registry).set_function(
+        lambda: 1 if backend.status().serving else 0
+    )
+
+
+def _safe(fn: Callable[[], int]) -> float:
     try:
         return float(fn())
     except Exception:

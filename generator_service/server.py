@@ -1,7 +1,8 @@
 """The generator's gRPC adapter: Generator servicer, health, reflection, graceful stop.
 
 Thin: converts proto <-> `GenerationRequest` / results, submits jobs to the executor, and
-maps every error through `ditruntime.rpc_errors` (one table, documented in the README).
+maps every error through `ditruntime.rpc_errors` (one table; docs/architecture.md, "Errors").
+Its collaborators are built by `app.build_server`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
 from ditruntime.convert import to_proto
+from ditruntime.errors import ServiceError
 from ditruntime.obs import MetricsServer, RpcMetrics
 from ditruntime.rpc_errors import abort
 from protos.ditserve.generator.v1 import generator_pb2 as pb
@@ -27,8 +29,10 @@ from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
 from .backend import Backend
 from .config import GeneratorConfig
-from .errors import GeneratorError, ResultTooLargeError
-from .executor import Executor, Job, JobResult
+from .errors import ResultTooLargeError
+from .executor import Executor
+from .health import ServingState
+from .jobs import Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
 from .metrics import GeneratorMetrics
 from .updates import UpdateCoordinator, check_token, resolve_weights_path
 
@@ -50,6 +54,7 @@ def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+_MODES: dict[str, pb.AdalnMode] = {"cached": pb.ADALN_MODE_CACHED, "resident": pb.ADALN_MODE_RESIDENT}
 _TASKS = {pb.TASK_UNSPECIFIED: "t2v", pb.TASK_T2V: "t2v", pb.TASK_T2VA: "t2va"}
 _OPTIONAL = (
     "steps",
@@ -120,7 +125,7 @@ def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
     return out
 
 
-def response_from_result(res: JobResult, mode: int, with_data: bool = True) -> pb.GenerateResponse:
+def response_from_result(res: JobResult, mode: pb.AdalnMode, with_data: bool = True) -> pb.GenerateResponse:
     r = res.result
     cache = to_proto(r.cache, pb.CacheReport) if r.cache is not None else pb.CacheReport()
     return pb.GenerateResponse(
@@ -134,14 +139,34 @@ def response_from_result(res: JobResult, mode: int, with_data: bool = True) -> p
     )
 
 
+class HealthPublisher:
+    """The gRPC health service; `publish` is the ServingState's listener (whole server and Generator)."""
+
+    def __init__(self) -> None:
+        self.servicer = health.HealthServicer()
+
+    def publish(self, serving: bool, reason: str) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.servicer.set(name, status)
+        log.debug("health: %s", "SERVING" if serving else f"NOT_SERVING ({reason})")
+
+
 class GeneratorServicer(pb_grpc.GeneratorServicer):
-    def __init__(self, cfg: GeneratorConfig, backend: Backend, executor: Executor, metrics: GeneratorMetrics) -> None:
+    def __init__(
+        self,
+        cfg: GeneratorConfig,
+        backend: Backend,
+        executor: Executor,
+        updates: UpdateCoordinator,
+        metrics: GeneratorMetrics,
+    ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.backend = backend
         self.executor = executor
-        self.updates = UpdateCoordinator(backend, executor, cfg.drain_timeout_s)
-        self.mode = pb.ADALN_MODE_CACHED if backend.cached else pb.ADALN_MODE_RESIDENT
+        self.updates = updates
+        self.mode = _MODES[backend.mode]
 
     def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
         try:
@@ -152,46 +177,47 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             job = Job(request, expected_generation=expected, deadline=deadline)
             context.add_callback(job.cancel)  # client cancel / disconnect stops the executor
             self.executor.submit(job)
-        except (RequestError, GeneratorError) as e:
+        except (RequestError, ServiceError) as e:
             abort(context, e)
         return job
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         job = self._submit(request, context)
         while True:
-            kind, payload = job.events.get()
-            if kind == "error":
-                abort(context, payload)
-            if kind == "result":
-                resp = response_from_result(payload, self.mode)
-                if resp.ByteSize() > self.cfg.max_message_bytes - 4096:
-                    abort(context, ResultTooLargeError(
-                        f"the result is {resp.ByteSize()} bytes, above the {self.cfg.max_message_bytes}-byte message "
-                        "limit; use GenerateStream, which sends it in chunks"
-                    ))  # fmt: skip
-                return resp
+            match job.events.get():
+                case Failed(error):
+                    abort(context, error)
+                case Finished(result):
+                    resp = response_from_result(result, self.mode)
+                    if resp.ByteSize() > self.cfg.max_message_bytes - 4096:
+                        abort(context, ResultTooLargeError(
+                            f"the result is {resp.ByteSize()} bytes, above the {self.cfg.max_message_bytes}-byte "
+                            "message limit; use GenerateStream, which sends it in chunks"
+                        ))  # fmt: skip
+                    return resp
 
     def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateStreamResponse]:
         job = self._submit(request.request, context)
         while True:
-            kind, payload = job.events.get()
-            if kind == "queued":
-                yield pb.GenerateStreamResponse(queued=pb.Queued(request_id=job.request.request_id, position=payload))
-            elif kind == "plans_ready":
-                report, generation = payload
-                yield pb.GenerateStreamResponse(
-                    plans_ready=pb.PlansReady(cache=to_proto(report, pb.CacheReport), generation=generation)
-                )
-            elif kind == "step":
-                yield pb.GenerateStreamResponse(step=pb.StepProgress(step=payload[0], total=payload[1]))
-            elif kind == "error":
-                abort(context, payload)
-            elif kind == "result":
-                yield pb.GenerateStreamResponse(result=response_from_result(payload, self.mode, with_data=False))
-                yield from self._chunks(payload)
-                return
+            match job.events.get():
+                case Queued(position):
+                    yield pb.GenerateStreamResponse(
+                        queued=pb.Queued(request_id=job.request.request_id, position=position)
+                    )
+                case PlansReady(report, generation):
+                    yield pb.GenerateStreamResponse(
+                        plans_ready=pb.PlansReady(cache=to_proto(report, pb.CacheReport), generation=generation)
+                    )
+                case StepDone(step, total):
+                    yield pb.GenerateStreamResponse(step=pb.StepProgress(step=step, total=total))
+                case Failed(error):
+                    abort(context, error)
+                case Finished(result):
+                    yield pb.GenerateStreamResponse(result=response_from_result(result, self.mode, with_data=False))
+                    yield from self._chunks(result)
+                    return
 
     def _chunks(self, res: JobResult) -> Iterator[pb.GenerateStreamResponse]:
         step = self.cfg.chunk_bytes
@@ -215,7 +241,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 path = resolve_weights_path(self.cfg.weights_root, request.weights_path)
                 result = self.updates.update(path, expected, request.request_id or "update")
         except Exception as e:
-            self.metrics.updates.labels(getattr(e, "reason", "failed")).inc()
+            self.metrics.updates.labels(e.reason if isinstance(e, ServiceError) else "failed").inc()
             abort(context, e)
         self.metrics.updates.labels("committed").inc()
         log.info(
@@ -236,18 +262,18 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         st = self.backend.status()
         resp = pb.GetStatusResponse(
             adaln_mode=self.mode,
-            weights_path=st.get("weights_path", ""),
-            fingerprint=st.get("fingerprint", ""),
-            sidecar_connected=bool(self.backend.cached and st.get("serving")),
-            sidecar_target=self.cfg.sidecar if self.backend.cached else "",
+            weights_path=st.weights_path,
+            fingerprint=st.fingerprint,
+            sidecar_connected=st.sidecar_connected,
+            sidecar_target=st.sidecar_target,
             queue_depth=self.executor.queue_depth,
             max_queue_depth=self.cfg.max_queue_depth,
-            serving=bool(st.get("serving")),
+            serving=st.serving,
         )
-        if st.get("serving"):
+        if st.serving:
             resp.generation = self.backend.generation()
             resp.model_preset = self.backend.model_config().preset
-        slab = st.get("slab")
+        slab = st.slab
         if slab is not None:
             page_bytes = slab.slab_bytes // max(1, slab.num_slots * slab.width)
             resp.slab.CopyFrom(pb.SlabGeometry(
@@ -257,34 +283,45 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         return resp
 
 
-class GeneratorServer:
-    """A running generator: grpc server, executor, health (NOT_SERVING while detached)."""
+def _grpc_server(cfg: GeneratorConfig, metrics: GeneratorMetrics) -> grpc.Server:
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="generator"),
+        interceptors=[RpcMetrics(metrics.registry, "ditserve_generator")],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    )
 
-    def __init__(self, cfg: GeneratorConfig, backend: Backend) -> None:
+
+class GeneratorServer:
+    """A running generator: grpc server, executor, health (from the one ServingState)."""
+
+    def __init__(
+        self,
+        cfg: GeneratorConfig,
+        backend: Backend,
+        executor: Executor,
+        updates: UpdateCoordinator,
+        metrics: GeneratorMetrics,
+        state: ServingState,
+        publisher: HealthPublisher,
+    ) -> None:
         self.cfg = cfg
         self.backend = backend
-        self.executor = Executor(backend, cfg.max_queue_depth, prefetch=cfg.prefetch)
-        self.metrics = GeneratorMetrics(backend, self.executor)
-        self.executor.on_finish = self.metrics.on_finish
+        self.executor = executor
+        self.metrics = metrics
+        self.state = state
         self.metrics_server: MetricsServer | None = None
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="generator"),
-            interceptors=[RpcMetrics(self.metrics.registry, "ditserve_generator")],
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_send_message_length", cfg.max_message_bytes),
-                ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-            ],
-        )
-        self._stopping = False
-        self._servicer = GeneratorServicer(cfg, backend, self.executor, self.metrics)
-        pb_grpc.add_GeneratorServicer_to_server(self._servicer, self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server = _grpc_server(cfg, metrics)
+        servicer = GeneratorServicer(cfg, backend, executor, updates, metrics)
+        pb_grpc.add_GeneratorServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(publisher.servicer, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
@@ -296,35 +333,18 @@ class GeneratorServer:
         )
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.listen}")
-        self._attached = not backend.cached
-        self._servicer.updates.on_change = self.refresh_health
-        self.refresh_health()
-
-    def set_serving(self, attached: bool) -> None:
-        """The sidecar link's callback: attached or not."""
-        self._attached = attached
-        self.refresh_health()
-
-    def refresh_health(self) -> None:
-        """SERVING unless detached from the sidecar, updating weights, or stopping."""
-        serving = self._attached and not self._servicer.updates.updating and not self._stopping
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
 
     def start(self) -> None:
         self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.metrics_port)
+        self.backend.start()
         self.executor.start()
         self.server.start()
-        log.info("generator listening on port %d (%s mode)", self.port, "cached" if self.backend.cached else "resident")
+        log.info("generator listening on port %d (%s mode)", self.port, self.backend.mode)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        self._stopping = True
-        self.refresh_health()
+        self.state.set_stopping()
         self.server.stop(grace_s).wait()
         self.executor.stop()
-        close = getattr(self.backend, "close", None)
-        if close is not None:  # the cached backend's sidecar link
-            close()
+        self.backend.close()
         if self.metrics_server is not None:
             self.metrics_server.close()

@@ -1,5 +1,6 @@
-"""Assembly of the plan-cache sidecar: one `build_server(config)` that constructs every part
-(rebuild source, cache, sidecar core, gRPC server) and passes collaborators in."""
+"""Assembly of the plan-cache sidecar: one `build_server(config)` that constructs every part in
+order (rebuild source -> cache -> health -> sidecar core -> gRPC server), passing each its
+collaborators; nothing is wired after construction."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from .cache import PlanCache
 from .config import SidecarConfig
+from .metrics import sidecar_registry
 from .rebuild import RebuildSource
-from .server import SidecarServer
+from .server import SidecarHealth, SidecarServer
 from .sidecar import Sidecar
 from .state import STATE_FILE, load_state
 
@@ -37,20 +39,24 @@ def remove_stale_shm(manifest: Path) -> None:
     manifest.unlink()
 
 
-def build_server(cfg: SidecarConfig) -> SidecarServer:
+def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
+    """The rebuild source and generation to serve: the state file's if there is one, else
+    `--checkpoint` as generation 1 (generation 0 means "none yet")."""
     device = torch.device(cfg.cache.device)
-    state = load_state(cfg.state_dir) if cfg.state_dir is not None else None
-    if state is None:
-        source = RebuildSource(cfg.checkpoint, device)
-        generation = 1  # generation 0 means "none yet"
-    else:
-        if Path(state.weights_path) != cfg.checkpoint:
-            log.warning(
-                "state file %s names %s (generation %d); it wins over --checkpoint %s",
-                cfg.state_dir / STATE_FILE, state.weights_path, state.generation, cfg.checkpoint,
-            )  # fmt: skip
-        source = RebuildSource(state.weights_path, device, committed_digests=state.digests)
-        generation = state.generation
+    state_dir = cfg.state_dir
+    state = load_state(state_dir) if state_dir is not None else None
+    if state_dir is None or state is None:
+        return RebuildSource(cfg.checkpoint, device), 1
+    if Path(state.weights_path) != cfg.checkpoint:
+        log.warning(
+            "state file %s names %s (generation %d); it wins over --checkpoint %s",
+            state_dir / STATE_FILE, state.weights_path, state.generation, cfg.checkpoint,
+        )  # fmt: skip
+    return RebuildSource(state.weights_path, device, committed_digests=state.digests), state.generation
+
+
+def build_server(cfg: SidecarConfig) -> SidecarServer:
+    source, generation = open_source(cfg)
     manifest = shm_manifest(cfg)
     if manifest is not None:
         remove_stale_shm(manifest)
@@ -58,9 +64,11 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
     if manifest is not None:
         manifest.write_text("\n".join(cache.memory.paths) + "\n")
     try:
-        sidecar = Sidecar(cache, cfg.state_dir)
+        health = SidecarHealth()
+        sidecar = Sidecar(cache, cfg.state_dir, on_serving_change=health.plans_serving)
         sidecar.check_source()
-        return SidecarServer(sidecar, cfg.address, cfg.heartbeat_s, cfg.metrics_port)
+        registry = sidecar_registry(sidecar)
+        return SidecarServer(sidecar, health, registry, cfg.address, cfg.heartbeat_s, cfg.metrics_port)
     except BaseException:
         cache.close()
         raise

@@ -1,16 +1,18 @@
 """The plan cache core (no gRPC): slots with per-plan LRU and leases over a fixed slab.
 
-Protocol (DESIGN §3), for one request's per-step plan keys:
+Protocol (docs/architecture.md, "The slab and the lease protocol"), for one request's
+per-step plan keys:
 
-    lease = cache.prepare(generation, keys, owner)   # validate -> hits -> swap-in | rebuild
+    lease = cache.prepare(generation, keys, owner)   # validate -> hits -> a tier fills the misses
     ... the consumer reads slab[lease.slots[i], :keys[i].width] for step i ...
     cache.release(lease.lease_id)                     # or release_owner(owner) when a session dies
 
 prepare, in order: validate count, width, finiteness and generation before touching any
 state; touch slot hits (LRU); take free slots, else evict least-recently-used plans no live
-lease holds; if the host tier holds every missing plan, swap them in, otherwise run one
-rebuild pass; fence; publish READY; store the group in the host tier (skip when it cannot
-fit); return the lease. A failed prepare returns its slots to the free list and is retryable.
+lease holds; ask `self.tiers` in order (host memory, then the rebuild) for the first that
+holds every missing plan, and let it fill them; publish READY; let each tier store the group
+(the host tier skips it when it cannot fit); return the lease. A failed prepare returns its
+slots to the free list and is retryable.
 
 Locking: `_prepare_lock` serializes prepares (and invalidation); `_state` guards bookkeeping
 and is not held while pages are filled, so `release` never waits for a rebuild.
@@ -19,9 +21,7 @@ and is not held while pages are filled, so `release` never waits for a rebuild.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -30,13 +30,13 @@ import torch
 
 from ditcore.plans import PlanKey, distinct_keys
 from ditcore.report import CacheReport
+from ditruntime.errors import GenerationMismatchError
 from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_SEQ, COL_STATE, EMPTY, FILLING, READY, ROW_WORDS
 
 from .config import CacheConfig
-from .device import Copier, SlabMemory, allocate_host_pages, available_memory_bytes
+from .device import Copier, SlabMemory
 from .errors import (
     CacheBusyError,
-    GenerationMismatchError,
     InvalidPlanRequestError,
     PlanCacheError,
     PlanCapacityError,
@@ -46,8 +46,7 @@ from .errors import (
 )
 from .host_tier import HostTier
 from .rebuild import RebuildSource
-
-log = logging.getLogger(__name__)
+from .tiers import CacheCounters, HostMemoryTier, RebuildTier, SlabPages, Tier
 
 MAX_KEYS = 1000  # one key per step; steps are capped at 1000
 
@@ -66,6 +65,9 @@ class Lease:
 
 @dataclass(frozen=True)
 class CacheStats:
+    """A snapshot of the cache: GetState's `CacheStats` message, field for field, except
+    `generation` and `leases_held`, which travel on `GetStateResponse` itself."""
+
     generation: int
     num_slots: int
     slot_width: int
@@ -94,23 +96,10 @@ class CacheStats:
         return asdict(self)
 
 
-def host_tier_pages(config: CacheConfig, page_bytes: int) -> int:
-    """Pages the host tier gets: the byte cap clipped to available memory minus the reserve."""
-    cap = config.host_cache_bytes
-    avail = available_memory_bytes()
-    if avail:
-        clipped = max(0, avail - config.host_reserve_bytes)
-        if clipped < cap:
-            log.warning("host tier: clipping %d bytes to %d (available memory minus reserve)", cap, clipped)
-            cap = clipped
-    return cap // page_bytes
-
-
 class PlanCache:
     def __init__(self, config: CacheConfig, source: RebuildSource, generation: int = 0) -> None:
         mc = source.config
         self.config = config
-        self.source = source
         self.generation = generation
         self.device = torch.device(config.device)
         self.memory = SlabMemory(
@@ -119,11 +108,11 @@ class PlanCache:
         self.slab = self.memory.slab  # (S, W, P)
         self.table = self.memory.table  # (S, ROW_WORDS + W) int64
         self.copier = Copier(self.device)
-        host = allocate_host_pages(
-            host_tier_pages(config, mc.page_bytes), mc.page_numel, mc.torch_dtype, pin=self.device.type == "cuda"
-        )
-        self.host = HostTier(host.pages)
-        self.host_pinned = host.pinned
+        self._pages = SlabPages(self.slab, self.copier)
+        self._host = HostMemoryTier.allocate(config, mc, self.device)
+        self._rebuild = RebuildTier(source)
+        # Asked in order for a group's missing plans; the last one holds every plan.
+        self.tiers: list[Tier] = [self._host, self._rebuild]
         n = config.gpu_plans
         self._slot_key: list[PlanKey | None] = [None] * n
         self._key_slot: dict[PlanKey, int] = {}
@@ -134,21 +123,21 @@ class PlanCache:
         self._ids = itertools.count(1)
         self._state = threading.RLock()
         self._prepare_lock = threading.Lock()
-        self._c = dict.fromkeys(
-            (
-                "slot_hit_plans",
-                "host_hit_plans",
-                "built_plans",
-                "rebuild_passes",
-                "swap_in_bytes",
-                "slot_evictions",
-                "prepares",
-                "failed_prepares",
-            ),
-            0,
-        )
-        self._rebuild_s = 0.0
-        self._swap_in_s = 0.0
+        self.counters = CacheCounters()
+
+    @property
+    def source(self) -> RebuildSource:
+        """The checkpoint rebuilds read (changed by `retarget`)."""
+        return self._rebuild.source
+
+    @property
+    def host(self) -> HostTier:
+        """The host tier's bookkeeping (groups, plans, page buffer)."""
+        return self._host.host
+
+    @property
+    def host_pinned(self) -> bool:
+        return self._host.pinned
 
     # ================================================================ protocol
     def prepare(self, generation: int, keys: Sequence[PlanKey], owner: str) -> Lease:
@@ -158,9 +147,9 @@ class PlanCache:
                 self._validate(generation, keys)
                 group = distinct_keys(keys)
                 hits, missing, new_slots = self._reserve(group)
-                from_host = bool(missing) and self.host.holds_all(missing)
+                tier = self._tier_for(missing)
             try:
-                report = self._fill(missing, new_slots, from_host, len(hits))
+                report = self._fill(tier, missing, new_slots, len(hits))
             except BaseException as e:
                 self._unreserve(hits, new_slots)
                 if isinstance(e, PlanCacheError) or not isinstance(e, Exception):
@@ -169,14 +158,13 @@ class PlanCache:
             with self._state:
                 for k, s in zip(missing, new_slots, strict=True):
                     self._publish(s, k)
-                stored = self._store_group(group)
-                report = report.replace(host_stored=stored)
+                report = report.replace(host_stored=self._store(group))
                 lease = Lease(
                     next(self._ids), owner, generation, tuple(keys), tuple(self._key_slot[k] for k in keys), report
                 )
                 self._leases[lease.lease_id] = lease
-                self._c["prepares"] += 1
-                self._c["slot_hit_plans"] += len(hits)
+                self.counters.prepares += 1
+                self.counters.slot_hit_plans += len(hits)
                 return lease
 
     def check_request(self, keys: Sequence[PlanKey]) -> None:
@@ -202,7 +190,7 @@ class PlanCache:
             return len(ids)
 
     def invalidate(self) -> None:
-        """Drop every plan from both tiers. Refused while leases are live."""
+        """Drop every plan from the slab and every tier. Refused while leases are live."""
         with self._prepare_lock, self._state:
             self._invalidate_locked()
 
@@ -214,10 +202,11 @@ class PlanCache:
         self._key_slot.clear()
         self._lru.clear()
         self._free = list(range(self.config.gpu_plans))[::-1]
-        self.host.clear()
+        for tier in self.tiers:
+            tier.clear()
 
     def retarget(self, source: RebuildSource, generation: int, before: Callable[[], None] | None = None) -> None:
-        """Point rebuilds at a new checkpoint under a new generation (both tiers dropped).
+        """Point rebuilds at a new checkpoint under a new generation (every tier dropped).
 
         Refused while leases are live. `before()` runs after that check, under the cache's
         locks, before anything changes (the sidecar persists the new generation there);
@@ -231,7 +220,7 @@ class PlanCache:
             if before is not None:
                 before()
             self._invalidate_locked()
-            self.source = source
+            self._rebuild.source = source
             self.generation = generation
 
     def close(self) -> None:
@@ -253,6 +242,7 @@ class PlanCache:
 
     def stats(self) -> CacheStats:
         with self._state:
+            c, host = self.counters, self.host
             return CacheStats(
                 generation=self.generation,
                 num_slots=self.config.gpu_plans,
@@ -261,21 +251,28 @@ class PlanCache:
                 slots_ready=len(self._lru),
                 slots_leased=sum(1 for p in self._pins if p > 0),
                 leases_held=len(self._leases),
-                host_capacity_bytes=self.host.capacity_pages * self.host.page_bytes,
-                host_used_bytes=self.host.used_pages * self.host.page_bytes,
-                host_groups=len(self.host.groups()),
+                host_capacity_bytes=host.capacity_pages * host.page_bytes,
+                host_used_bytes=host.used_pages * host.page_bytes,
+                host_groups=len(host.groups()),
                 host_pinned=self.host_pinned,
-                rebuild_s=round(self._rebuild_s, 6),
-                swap_in_s=round(self._swap_in_s, 6),
-                host_group_evictions=self.host.group_evictions,
-                host_pressure_skips=self.host.pressure_skips,
-                **self._c,
+                slot_hit_plans=c.slot_hit_plans,
+                host_hit_plans=c.host_hit_plans,
+                built_plans=c.built_plans,
+                rebuild_passes=c.rebuild_passes,
+                rebuild_s=round(c.rebuild_s, 6),
+                swap_in_bytes=c.swap_in_bytes,
+                swap_in_s=round(c.swap_in_s, 6),
+                slot_evictions=c.slot_evictions,
+                host_group_evictions=host.group_evictions,
+                host_pressure_skips=host.pressure_skips,
+                prepares=c.prepares,
+                failed_prepares=c.failed_prepares,
             )
 
     # ================================================================ internals
     def _validate(self, generation: int, keys: Sequence[PlanKey]) -> None:
         if generation != self.generation:
-            raise GenerationMismatchError(self.generation, generation)
+            raise GenerationMismatchError(self.generation, generation, field="generation")
         if not keys:
             raise InvalidPlanRequestError("plan_keys", "must hold at least one plan key (one per step)")
         if len(keys) > MAX_KEYS:
@@ -331,7 +328,7 @@ class PlanCache:
                 self._pins[s] -= 1
                 self._mark(s, EMPTY, None)
                 self._free.append(s)
-            self._c["failed_prepares"] += 1
+            self.counters.failed_prepares += 1
 
     def _evict(self, s: int) -> None:
         key = self._slot_key[s]
@@ -340,37 +337,24 @@ class PlanCache:
         del self._lru[s]
         self._slot_key[s] = None
         self._mark(s, EMPTY, None)
-        self._c["slot_evictions"] += 1
+        self.counters.slot_evictions += 1
 
-    def _fill(self, missing: list[PlanKey], slots: list[int], from_host: bool, n_hits: int) -> CacheReport:
-        """Write the missing plans' pages into their FILLING slots, then fence."""
+    def _tier_for(self, missing: list[PlanKey]) -> Tier | None:
+        """The first tier that holds every missing plan (None when nothing is missing)."""
         if not missing:
+            return None
+        tier = next((t for t in self.tiers if t.holds_all(missing)), None)
+        assert tier is not None, "the last tier (the rebuild) holds every plan"
+        return tier
+
+    def _fill(self, tier: Tier | None, missing: list[PlanKey], slots: list[int], n_hits: int) -> CacheReport:
+        """Have `tier` write the missing plans' pages into their FILLING slots (fenced)."""
+        if tier is None:
             return CacheReport(gpu_hit_plans=n_hits)
-        t0 = time.perf_counter()
-        if from_host:
-            width = self.config.plan_width
-            pairs = [
-                (s * width + j, page)
-                for k, s in zip(missing, slots, strict=True)
-                for j, page in enumerate(self.host.page_indices(k))
-            ]
-            nbytes = self.copier.copy_rows(self.slab.view(-1, self.slab.shape[-1]), self.host.buffer, pairs)
-            self.copier.fence()
-            self.host.touch(missing)
-            dt = time.perf_counter() - t0
-            with self._state:
-                self._c["host_hit_plans"] += len(missing)
-                self._c["swap_in_bytes"] += nbytes
-                self._swap_in_s += dt
-            return CacheReport(gpu_hit_plans=n_hits, host_hit_plans=len(missing), swap_in_s=round(dt, 6))
-        self.source.build(missing, [self.slab[s, : k.width] for k, s in zip(missing, slots, strict=True)])
-        self.copier.fence()
-        dt = time.perf_counter() - t0
+        filled = tier.fill(missing, slots, self._pages)
         with self._state:
-            self._c["built_plans"] += len(missing)
-            self._c["rebuild_passes"] += 1
-            self._rebuild_s += dt
-        return CacheReport(gpu_hit_plans=n_hits, built_plans=len(missing), rebuild_s=round(dt, 6))
+            self.counters.add(filled.counts)
+        return filled.report.replace(gpu_hit_plans=n_hits)
 
     def _publish(self, s: int, key: PlanKey) -> None:
         self._slot_key[s] = key
@@ -394,20 +378,8 @@ class PlanCache:
         row[COL_SEQ] += 1
         row[COL_STATE] = state
 
-    def _store_group(self, group: list[PlanKey]) -> bool:
-        """Copy the group's plans not yet in the host tier out of their slots (all or nothing)."""
-        if self.host.capacity_pages == 0:
-            return False
-
-        width = self.config.plan_width
-        pairs: list[tuple[int, int]] = []
-
-        def write(key: PlanKey, rows: list[int]) -> None:
-            s = self._key_slot[key]
-            pairs.extend((row, s * width + j) for j, row in enumerate(rows))
-
-        stored = self.host.admit(group, write)
-        if pairs:
-            self.copier.copy_rows(self.host.buffer, self.slab.view(-1, self.slab.shape[-1]), pairs)
-            self.copier.fence()
-        return stored
+    def _store(self, group: list[PlanKey]) -> bool:
+        """Offer the published group to every tier; True if one of them now holds it."""
+        slots = [self._key_slot[k] for k in group]
+        stored = [tier.store(group, slots, self._pages) for tier in self.tiers]
+        return any(stored)

@@ -11,15 +11,22 @@ from collections.abc import Sequence
 import torch
 
 from ditcore.plans import StepPlan
+from ditcore.report import CacheReport
+from ditcore.sampler import PlanLease
 
 from .cache import Lease, PlanCache
 
 
-class EmbeddedLease:
+class EmbeddedLease(PlanLease):
+    """ditcore's `PlanLease` over one cache `Lease`: step i reads its slot in the local slab."""
+
     def __init__(self, cache: PlanCache, lease: Lease) -> None:
         self._cache = cache
         self.lease = lease
-        self.report = lease.report
+
+    @property
+    def report(self) -> CacheReport:
+        return self.lease.report
 
     def pages(self, step: int) -> torch.Tensor:
         return self._cache.slab[self.lease.slots[step], : self.lease.keys[step].width]
@@ -29,6 +36,8 @@ class EmbeddedLease:
 
 
 class EmbeddedPlanProvider:
+    """ditcore's `PlanProvider`: each request's plans leased from the cache's current generation."""
+
     def __init__(self, cache: PlanCache, owner: str = "embedded") -> None:
         self.cache = cache
         self.owner = owner

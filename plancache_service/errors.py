@@ -1,15 +1,17 @@
-"""Plan-cache errors: a small hierarchy the gRPC adapter maps to status codes in one place.
+"""Plan-cache errors: a small hierarchy under `ditruntime.errors.ServiceError`.
 
-Each class names its gRPC status in `grpc_code` (a `grpc.StatusCode` member name, kept as
-a string so this module stays free of grpc); `ditruntime.rpc_errors` is the one mapping.
-Every error is raised before any cache state changes, except `RebuildError`, which is raised
-after the failed prepare has returned its slots (the cache stays consistent and retryable).
+Each class names its gRPC status in `grpc_code` and a stable `reason`; `ditruntime.rpc_errors`
+is the one mapping (docs/architecture.md, "Errors"). A stale generation raises the shared
+`ditruntime.errors.GenerationMismatchError`. Every error is raised before any cache state
+changes, except `RebuildError`, raised after the failed prepare has returned its slots.
 """
 
 from __future__ import annotations
 
+from ditruntime.errors import ServiceError
 
-class PlanCacheError(Exception):
+
+class PlanCacheError(ServiceError):
     """Base class. `reason` is a stable machine-readable code (google.rpc ErrorInfo)."""
 
     reason = "PLAN_CACHE_ERROR"
@@ -39,19 +41,6 @@ class SlabBusyError(PlanCacheError):
 
     reason = "SLAB_BUSY"
     grpc_code = "RESOURCE_EXHAUSTED"
-
-
-class GenerationMismatchError(PlanCacheError):
-    """The caller's weight generation is not the cache's; carries the current one."""
-
-    reason = "GENERATION_MISMATCH"
-    grpc_code = "ABORTED"
-
-    def __init__(self, expected: int, got: int) -> None:
-        super().__init__(f"generation mismatch: the cache serves generation {expected}, the caller sent {got}")
-        self.current_generation = expected
-        self.caller_generation = got
-        self.metadata = {"current_generation": str(expected), "caller_generation": str(got)}
 
 
 class UnknownLeaseError(PlanCacheError):

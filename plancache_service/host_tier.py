@@ -1,9 +1,9 @@
 """Host tier: plan pages kept in host memory, with LRU at group (schedule) granularity.
 
-Bookkeeping only; the page buffer comes from `device.allocate_host_pages` and copies go
-through the cache's `Copier`. A group is one request's ordered distinct plan keys: a
-rebuild pass streams every layer however few plans miss, so a partial hit saves nothing
-and the unit of retention is the whole group. Plans shared by groups are refcounted.
+Bookkeeping only: `tiers.HostMemoryTier` allocates the page buffer and does the copies
+through the cache's `Copier`. A group is one request's ordered distinct plan keys: a rebuild
+pass streams every layer however few plans miss, so a partial hit saves nothing and the
+unit of retention is the whole group. Plans shared by groups are refcounted.
 
 Admission is all-or-nothing per group: if the group's new pages cannot fit even after
 evicting every other group, it is skipped and counted (`pressure_skips`), never an error.

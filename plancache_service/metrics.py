@@ -4,11 +4,13 @@ number on /metrics is exactly what GetState reports (nothing is counted twice)."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .cache import CacheStats
 from .sidecar import Sidecar
 
 P = "ditserve_plancache"
@@ -20,47 +22,54 @@ class SidecarCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         st = self.sidecar.state()
-        s = st.stats
-        plans = CounterMetricFamily(f"{P}_plans", "Plans served by tier", labels=["tier"])
-        plans.add_metric(["slot_hit"], s.slot_hit_plans)
-        plans.add_metric(["host_hit"], s.host_hit_plans)
-        plans.add_metric(["built"], s.built_plans)
-        yield plans
-        yield CounterMetricFamily(
-            f"{P}_rebuild_passes", "Rebuild passes (one checkpoint stream each)", value=s.rebuild_passes
-        )
-        yield CounterMetricFamily(f"{P}_rebuild_seconds", "Seconds spent rebuilding plans", value=s.rebuild_s)
-        yield CounterMetricFamily(f"{P}_swap_in_bytes", "Bytes swapped in from the host tier", value=s.swap_in_bytes)
-        yield CounterMetricFamily(f"{P}_swap_in_seconds", "Seconds spent swapping in", value=s.swap_in_s)
-        ev = CounterMetricFamily(f"{P}_evictions", "Evictions by tier", labels=["tier"])
-        ev.add_metric(["slot"], s.slot_evictions)
-        ev.add_metric(["host_group"], s.host_group_evictions)
-        yield ev
-        yield CounterMetricFamily(
-            f"{P}_host_pressure_skips", "Groups that could not fit the host tier", value=s.host_pressure_skips
-        )
-        prep = CounterMetricFamily(f"{P}_prepares", "PreparePlans outcomes", labels=["outcome"])
-        prep.add_metric(["ok"], s.prepares)
-        prep.add_metric(["failed"], s.failed_prepares)
-        yield prep
-        yield GaugeMetricFamily(f"{P}_leases", "Leases held", value=s.leases_held)
-        slots = GaugeMetricFamily(f"{P}_slots", "Slab slots by state", labels=["state"])
-        slots.add_metric(["total"], s.num_slots)
-        slots.add_metric(["ready"], s.slots_ready)
-        slots.add_metric(["leased"], s.slots_leased)
-        yield slots
-        host = GaugeMetricFamily(f"{P}_host_bytes", "Host tier bytes", labels=["kind"])
-        host.add_metric(["capacity"], s.host_capacity_bytes)
-        host.add_metric(["used"], s.host_used_bytes)
-        yield host
-        yield GaugeMetricFamily(f"{P}_host_groups", "Groups in the host tier", value=s.host_groups)
+        yield from _cache_counters(st.stats)
+        yield from _cache_gauges(st.stats)
         yield GaugeMetricFamily(f"{P}_generation", "Weight generation served", value=st.generation)
         yield GaugeMetricFamily(f"{P}_serving", "1 if serving plans", value=1 if st.serving else 0)
         yield GaugeMetricFamily(f"{P}_session_attached", "1 if a generator is attached", value=1 if st.session else 0)
         upd = CounterMetricFamily(f"{P}_weight_updates", "Weight update outcomes at the sidecar", labels=["outcome"])
-        for outcome, n in self.sidecar.update_outcomes.items():
+        for outcome, n in asdict(self.sidecar.update_outcomes).items():
             upd.add_metric([outcome], n)
         yield upd
+
+
+def _cache_counters(s: CacheStats) -> Iterator[CounterMetricFamily]:
+    plans = CounterMetricFamily(f"{P}_plans", "Plans served by tier", labels=["tier"])
+    plans.add_metric(["slot_hit"], s.slot_hit_plans)
+    plans.add_metric(["host_hit"], s.host_hit_plans)
+    plans.add_metric(["built"], s.built_plans)
+    yield plans
+    yield CounterMetricFamily(
+        f"{P}_rebuild_passes", "Rebuild passes (one checkpoint stream each)", value=s.rebuild_passes
+    )
+    yield CounterMetricFamily(f"{P}_rebuild_seconds", "Seconds spent rebuilding plans", value=s.rebuild_s)
+    yield CounterMetricFamily(f"{P}_swap_in_bytes", "Bytes swapped in from the host tier", value=s.swap_in_bytes)
+    yield CounterMetricFamily(f"{P}_swap_in_seconds", "Seconds spent swapping in", value=s.swap_in_s)
+    ev = CounterMetricFamily(f"{P}_evictions", "Evictions by tier", labels=["tier"])
+    ev.add_metric(["slot"], s.slot_evictions)
+    ev.add_metric(["host_group"], s.host_group_evictions)
+    yield ev
+    yield CounterMetricFamily(
+        f"{P}_host_pressure_skips", "Groups that could not fit the host tier", value=s.host_pressure_skips
+    )
+    prep = CounterMetricFamily(f"{P}_prepares", "PreparePlans outcomes", labels=["outcome"])
+    prep.add_metric(["ok"], s.prepares)
+    prep.add_metric(["failed"], s.failed_prepares)
+    yield prep
+
+
+def _cache_gauges(s: CacheStats) -> Iterator[GaugeMetricFamily]:
+    yield GaugeMetricFamily(f"{P}_leases", "Leases held", value=s.leases_held)
+    slots = GaugeMetricFamily(f"{P}_slots", "Slab slots by state", labels=["state"])
+    slots.add_metric(["total"], s.num_slots)
+    slots.add_metric(["ready"], s.slots_ready)
+    slots.add_metric(["leased"], s.slots_leased)
+    yield slots
+    host = GaugeMetricFamily(f"{P}_host_bytes", "Host tier bytes", labels=["kind"])
+    host.add_metric(["capacity"], s.host_capacity_bytes)
+    host.add_metric(["used"], s.host_used_bytes)
+    yield host
+    yield GaugeMetricFamily(f"{P}_host_groups", "Groups in the host tier", value=s.host_groups)
 
 
 def sidecar_registry(sidecar: Sidecar) -> CollectorRegistry:

@@ -1,7 +1,8 @@
 """The sidecar's gRPC adapter: PlanCache servicer, health, reflection, graceful stop.
 
 Thin: converts proto <-> core objects and maps errors through `ditruntime.rpc_errors`.
-Listens on a unix socket in a 0700 directory by default; TCP is opt-in.
+Health is derived in one place (`SidecarHealth`). Listens on a unix socket in a 0700
+directory by default; TCP is opt-in.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
 from ditruntime.convert import to_proto
+from ditruntime.errors import ServiceError
 from ditruntime.obs import MetricsServer, RpcMetrics
 from ditruntime.rpc_errors import abort
 from ditruntime.slab import descriptor_to_proto
@@ -27,8 +31,6 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
 from .cache import CacheStats
-from .errors import PlanCacheError
-from .metrics import sidecar_registry
 from .sidecar import Sidecar
 from .state import StateFileError
 
@@ -36,11 +38,46 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlanCache"].full_name
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),  # pings find a dead generator and end its Attach session
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
 
 
 def stats_to_proto(s: CacheStats) -> pb.CacheStats:
-    fields = {f.name for f in pb.CacheStats.DESCRIPTOR.fields}
-    return pb.CacheStats(**{k: v for k, v in s.to_dict().items() if k in fields})
+    """Every field by name (a field with no counterpart raises); two travel on GetStateResponse."""
+    return to_proto(s, pb.CacheStats, elsewhere=("generation", "leases_held"))
+
+
+class SidecarHealth:
+    """The sidecar's gRPC health, derived in one place: SERVING iff the server is up and the
+    sidecar serves plans. `plans_serving` is the `Sidecar`'s `on_serving_change` listener."""
+
+    def __init__(self) -> None:
+        self.servicer = HealthServicer()
+        self._lock = threading.Lock()
+        self._up = False
+        self._plans = True  # a Sidecar starts serving
+
+    def plans_serving(self, serving: bool) -> None:
+        with self._lock:
+            self._plans = serving
+            self._publish()
+
+    def server_up(self, up: bool) -> None:
+        with self._lock:
+            self._up = up
+            self._publish()
+
+    def _publish(self) -> None:
+        serving = self._up and self._plans
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.servicer.set(name, status)
 
 
 class PlanCacheServicer(pb_grpc.PlanCacheServicer):
@@ -52,7 +89,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.AttachResponse]:
         try:
             session = self.sidecar.attach(request.client_name or context.peer())
-        except PlanCacheError as e:
+        except ServiceError as e:
             abort(context, e)
         ended = threading.Event()
         context.add_callback(ended.set)
@@ -76,7 +113,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
         keys = [PlanKey(tuple(k.timestep_bits)) for k in request.plan_keys]
         try:
             lease = self.sidecar.prepare(request.session_id, request.generation, keys)
-        except PlanCacheError as e:
+        except ServiceError as e:
             abort(context, e)
         log.debug("request %s: lease %d %s", request.request_id, lease.lease_id, lease.report)
         return pb.PreparePlansResponse(
@@ -89,7 +126,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     def ReleasePlans(self, request: pb.ReleasePlansRequest, context: grpc.ServicerContext) -> pb.ReleasePlansResponse:
         try:
             self.sidecar.release(request.session_id, request.lease_id)
-        except PlanCacheError as e:
+        except ServiceError as e:
             abort(context, e)
         return pb.ReleasePlansResponse()
 
@@ -112,7 +149,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     ) -> pb.PrepareWeightUpdateResponse:
         try:
             source = self.sidecar.prepare_update(request.from_generation, request.weights_path)
-        except (PlanCacheError, CheckpointError) as e:
+        except (ServiceError, CheckpointError) as e:
             abort(context, e)
         return pb.PrepareWeightUpdateResponse(fingerprint=source.fingerprint)
 
@@ -121,7 +158,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     ) -> pb.CommitWeightUpdateResponse:
         try:
             generation, fingerprint = self.sidecar.commit_update(request.from_generation, request.weights_path)
-        except (PlanCacheError, CheckpointError, StateFileError, OSError) as e:
+        except (ServiceError, CheckpointError, StateFileError, OSError) as e:
             abort(context, e)
         return pb.CommitWeightUpdateResponse(generation=generation, fingerprint=fingerprint)
 
@@ -133,29 +170,28 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
 
 
 class SidecarServer:
-    """A running sidecar: the grpc server, its health servicer and the stop event."""
+    """A running sidecar: the grpc server over an assembled `Sidecar`, its health, the stop event."""
 
     def __init__(
-        self, sidecar: Sidecar, address: str, heartbeat_s: float = 1.0, metrics_port: int | None = None
+        self,
+        sidecar: Sidecar,
+        health: SidecarHealth,
+        registry: CollectorRegistry,
+        address: str,
+        heartbeat_s: float = 1.0,
+        metrics_port: int | None = None,
     ) -> None:
         self.sidecar = sidecar
+        self.health = health
+        self.registry = registry
         self.stopping = threading.Event()
-        self.registry = sidecar_registry(sidecar)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="plancache"),
             interceptors=[RpcMetrics(self.registry, "ditserve_plancache")],
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ],
+            options=SERVER_OPTIONS,
         )
         pb_grpc.add_PlanCacheServicer_to_server(PlanCacheServicer(sidecar, heartbeat_s, self.stopping), self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(health.servicer, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
@@ -175,14 +211,12 @@ class SidecarServer:
     def start(self) -> None:
         self.metrics = MetricsServer(self.registry, self.metrics_port)
         self.server.start()
-        self.sidecar.on_serving_change = self.set_serving
-        self.set_serving(not self.sidecar.state().not_serving_reason)
+        self.health.server_up(True)
         log.info("plancache sidecar listening on %s", self.address)
 
     def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        """Whether the server accepts work; health also needs the sidecar to serve plans."""
+        self.health.server_up(serving)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Graceful stop: NOT_SERVING, end sessions, stop the server, remove shm files and socket."""

@@ -5,7 +5,9 @@ A session is tied to an open Attach stream: `attach()` opens it (refused while a
 live), `detach()` releases every lease it holds and drops an uncommitted update. Plan calls
 must name the live session. Weight updates: `prepare_update` validates the new rebuild
 source and changes nothing served; `commit_update` persists (generation + 1, path, digests)
-first, then invalidates both tiers and retargets rebuilds.
+first, then invalidates every tier and retargets rebuilds (docs/architecture.md, "Weight
+generations and UpdateWeights"). Whether plans are served is one state here (`serving`);
+every change of it goes to the `on_serving_change` listener given at construction.
 """
 
 from __future__ import annotations
@@ -19,15 +21,11 @@ from pathlib import Path
 
 from ditcore.checkpoint import CheckpointError, validate_checkpoint
 from ditcore.plans import PlanKey
+from ditruntime.errors import GenerationMismatchError
 from ditruntime.faults import crash_point
 
 from .cache import CacheStats, Lease, PlanCache
-from .errors import (
-    CheckpointChangedError,
-    GenerationMismatchError,
-    SessionError,
-    UpdateConflictError,
-)
+from .errors import CheckpointChangedError, SessionError, UpdateConflictError
 from .rebuild import RebuildSource
 from .state import PersistedState, save_state
 
@@ -38,6 +36,20 @@ log = logging.getLogger(__name__)
 class SessionInfo:
     session_id: str
     client_name: str
+
+
+@dataclass
+class UpdateOutcomes:
+    """Weight-update outcomes at the sidecar since it started (the metrics' `outcome` label)."""
+
+    prepared: int = 0
+    committed: int = 0
+    aborted: int = 0
+    refused: int = 0
+
+
+ServingListener = Callable[[bool], None]
+"""Told `serving` (True or False) each time the sidecar starts or stops serving plans."""
 
 
 @dataclass(frozen=True)
@@ -54,16 +66,18 @@ class SidecarState:
 
 
 class Sidecar:
-    def __init__(self, cache: PlanCache, state_dir: Path | None = None) -> None:
+    def __init__(
+        self, cache: PlanCache, state_dir: Path | None = None, on_serving_change: ServingListener | None = None
+    ) -> None:
         self.cache = cache
         self.state_dir = state_dir
+        self._on_serving_change = on_serving_change
         self._lock = threading.Lock()
         self._update_lock = threading.Lock()
         self._session: SessionInfo | None = None
         self._not_serving = ""
         self._pending: RebuildSource | None = None
-        self.on_serving_change: Callable[[bool], None] | None = None
-        self.update_outcomes = {"prepared": 0, "committed": 0, "aborted": 0, "refused": 0}
+        self.update_outcomes = UpdateOutcomes()
         if state_dir is not None:
             self._persist(cache.generation, cache.source)
 
@@ -113,13 +127,19 @@ class Sidecar:
         self._check_session(session_id)
         self.cache.release(lease_id)
 
+    @property
+    def serving(self) -> bool:
+        """Whether plans are served (False once the rebuild source changed on disk)."""
+        return not self._not_serving
+
     def set_not_serving(self, reason: str) -> None:
+        """Stop serving plans for `reason`; "" serves again (a committed update)."""
         was = self._not_serving
         self._not_serving = reason
         if reason and not was:
             log.error("NOT_SERVING: %s", reason)
-        if bool(reason) != bool(was) and self.on_serving_change is not None:
-            self.on_serving_change(not reason)
+        if bool(reason) != bool(was) and self._on_serving_change is not None:
+            self._on_serving_change(not reason)
 
     def check_source(self) -> None:
         """Turn NOT_SERVING if the rebuild source changed on disk (checked at start too)."""
@@ -135,7 +155,7 @@ class Sidecar:
         """Validate a new rebuild source (native adaln_proj present, same geometry). Serves on."""
         with self._update_lock:
             if from_generation != self.cache.generation:
-                raise GenerationMismatchError(self.cache.generation, from_generation)
+                raise GenerationMismatchError(self.cache.generation, from_generation, field="from_generation")
             if self._pending is not None:
                 raise UpdateConflictError(f"an update to {self._pending.path} is already prepared; commit or abort it")
             info = validate_checkpoint(weights_path, require_adaln=True)
@@ -145,7 +165,7 @@ class Sidecar:
                     f"{weights_path}/config.json: incompatible with the served model (shapes or dtype differ)"
                 )
             self._pending = RebuildSource(info, self.cache.device, probe=self.cache.source.probe)
-            self.update_outcomes["prepared"] += 1
+            self.update_outcomes.prepared += 1
             log.info("prepared weight update to %s (fingerprint %s)", weights_path, info.fingerprint[:16])
             return self._pending
 
@@ -156,7 +176,7 @@ class Sidecar:
             if pending is None or str(pending.path) != str(Path(weights_path)):
                 raise UpdateConflictError(f"no prepared update to {weights_path}; call PrepareWeightUpdate first")
             if from_generation != self.cache.generation:
-                raise GenerationMismatchError(self.cache.generation, from_generation)
+                raise GenerationMismatchError(self.cache.generation, from_generation, field="from_generation")
             pending.check_unchanged()
             new_generation = self.cache.generation + 1
 
@@ -168,7 +188,7 @@ class Sidecar:
             self.cache.retarget(pending, new_generation, before=persist)
             self._pending = None
             self.set_not_serving("")
-            self.update_outcomes["committed"] += 1
+            self.update_outcomes.committed += 1
             log.info("committed generation %d: %s", new_generation, pending.path)
             return new_generation, pending.fingerprint
 
@@ -178,7 +198,7 @@ class Sidecar:
                 return False
             log.info("aborted weight update to %s", self._pending.path)
             self._pending = None
-            self.update_outcomes["aborted"] += 1
+            self.update_outcomes.aborted += 1
             return True
 
     def _persist(self, generation: int, source: RebuildSource) -> None:
@@ -196,7 +216,7 @@ class Sidecar:
             leases_held=stats.leases_held,
             session=self._session,
             stats=stats,
-            serving=not self._not_serving,
+            serving=self.serving,
             not_serving_reason=self._not_serving,
             pending_weights_path=str(pending.path) if pending is not None else "",
         )

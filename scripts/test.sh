@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The project's checks: install (if needed), lint, format check, type check, default test suite.
+# The project's checks: install (if needed), protos, lint, format check, type check, import layers,
+# default test suite.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,4 +11,5 @@ VENV=${DITSERVE_VENV:-.venv}
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 "$VENV/bin/mypy"
+"$VENV/bin/lint-imports" --no-cache
 exec "$VENV/bin/python" -m pytest "$@"

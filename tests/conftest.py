@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+# grpc's fork handlers can deadlock a process that forks (subprocess.Popen) while its own
+# channels are busy (grpc/grpc#37259); the tests start service processes from threads that
+# also hold channels. Must be set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import contextlib
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys

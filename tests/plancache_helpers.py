@@ -6,7 +6,8 @@ conftest.py on purpose: these are plain functions, fixtures live in the test mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ def t2v(steps: int, shift: float) -> ScheduleSpec:
 
 def t2va(steps: int, shift: float, audio_shift: float) -> ScheduleSpec:
     return ScheduleSpec("t2va", steps, shift, audio_shift)
+
+
+# Three 4-step t2v schedules: 4 width-1 plans each; all three share the first plan (t=1000).
+X, Y, Z = t2v(4, 2.0), t2v(4, 4.0), t2v(4, 8.0)
 
 
 def keys_of(spec: ScheduleSpec) -> list[PlanKey]:
@@ -71,6 +76,27 @@ def make_cache(
         shm_dir=str(shm_dir),
     )
     return PlanCache(config, source, generation=generation)
+
+
+MakeCache = Callable[..., PlanCache]
+
+
+@contextlib.contextmanager
+def cache_factory(source: RebuildSource, shm_dir: Path) -> Iterator[MakeCache]:
+    """make(gpu_plans=..., plan_width=2, host_pages=0, generation=0, source=...) -> a cache;
+    every cache made is closed on exit (the `make` fixture of the test_plancache_* modules)."""
+    caches: list[PlanCache] = []
+
+    def make(*, source: RebuildSource = source, **sizes: int) -> PlanCache:
+        cache = make_cache(source, shm_dir=shm_dir, **sizes)
+        caches.append(cache)
+        return cache
+
+    try:
+        yield make
+    finally:
+        for c in caches:
+            c.close()
 
 
 def prepare(cache: PlanCache, spec_or_keys: ScheduleSpec | Sequence[PlanKey], owner: str = "test") -> Lease:

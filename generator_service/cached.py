@@ -1,0 +1,157 @@
+"""Cached mode: the DiT without adaln_proj; plans are leased from the sidecar's slab over the
+injected `SidecarSession`, and the weight-update steps go through the sidecar. No grpc here.
+
+`CachedWeights` loads whatever checkpoint the sidecar's session names (so both sides always
+serve one weight version) and checks that the slab's geometry matches the model before it
+accepts the attachment.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from ditcore import CheckpointInfo, DiT, GenerationRequest, load_model, validate_checkpoint
+from ditcore.plans import distinct_keys
+from ditruntime.faults import crash_point
+
+from .backend import Backend, BackendStatus, Rollback, ServedLease, StagedWeights, validate_compatible
+from .errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
+from .sidecar_port import Attachment, SidecarSession
+
+log = logging.getLogger(__name__)
+
+
+class CachedWeights:
+    """The cached-mode model and which checkpoint it came from; `on_attach` vets each session."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lock = threading.RLock()  # the backend's model_lock
+        self.model: DiT | None = None
+        self.loaded: tuple[str, str] | None = None  # (weights_path, fingerprint)
+
+    def on_attach(self, att: Attachment) -> None:
+        """Load the sidecar's weights if ours differ; check slab geometry against the model."""
+        with self.lock:
+            if self.loaded != (att.weights_path, att.fingerprint):
+                info = validate_checkpoint(att.weights_path, require_adaln=False)
+                if info.fingerprint != att.fingerprint:
+                    raise ValueError(
+                        f"{att.weights_path}: fingerprint {info.fingerprint[:16]} differs from the sidecar's "
+                        f"{att.fingerprint[:16]}; the files changed"
+                    )
+                log.info("loading DiT (cached mode) from %s", att.weights_path)
+                self.model = load_model(info, "cached").to(self.device)
+                self.loaded = (att.weights_path, att.fingerprint)
+            assert self.model is not None
+            cfg, d = self.model.config, att.descriptor
+            if d.page_numel != cfg.page_numel or d.dtype != cfg.dtype:
+                raise ValueError(
+                    f"slab pages are {d.page_numel} x {d.dtype} but the model needs {cfg.page_numel} x {cfg.dtype}"
+                )
+
+
+class CachedBackend(Backend):
+    mode = "cached"
+
+    def __init__(self, link: SidecarSession, weights: CachedWeights) -> None:
+        super().__init__(weights.device, weights.lock)
+        self.link = link
+        self._weights = weights
+
+    def start(self) -> None:
+        self.link.start()
+
+    def close(self) -> None:
+        self.link.close()
+
+    def _attachment(self) -> Attachment:
+        att = self.link.attachment
+        if att is None:
+            raise SidecarUnavailableError(f"not attached to the plan-cache sidecar: {self.link.last_error}")
+        return att
+
+    def model(self) -> DiT:
+        if self._weights.model is None:
+            raise SidecarUnavailableError("no weights loaded yet: the plan-cache sidecar was never attached")
+        return self._weights.model
+
+    def generation(self) -> int:
+        return self._attachment().generation
+
+    def status(self) -> BackendStatus:
+        att = self.link.attachment
+        if att is None:
+            loaded = self._weights.loaded
+            return BackendStatus(False, False, self.link.target, loaded[0] if loaded else "", "")
+        return BackendStatus(True, True, self.link.target, att.weights_path, att.fingerprint, att.descriptor)
+
+    # ---------------------------------------------------------------- plans
+    def check_fits(self, request: GenerationRequest) -> None:
+        d = self._attachment().descriptor
+        keys = request.schedule_spec().plan_keys()
+        n, width = len(distinct_keys(keys)), max(k.width for k in keys)
+        if width > d.width:
+            raise PlanCapacityError(
+                f"the request needs plans {width} wide but slab slots hold {d.width} (--plan-width)"
+            )
+        if n > d.num_slots:
+            raise PlanCapacityError(
+                f"the request needs {n} distinct plans but the slab has {d.num_slots} slots (--gpu-plans)"
+            )
+
+    def acquire(self, request: GenerationRequest) -> ServedLease:
+        keys = request.schedule_spec().plan_keys()
+        return self.link.prepare(keys, self.generation(), request.request_id)
+
+    def verify(self, lease: ServedLease) -> None:
+        if not self.alive(lease):
+            raise SidecarUnavailableError("the plan-cache sidecar session changed before the request ran")
+        lease.check_rows()
+
+    def alive(self, lease: ServedLease) -> bool:
+        return lease.alive()
+
+    # ---------------------------------------------------------------- weight updates
+    def validate_update(self, path: Path) -> CheckpointInfo:
+        return validate_compatible(path, self.model_config(), require_adaln=False)
+
+    def prepare_update(self, previous: int, path: Path) -> None:
+        self.link.prepare_update(previous, str(path))
+        crash_point("update:after_prepare")
+
+    def stage(self, info: CheckpointInfo) -> StagedWeights:
+        return StagedWeights(load_model(info, self.mode).to(self.device), info, info.fingerprint)
+
+    def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
+        raise tensor_updates_refused()
+
+    def swap(self, staged: StagedWeights) -> Rollback:
+        w = self._weights
+        old = (w.model, w.loaded)
+        w.model, w.loaded = staged.model, (str(staged.info.path), staged.fingerprint)
+
+        def rollback() -> None:
+            w.model, w.loaded = old
+
+        return rollback
+
+    def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> tuple[int, str]:
+        """The sidecar's CommitWeightUpdate; if its outcome is unknown, drop the session and serve
+        nothing until the sidecar says, on reattach, which generation it holds."""
+        crash_point("update:before_commit")
+        try:
+            generation, fp = self.link.commit_update(previous, path, timeout_s)
+        except CommitOutcomeUnknownError:
+            self.link.reattach()
+            raise
+        crash_point("update:after_commit")
+        self.link.adopt(generation, path, fp)
+        return generation, fp
+
+    def abort_update(self, path: str) -> None:
+        self.link.abort_update(path)

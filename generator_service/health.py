@@ -1,0 +1,68 @@
+"""The generator's serving state, derived in one place: SERVING unless detached from the
+sidecar, updating weights, or stopping. The sidecar link, the update coordinator and the
+server write into it; one listener (the gRPC health adapter) hears every change. No grpc here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+HealthListener = Callable[[bool, str], None]
+"""Called as (serving, reason) on construction and after every change; reason is "" when serving."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A snapshot of the three conditions."""
+
+    attached: bool
+    updating: bool
+    stopping: bool
+
+    @property
+    def serving(self) -> bool:
+        return self.attached and not self.updating and not self.stopping
+
+    @property
+    def reason(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.updating:
+            return "updating weights"
+        if not self.attached:
+            return "not attached to the plan-cache sidecar"
+        return ""
+
+
+class ServingState:
+    """Thread-safe; `attached` starts True in resident mode (no sidecar) and False in cached mode."""
+
+    def __init__(self, attached: bool, listener: HealthListener) -> None:
+        self._lock = threading.Lock()
+        self._state = Serving(attached=attached, updating=False, stopping=False)
+        self._listener = listener
+        listener(self._state.serving, self._state.reason)
+
+    def snapshot(self) -> Serving:
+        return self._state
+
+    @property
+    def serving(self) -> bool:
+        return self._state.serving
+
+    def set_attached(self, attached: bool) -> None:
+        self._set(attached=attached)
+
+    def set_updating(self, updating: bool) -> None:
+        self._set(updating=updating)
+
+    def set_stopping(self) -> None:
+        self._set(stopping=True)
+
+    def _set(self, **change: bool) -> None:
+        with self._lock:  # the listener hears changes in the order they were made
+            self._state = dataclasses.replace(self._state, **change)
+            self._listener(self._state.serving, self._state.reason)

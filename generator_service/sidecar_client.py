@@ -1,0 +1,239 @@
+"""The generator's gRPC client of its plan-cache sidecar: the one generator module outside the
+adapter and the assembly that imports grpc. Implements `sidecar_port.SidecarSession` and maps
+every RpcError to a domain error here, with one set of "the answer was lost" status codes.
+
+A background thread holds the Attach stream open (the session), maps the slab once per
+attachment (a read-only /dev/shm mapping on cpu, the CUDA IPC handle on cuda), and reconnects
+by itself when the sidecar goes away; the serving state follows the session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from ditcore.plans import PlanKey
+from ditcore.report import CacheReport
+from ditruntime.convert import from_proto
+from ditruntime.errors import GenerationMismatchError, ServiceError
+from ditruntime.rpc_errors import error_info
+from ditruntime.slab import descriptor_from_proto, map_slab
+from protos.ditserve.plancache.v1 import plancache_pb2 as pb
+from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
+
+from .errors import CommitOutcomeUnknownError, LeaseCheckError, SidecarError, SidecarUnavailableError
+from .health import ServingState
+from .sidecar_port import Attachment, RemoteLease, SidecarSession
+
+log = logging.getLogger(__name__)
+
+# The call may not have reached the sidecar, or its answer was lost: the sidecar is unavailable
+# (retry after reattaching), and a commit's outcome is unknown.
+ANSWER_LOST = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
+)
+
+
+def domain_error(err: grpc.RpcError, sent_generation: int | None = None, field: str = "generation") -> ServiceError:
+    """A sidecar RpcError as a generator domain error (the status the client sees is its own)."""
+    code = err.code()
+    if code in ANSWER_LOST:
+        return SidecarUnavailableError(f"plan-cache sidecar unavailable: {err.details()}")
+    reason, meta = error_info(err)
+    current = meta.get("current_generation", "")
+    if reason == GenerationMismatchError.reason and sent_generation is not None and current.isdigit():
+        return GenerationMismatchError(int(current), sent_generation, field)
+    return SidecarError(code.name, reason, err.details() or code.name, meta)
+
+
+def _channel(target: str, reconnect_s: float) -> grpc.Channel:
+    return grpc.insecure_channel(
+        target,
+        options=[
+            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC's default reconnect backoff grows to 120 s: after a long sidecar outage the
+            # generator would reattach up to minutes late. Cap it near our own retry pause.
+            ("grpc.max_reconnect_backoff_ms", max(1000, int(reconnect_s * 2000))),
+        ],
+    )
+
+
+class SidecarClient(SidecarSession):
+    """Keeps a session with the sidecar at `target`; `on_attach` vets each attachment (may raise)."""
+
+    def __init__(
+        self, target: str, reconnect_s: float, on_attach: Callable[[Attachment], None], state: ServingState
+    ) -> None:
+        self.target = target
+        self.reconnect_s = reconnect_s
+        self._on_attach = on_attach
+        self._state = state
+        self._lock = threading.Lock()
+        self._att: Attachment | None = None
+        self._epoch = 0
+        self._stop = threading.Event()
+        self._stream: Any = None  # the Attach call (a grpc iterator that can be cancelled)
+        self._last_error = ""
+        self._channel = _channel(target, reconnect_s)
+        self._stub = pb_grpc.PlanCacheStub(self._channel)
+        self._thread = threading.Thread(target=self._run, name="sidecar-link", daemon=True)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._channel.close()
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while self._att is None and time.monotonic() < end:
+            time.sleep(0.02)
+        return self._att is not None
+
+    @property
+    def attachment(self) -> Attachment | None:
+        return self._att
+
+    @property
+    def last_error(self) -> str:
+        return self._last_error
+
+    def _run(self) -> None:
+        client = f"generator@{socket.gethostname()}:{os.getpid()}"
+        while not self._stop.is_set():
+            try:
+                self._stream = self._stub.Attach(pb.AttachRequest(client_name=client), wait_for_ready=False)
+                first = next(self._stream)
+                self._attach(first.session)
+                for msg in self._stream:
+                    if msg.HasField("heartbeat"):
+                        continue
+            except grpc.RpcError as e:
+                if not self._stop.is_set():
+                    self._note_error(f"sidecar {self.target}: {e.code().name}: {e.details()}")
+            except Exception as e:  # mapping or model load failed: stay detached, retry
+                self._note_error(f"attach to {self.target} failed: {e}")
+                log.exception("attach failed")
+            finally:
+                self._detach()
+            self._stop.wait(self.reconnect_s)
+
+    def _note_error(self, msg: str) -> None:
+        if msg != self._last_error:
+            log.warning("%s", msg)
+        self._last_error = msg
+
+    def _attach(self, session: pb.Session) -> None:
+        desc = descriptor_from_proto(session.slab)
+        slab, table, maps = map_slab(desc)
+        with self._lock:
+            self._epoch += 1
+            att = Attachment(
+                self._epoch, session.session_id, desc, slab, table,
+                session.generation, session.weights_path, session.fingerprint, maps,
+            )  # fmt: skip
+        self._on_attach(att)  # may load weights; raising keeps us detached
+        self._att = att
+        self._last_error = ""
+        log.info("attached to sidecar %s (session %s, generation %d)", self.target, att.session_id, att.generation)
+        self._state.set_attached(True)
+
+    def _detach(self) -> None:
+        was = self._att
+        self._att = None
+        self._stream = None
+        if was is not None:
+            log.warning("sidecar session %s ended", was.session_id)
+            self._state.set_attached(False)
+
+    # ---------------------------------------------------------------- leases
+    def prepare(self, keys: Sequence[PlanKey], generation: int, request_id: str) -> RemoteLease:
+        att = self._att
+        if att is None:
+            raise SidecarUnavailableError(
+                f"not attached to the plan-cache sidecar at {self.target}: {self._last_error}"
+            )
+        req = pb.PreparePlansRequest(
+            session_id=att.session_id,
+            generation=generation,
+            plan_keys=[pb.PlanKey(timestep_bits=list(k.bits)) for k in keys],
+            request_id=request_id,
+        )
+        try:
+            resp = self._stub.PreparePlans(req, timeout=600)
+        except grpc.RpcError as e:
+            raise domain_error(e, generation) from e
+        report = from_proto(resp.report, CacheReport)
+        lease = RemoteLease(self, att, resp.lease_id, keys, resp.slots, report, resp.generation)
+        if len(lease.slots) != len(keys):
+            lease.release()
+            raise LeaseCheckError(f"lease {resp.lease_id}: {len(resp.slots)} slots for {len(keys)} steps")
+        return lease
+
+    def release(self, lease: RemoteLease) -> None:
+        att = self._att
+        if att is None or att.epoch != lease.epoch:
+            return
+        try:
+            self._stub.ReleasePlans(
+                pb.ReleasePlansRequest(session_id=att.session_id, lease_id=lease.lease_id), timeout=10
+            )
+        except grpc.RpcError as e:
+            log.warning("release of lease %d failed: %s", lease.lease_id, e.details())
+
+    # ---------------------------------------------------------------- weight updates
+    def prepare_update(self, from_generation: int, weights_path: str) -> str:
+        req = pb.PrepareWeightUpdateRequest(from_generation=from_generation, weights_path=weights_path)
+        try:
+            resp = self._stub.PrepareWeightUpdate(req, timeout=120)
+        except grpc.RpcError as e:
+            raise domain_error(e, from_generation, "from_generation") from e
+        return str(resp.fingerprint)
+
+    def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> tuple[int, str]:
+        req = pb.CommitWeightUpdateRequest(from_generation=from_generation, weights_path=weights_path)
+        try:
+            resp = self._stub.CommitWeightUpdate(req, timeout=timeout_s)
+        except grpc.RpcError as e:
+            if e.code() in ANSWER_LOST:
+                raise CommitOutcomeUnknownError(e.code().name) from e
+            raise domain_error(e, from_generation, "from_generation") from e
+        return int(resp.generation), str(resp.fingerprint)
+
+    def abort_update(self, weights_path: str) -> None:
+        try:
+            self._stub.AbortWeightUpdate(pb.AbortWeightUpdateRequest(weights_path=weights_path), timeout=10)
+        except grpc.RpcError as e:
+            log.warning("AbortWeightUpdate failed: %s", e.details())
+
+    def adopt(self, generation: int, weights_path: str, fingerprint: str) -> None:
+        att = self._att
+        if att is not None:
+            self._att = dataclasses.replace(
+                att, generation=generation, weights_path=weights_path, fingerprint=fingerprint
+            )
+
+    def reattach(self) -> None:
+        stream = self._stream  # read before _detach clears it: cancelling ends the session
+        self._detach()
+        if stream is not None:
+            stream.cancel()

@@ -1,0 +1,161 @@
+"""What the generator core needs from its plan-cache sidecar, without gRPC: the session
+(`SidecarSession`), what one attachment maps (`Attachment`), and a lease on the mapped slab
+(`RemoteLease`). `sidecar_client.SidecarClient` implements the session over gRPC.
+
+Protocol (docs/architecture.md, "The slab and the lease protocol"): a session attaches and maps
+the slab; every attachment bumps `epoch`; `prepare` leases one slot per step; the generator
+checks each leased row (READY, the lease's generation, its key) before it reads pages, and
+`release`s in every outcome. A lease from an older epoch is dead. The weight-update steps
+(`prepare_update`, `commit_update`, `abort_update`, `adopt`) are in "Weight generations and
+UpdateWeights". Every failure is a domain error: SidecarUnavailableError when the sidecar is
+gone or its answer was lost (CommitOutcomeUnknownError for a commit), GenerationMismatchError,
+or SidecarError for any other refusal.
+"""
+
+from __future__ import annotations
+
+import mmap
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ditcore.plans import PlanKey
+from ditcore.report import CacheReport
+from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, READY, ROW_WORDS, SlabDescriptor
+
+from .errors import LeaseCheckError
+
+
+@dataclass(frozen=True, eq=False)
+class Attachment:
+    """One live session: its id, the mapped slab and table, and what the sidecar serves."""
+
+    epoch: int
+    session_id: str
+    descriptor: SlabDescriptor
+    slab: torch.Tensor  # (S, W, P) model dtype, read-only view
+    table: torch.Tensor  # (S, ROW_WORDS + W) int64, read-only view
+    generation: int
+    weights_path: str
+    fingerprint: str
+    keepalive: list[mmap.mmap] = field(default_factory=list)  # mmaps backing the CPU views
+
+
+class RemoteLease:
+    """A lease on the sidecar's slab; implements ditcore.sampler.PlanLease (and ServedLease)."""
+
+    def __init__(
+        self,
+        session: SidecarSession,
+        att: Attachment,
+        lease_id: int,
+        keys: Sequence[PlanKey],
+        slots: Sequence[int],
+        report: CacheReport,
+        generation: int,
+    ) -> None:
+        self._session = session
+        self.att = att
+        self.lease_id = lease_id
+        self.keys = list(keys)
+        self.slots = list(slots)
+        self.report = report
+        self.generation = generation
+        self._released = False
+
+    @property
+    def epoch(self) -> int:
+        return self.att.epoch
+
+    def alive(self) -> bool:
+        """False once the session that granted it has ended (a new attachment is a new epoch)."""
+        att = self._session.attachment
+        return att is not None and att.epoch == self.epoch
+
+    def check_rows(self) -> None:
+        """Every leased row must be READY, of this lease's generation, holding its key."""
+        for key, slot in zip(self.keys, self.slots, strict=True):
+            if not 0 <= slot < self.att.descriptor.num_slots:
+                raise LeaseCheckError(f"lease {self.lease_id}: slot {slot} is outside the slab")
+            row = self.att.table[slot].tolist()
+            words = row[ROW_WORDS : ROW_WORDS + key.width]
+            if (
+                row[COL_STATE] != READY
+                or row[COL_GENERATION] != self.generation
+                or row[COL_LENGTH] != key.width
+                or tuple(words) != key.bits
+            ):
+                raise LeaseCheckError(
+                    f"lease {self.lease_id}: slot {slot} row {row[:ROW_WORDS]} does not hold plan {key} "
+                    f"of generation {self.generation}"
+                )
+
+    def pages(self, step: int) -> torch.Tensor:
+        """(W, page_numel) pages of step `step`: a view into the slab, no copy."""
+        return self.att.slab[self.slots[step], : self.keys[step].width]
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._session.release(self)
+
+
+class SidecarSession(ABC):
+    """The generator's session with its sidecar; keeps itself attached once started."""
+
+    target: str
+
+    # ---------------------------------------------------------------- lifecycle
+    @abstractmethod
+    def start(self) -> None:
+        """Begin attaching (in the background; reattaches by itself after the sidecar goes away)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Idempotent: end the session."""
+
+    @property
+    @abstractmethod
+    def attachment(self) -> Attachment | None:
+        """The live attachment, or None while detached."""
+
+    @property
+    @abstractmethod
+    def last_error(self) -> str:
+        """Why the last attach failed ("" after a successful one)."""
+
+    @abstractmethod
+    def wait_attached(self, timeout_s: float) -> bool: ...
+
+    # ---------------------------------------------------------------- leases
+    @abstractmethod
+    def prepare(self, keys: Sequence[PlanKey], generation: int, request_id: str) -> RemoteLease:
+        """Lease one READY slot per step of `keys`, built for `generation`."""
+
+    @abstractmethod
+    def release(self, lease: RemoteLease) -> None:
+        """Best effort: a lease of a dead session is already gone at the sidecar."""
+
+    # ---------------------------------------------------------------- weight updates
+    @abstractmethod
+    def prepare_update(self, from_generation: int, weights_path: str) -> str:
+        """The sidecar checks the new checkpoint (nothing served changes); returns its fingerprint."""
+
+    @abstractmethod
+    def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> tuple[int, str]:
+        """(new generation, fingerprint). Raises CommitOutcomeUnknownError when the answer was lost."""
+
+    @abstractmethod
+    def abort_update(self, weights_path: str) -> None:
+        """Best effort: drop a prepared update at the sidecar."""
+
+    @abstractmethod
+    def adopt(self, generation: int, weights_path: str, fingerprint: str) -> None:
+        """The committed update: same session and slab, new generation and weights."""
+
+    @abstractmethod
+    def reattach(self) -> None:
+        """Drop the session; attach again and learn the sidecar's truth."""
