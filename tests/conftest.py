@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints (session-scoped, never mutated) and CLI runners."""
+"""Shared fixtures: tiny checkpoints (session-scoped, never mutated), CLI runners (tests/clikit.py),
+and the service tests' pairs and processes (built by tests/servicekit.py)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,15 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import contextlib
-import io
-import json
-import shutil
-import subprocess
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from clikit import CliRunner, run_cli_inprocess, run_cli_subprocess
+from servicekit import TINY, Pair, ProcessGroup, StartPair, Weights, process_group, updatable
 
-from ditcore import get_preset, write_checkpoint
-from ditserve.cli import main as cli_main
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from ditcore import write_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -43,64 +36,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset, seed 0, 2 shards. Read-only: copy it (copy_ckpt) before mutating."""
-    return write_checkpoint(get_preset("tiny"), tmp_path_factory.mktemp("tiny_ckpt") / "ckpt", seed=0, shards=2)
+    return write_checkpoint(TINY, tmp_path_factory.mktemp("tiny_ckpt") / "ckpt", seed=0, shards=2)
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same config and sharding as `tiny_ckpt`, different weights (seed 1)."""
-    return write_checkpoint(get_preset("tiny"), tmp_path_factory.mktemp("tiny_ckpt_b") / "ckpt", seed=1, shards=2)
-
-
-def copy_ckpt(src: Path, dst_parent: Path, name: str = "ckpt") -> Path:
-    """A private, mutable copy of a checkpoint directory."""
-    dst = dst_parent / name
-    shutil.copytree(src, dst)
-    return dst
+    return write_checkpoint(TINY, tmp_path_factory.mktemp("tiny_ckpt_b") / "ckpt", seed=1, shards=2)
 
 
 # ----------------------------------------------------------------------------- CLI runners
-@dataclass(frozen=True)
-class CliResult:
-    code: int
-    out: str
-    err: str
-
-    def json_lines(self) -> list[dict[str, Any]]:
-        """stdout parsed as one JSON object per non-empty line."""
-        return [json.loads(line) for line in self.out.splitlines() if line.strip()]
-
-
-def run_cli_inprocess(argv: Sequence[str]) -> CliResult:
-    """`ditserve.cli.main(argv)` in this process, capturing stdout/stderr and the exit code."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli_main([str(a) for a in argv])
-        except SystemExit as e:  # argparse errors and --help/--version
-            code = e.code if isinstance(e.code, int) else 1
-    return CliResult(code, out.getvalue(), err.getvalue())
-
-
-def run_cli_subprocess(argv: Sequence[str], cwd: Path | None = None, timeout: float = 120) -> CliResult:
-    """`python -m ditserve ARGV` in a fresh interpreter."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ditserve", *[str(a) for a in argv]],
-        capture_output=True,
-        text=True,
-        cwd=cwd or REPO_ROOT,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-    return CliResult(proc.returncode, proc.stdout, proc.stderr)
-
-
-CliRunner = Callable[[Sequence[str]], CliResult]
-
-
 @pytest.fixture
 def run_cli() -> CliRunner:
     return run_cli_inprocess
@@ -109,3 +54,42 @@ def run_cli() -> CliRunner:
 @pytest.fixture
 def run_cli_proc() -> CliRunner:
     return run_cli_subprocess
+
+
+# ----------------------------------------------------------------------------- services
+@pytest.fixture(scope="session")
+def svc_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset, seed 0, one shard, for the service tests (read-only)."""
+    return write_checkpoint(TINY, tmp_path_factory.mktemp("svc_ckpt") / "tiny-ckpt-0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
+    """A weights root with A (seed 0) and B (seed 1), two shards each. Never modify A or B; add directories."""
+    root = tmp_path_factory.mktemp("upd") / "weights"
+    a = write_checkpoint(TINY, root / "A", seed=0, shards=2)
+    b = write_checkpoint(TINY, root / "B", seed=1, shards=2)
+    return Weights(root, a, b)
+
+
+@pytest.fixture
+def procs(request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
+    """This test's service processes: stopped at teardown, their logs printed if the test failed."""
+    with process_group(request) as group:
+        yield group
+
+
+@pytest.fixture
+def pairs(weights: Weights) -> Iterator[StartPair]:
+    """`pairs(checkpoint, **options)`: a started in-process pair that accepts updates to A and B
+    (servicekit.updatable); every pair is closed at teardown."""
+    with contextlib.ExitStack() as stack:
+        yield lambda checkpoint, **options: stack.enter_context(
+            Pair(checkpoint, **updatable(weights, **options))
+        ).start()
+
+
+@pytest.fixture
+def proc_pair(procs: ProcessGroup, weights: Weights) -> Pair:
+    """A sidecar and a generator as processes (not started) serving A, set up for updates (drain 30 s)."""
+    return procs.pair(weights.a, **updatable(weights, drain_timeout_s=30.0))

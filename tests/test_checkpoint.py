@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import copy_ckpt
+from clikit import copy_ckpt
 from safetensors import safe_open
 from safetensors.torch import save_file
 

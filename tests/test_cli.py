@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CliRunner, copy_ckpt
+from clikit import CliRunner, copy_ckpt
 from safetensors import safe_open
 
 from ditcore import GenerationRequest, generate, latents_sha256, load_model, validate_checkpoint

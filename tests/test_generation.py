@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from servicekit import REPO_ROOT
 
 from ditcore import (
     DiT,

@@ -10,21 +10,20 @@ import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from servicekit import Pair
 
 from ditcore import get_preset, write_checkpoint
 from ditcore.plans import ScheduleSpec
 from ditruntime.obs import JsonFormatter
 from ditserve.client import GeneratorClient
-from generator_service.app import build_server as build_generator
-from generator_service.config import GeneratorConfig
-from plancache_service.app import build_server as build_sidecar
 from plancache_service.cache import PlanCache
-from plancache_service.config import CacheConfig, SidecarConfig
+from plancache_service.config import CacheConfig
 from plancache_service.metrics import sidecar_registry
 from plancache_service.rebuild import RebuildSource
 from plancache_service.sidecar import Sidecar
@@ -69,36 +68,23 @@ def root() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def pair(root: Path, gpu_plans: int, **gen_kw: object) -> Iterator[tuple[object, object]]:
-    sock = root / f"s{gpu_plans}.sock"
-    side = build_sidecar(
-        SidecarConfig(
-            root / "A", CacheConfig(gpu_plans=gpu_plans, host_cache_bytes=10**8), f"unix:{sock}", 0.2, None, 0
-        )
-    )
-    side.start()
-    cfg = GeneratorConfig(
-        adaln_mode="cached", sidecar=f"unix:{sock}", listen="127.0.0.1:0", metrics_port=0,
-        admin_token="tok", weights_root=root, **gen_kw,  # type: ignore[arg-type]
-    )  # fmt: skip
-    gen = build_generator(cfg)
-    gen.start()
-    try:
-        assert gen.backend.link.wait_attached(30)  # type: ignore[attr-defined]
-        yield side, gen
-    finally:
-        gen.stop(1)  # also closes the sidecar link
-        side.stop(1)
+def pair(root: Path, gpu_plans: int, **gen_kw: Any) -> Iterator[tuple[Any, Any]]:
+    """A started in-process pair on checkpoint A with metrics on both sides; (sidecar, generator) servers."""
+    options: dict[str, Any] = {"admin_token": "tok", "weights_root": root, "metrics_port": 0, **gen_kw}
+    with Pair(root / "A", gpu_plans=gpu_plans, host_cache_bytes=10**8, heartbeat_s=0.2, sidecar_metrics_port=0,
+              **options) as p:  # fmt: skip
+        p.start()
+        yield p.sidecar, p.generator
 
 
 def test_metrics_move_when_they_should(root: Path) -> None:
     with pair(root, gpu_plans=STEPS) as (side, gen):
-        sp, gp = side.metrics.port, gen.metrics_server.port  # type: ignore[attr-defined]
+        sp, gp = side.metrics.port, gen.metrics_server.port
         s0, g0 = scrape(sp), scrape(gp)
         assert val(s0, "ditserve_plancache_generation") == 1
         assert val(g0, "ditserve_generator_queue_depth") == 0
         assert val(g0, "ditserve_generator_sidecar_connected") == 1
-        with GeneratorClient(f"127.0.0.1:{gen.port}") as c:  # type: ignore[attr-defined]
+        with GeneratorClient(f"127.0.0.1:{gen.port}") as c:
             c.generate(req(5.0, 3.0))  # built
             s1 = scrape(sp)
             assert val(s1, "ditserve_plancache_plans_total", tier="built") == STEPS
@@ -132,7 +118,7 @@ def test_metrics_move_when_they_should(root: Path) -> None:
         assert val(g1, "ditserve_generator_requests_total", outcome="ok") == 5
         # a weight update moves the generation and the update counters on both sides
         stub = gen.backend  # noqa: F841 - keep the server referenced
-        with grpc.insecure_channel(f"127.0.0.1:{gen.port}") as ch:  # type: ignore[attr-defined]
+        with grpc.insecure_channel(f"127.0.0.1:{gen.port}") as ch:
             from protos.ditserve.generator.v1 import generator_pb2_grpc as ggrpc
 
             up = ggrpc.GeneratorStub(ch).UpdateWeights
@@ -180,9 +166,7 @@ def test_json_log_lines_carry_request_fields() -> None:
 def test_operator_limits_refuse_with_the_flag_named(root: Path) -> None:
     with (
         pair(root, gpu_plans=64, max_steps=4, max_prompt_bytes=3) as (_, gen),
-        GeneratorClient(
-            f"127.0.0.1:{gen.port}"  # type: ignore[attr-defined]
-        ) as c,
+        GeneratorClient(f"127.0.0.1:{gen.port}") as c,
     ):
         with pytest.raises(grpc.RpcError) as e:
             c.generate_unary(req(5.0, 3.0))  # 6 steps > 4
@@ -237,7 +221,7 @@ def test_tls_and_mutual_tls(root: Path, tmp_path: Path) -> None:
     ca_key, ca_crt = _cert(tmp_path, "ca")
     ckey, ccrt = _cert(tmp_path, "client", ca=(ca_key, ca_crt))
     with pair(root, gpu_plans=64, tls_cert=crt, tls_key=key) as (_, gen):
-        target = f"localhost:{gen.port}"  # type: ignore[attr-defined]
+        target = f"localhost:{gen.port}"
         creds = grpc.ssl_channel_credentials(crt.read_bytes())
         with GeneratorClient(target, credentials=creds) as c:
             assert c.status().serving
@@ -245,7 +229,7 @@ def test_tls_and_mutual_tls(root: Path, tmp_path: Path) -> None:
             c.status(timeout=3)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     with pair(root, gpu_plans=64, tls_cert=crt, tls_key=key, tls_client_ca=ca_crt) as (_, gen):
-        target = f"localhost:{gen.port}"  # type: ignore[attr-defined]
+        target = f"localhost:{gen.port}"
         with (
             GeneratorClient(target, credentials=grpc.ssl_channel_credentials(crt.read_bytes())) as c,
             pytest.raises(grpc.RpcError),

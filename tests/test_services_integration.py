@@ -17,21 +17,18 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from service_fixtures import (
+from servicekit import (
     GENERATOR_SERVICE,
     PLANCACHE_SERVICE,
     SERVING,
     T2V_REQUEST,
     T2VA_REQUEST,
     TINY,
-    InProcessPair,
+    Pair,
     health_status,
-    inprocess_pair,
+    ref_sha,
     resident_result,
-    resident_sha256,
     status_details,
-    stream_events,
-    svc_ckpt_fixture,  # noqa: F401 - the svc_ckpt fixture
     wait_for,
 )
 
@@ -59,27 +56,27 @@ SLOW_REQUEST: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def pair(svc_ckpt: Path) -> Iterator[InProcessPair]:
+def pair(svc_ckpt: Path) -> Iterator[Pair]:
     """Sidecar (64 slots, width 2) + generator with a small chunk size (multi-chunk results)."""
-    with inprocess_pair(svc_ckpt, gpu_plans=GPU_PLANS, plan_width=2, chunk_bytes=1024, max_queue_depth=8) as p:
-        yield p
+    with Pair(svc_ckpt, gpu_plans=GPU_PLANS, plan_width=2, chunk_bytes=1024, max_queue_depth=8) as p:
+        yield p.start()
 
 
 @pytest.fixture(scope="module")
-def slow_pair(svc_ckpt: Path) -> Iterator[InProcessPair]:
+def slow_pair(svc_ckpt: Path) -> Iterator[Pair]:
     """Sidecar (1000 slots, width 1) + generator with a queue of one."""
-    with inprocess_pair(svc_ckpt, gpu_plans=SLOW_GPU_PLANS, plan_width=1, max_queue_depth=1) as p:
-        yield p
+    with Pair(svc_ckpt, gpu_plans=SLOW_GPU_PLANS, plan_width=1, max_queue_depth=1) as p:
+        yield p.start()
 
 
 @pytest.fixture
-def gen_stub(pair: InProcessPair) -> Iterator[gen_grpc.GeneratorStub]:
+def gen_stub(pair: Pair) -> Iterator[gen_grpc.GeneratorStub]:
     with pair.channel() as ch:
         yield gen_grpc.GeneratorStub(ch)
 
 
 @pytest.fixture
-def cache_stub(pair: InProcessPair) -> Iterator[cache_grpc.PlanCacheStub]:
+def cache_stub(pair: Pair) -> Iterator[cache_grpc.PlanCacheStub]:
     with pair.sidecar_channel() as ch:
         yield cache_grpc.PlanCacheStub(ch)
 
@@ -94,9 +91,18 @@ def _rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
     return ei.value
 
 
+def stream_events(responses: Any) -> list[tuple[str, Any]]:
+    """(kind, message) of every GenerateStreamResponse, in order."""
+    out = []
+    for ev in responses:
+        kind = ev.WhichOneof("event")
+        out.append((kind, getattr(ev, kind)))
+    return out
+
+
 # ----------------------------------------------------------------------------- results
 @pytest.mark.parametrize("req", [T2V_REQUEST, T2VA_REQUEST], ids=["t2v", "t2va"])
-def test_generate_matches_resident_reference(pair: InProcessPair, svc_ckpt: Path, req: dict[str, Any]) -> None:
+def test_generate_matches_resident_reference(pair: Pair, svc_ckpt: Path, req: dict[str, Any]) -> None:
     with GeneratorClient(pair.target) as client:
         res = client.generate_unary(req, timeout=60)  # checks the tensors hash to res.sha256
     ref = resident_result(svc_ckpt, req)
@@ -114,7 +120,7 @@ def test_generate_matches_resident_reference(pair: InProcessPair, svc_ckpt: Path
 
 
 def test_stream_event_order_and_chunks_equal_unary(
-    pair: InProcessPair, svc_ckpt: Path, gen_stub: gen_grpc.GeneratorStub
+    pair: Pair, svc_ckpt: Path, gen_stub: gen_grpc.GeneratorStub
 ) -> None:
     req = {**T2VA_REQUEST, "request_id": "stream-1", "frames": 17, "height": 64, "width": 64, "audio_length": 32}
     n = req["steps"]
@@ -144,7 +150,7 @@ def test_stream_event_order_and_chunks_equal_unary(
         assert 0 < len(chunk.data) <= 1024
         data[chunk.name].extend(chunk.data)
 
-    assert header.sha256 == resident_sha256(svc_ckpt, req)
+    assert header.sha256 == ref_sha(svc_ckpt, req)
     unary = gen_stub.Generate(_proto(req), timeout=60)
     assert unary.sha256 == header.sha256
     assert {t.name: t.data for t in unary.tensors} == {k: bytes(v) for k, v in data.items()}
@@ -154,7 +160,7 @@ def test_stream_event_order_and_chunks_equal_unary(
         assert client.generate(req, timeout=60).sha256 == header.sha256
 
 
-def test_repeated_request_is_all_slot_hits(pair: InProcessPair) -> None:
+def test_repeated_request_is_all_slot_hits(pair: Pair) -> None:
     req = {**T2V_REQUEST, "request_id": "repeat", "steps": 9, "flow_shift": 4.25}
     with GeneratorClient(pair.target) as client:
         first = client.generate(req, timeout=60)
@@ -168,7 +174,7 @@ def test_repeated_request_is_all_slot_hits(pair: InProcessPair) -> None:
 
 
 # ----------------------------------------------------------------------------- status and state
-def test_get_status_fields(pair: InProcessPair, svc_ckpt: Path, gen_stub: gen_grpc.GeneratorStub) -> None:
+def test_get_status_fields(pair: Pair, svc_ckpt: Path, gen_stub: gen_grpc.GeneratorStub) -> None:
     st = gen_stub.GetStatus(gen_pb.GetStatusRequest(), timeout=10)
     assert st.generation == 1
     assert st.adaln_mode == gen_pb.ADALN_MODE_CACHED
@@ -184,7 +190,7 @@ def test_get_status_fields(pair: InProcessPair, svc_ckpt: Path, gen_stub: gen_gr
     assert (st.slab.dtype, st.slab.device, st.slab.transport) == (TINY.dtype, "cpu", "shm")
 
 
-def test_sidecar_state_over_unix_socket(pair: InProcessPair, svc_ckpt: Path) -> None:
+def test_sidecar_state_over_unix_socket(pair: Pair, svc_ckpt: Path) -> None:
     with GeneratorClient(pair.target) as client:
         client.generate({**T2V_REQUEST, "request_id": "state-1"}, timeout=60)
         client.generate_unary({**T2VA_REQUEST, "request_id": "state-2"}, timeout=60)
@@ -199,7 +205,7 @@ def test_sidecar_state_over_unix_socket(pair: InProcessPair, svc_ckpt: Path) -> 
     assert st.stats.prepares >= 2 and st.stats.slots_ready >= 1
 
 
-def test_second_attach_is_refused(pair: InProcessPair, cache_stub: cache_grpc.PlanCacheStub) -> None:
+def test_second_attach_is_refused(pair: Pair, cache_stub: cache_grpc.PlanCacheStub) -> None:
     stream = cache_stub.Attach(cache_pb.AttachRequest(client_name="intruder"), timeout=10)
     err = _rpc_error(next, stream)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
@@ -219,7 +225,7 @@ def _keys_proto(req: dict[str, Any]) -> list[cache_pb.PlanKey]:
     return [cache_pb.PlanKey(timestep_bits=list(k.bits)) for k in keys]
 
 
-def test_prepare_plans_wrong_generation_is_aborted(pair: InProcessPair, cache_stub: cache_grpc.PlanCacheStub) -> None:
+def test_prepare_plans_wrong_generation_is_aborted(pair: Pair, cache_stub: cache_grpc.PlanCacheStub) -> None:
     session_id = pair.generator.backend.link.attachment.session_id  # the live session
     before = pair.state().stats.prepares
     req = cache_pb.PreparePlansRequest(session_id=session_id, generation=7, plan_keys=_keys_proto(T2V_REQUEST))
@@ -232,7 +238,7 @@ def test_prepare_plans_wrong_generation_is_aborted(pair: InProcessPair, cache_st
     assert st.leases_held == 0 and st.stats.prepares == before
 
 
-def test_prepare_plans_bogus_session_is_refused(cache_stub: cache_grpc.PlanCacheStub, pair: InProcessPair) -> None:
+def test_prepare_plans_bogus_session_is_refused(cache_stub: cache_grpc.PlanCacheStub, pair: Pair) -> None:
     req = cache_pb.PreparePlansRequest(session_id="not-a-session", generation=1, plan_keys=_keys_proto(T2V_REQUEST))
     err = _rpc_error(cache_stub.PreparePlans, req, timeout=10)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
@@ -277,7 +283,7 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.mark.parametrize(("field", "values"), BAD_FIELDS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_FIELDS)])
 def test_bad_field_is_invalid_argument_with_field_violation(
-    pair: InProcessPair, gen_stub: gen_grpc.GeneratorStub, field: str, values: dict[str, Any]
+    pair: Pair, gen_stub: gen_grpc.GeneratorStub, field: str, values: dict[str, Any]
 ) -> None:
     msg = gen_pb.GenerateRequest(**{"request_id": "bad-field", "steps": 4, **values})
     before = pair.state().stats
@@ -296,9 +302,7 @@ def test_bad_field_is_invalid_argument_with_field_violation(
     assert (after.prepares, after.failed_prepares) == (before.prepares, before.failed_prepares), "no work was done"
 
 
-def test_request_that_never_fits_the_slab_is_failed_precondition(
-    pair: InProcessPair, gen_stub: gen_grpc.GeneratorStub
-) -> None:
+def test_request_that_never_fits_the_slab_is_failed_precondition(pair: Pair, gen_stub: gen_grpc.GeneratorStub) -> None:
     before = pair.state().stats
     err = _rpc_error(gen_stub.Generate, _proto(T2V_REQUEST, steps=GPU_PLANS + 1), timeout=10)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
@@ -315,14 +319,14 @@ def test_request_that_never_fits_the_slab_is_failed_precondition(
     assert ok.cache.gpu_hit_plans + ok.cache.host_hit_plans + ok.cache.built_plans == GPU_PLANS
 
 
-def test_request_wider_than_a_slot_is_failed_precondition(slow_pair: InProcessPair) -> None:
+def test_request_wider_than_a_slot_is_failed_precondition(slow_pair: Pair) -> None:
     with slow_pair.channel() as ch:
         err = _rpc_error(gen_grpc.GeneratorStub(ch).Generate, _proto(T2VA_REQUEST), timeout=10)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
     assert "--plan-width" in (err.details() or "")
 
 
-def test_expected_generation_mismatch_is_aborted(pair: InProcessPair, gen_stub: gen_grpc.GeneratorStub) -> None:
+def test_expected_generation_mismatch_is_aborted(pair: Pair, gen_stub: gen_grpc.GeneratorStub) -> None:
     msg = _proto(T2V_REQUEST)
     msg.expected_generation = 2
     err = _rpc_error(gen_stub.Generate, msg, timeout=10)
@@ -334,7 +338,7 @@ def test_expected_generation_mismatch_is_aborted(pair: InProcessPair, gen_stub: 
         assert client.generate_unary(T2V_REQUEST, expected_generation=1, timeout=60).generation == 1
 
 
-def test_update_weights_without_admin_token_is_refused(pair: InProcessPair, gen_stub: gen_grpc.GeneratorStub) -> None:
+def test_update_weights_without_admin_token_is_refused(pair: Pair, gen_stub: gen_grpc.GeneratorStub) -> None:
     """No --admin-token configured: updates are off (PERMISSION_DENIED) and nothing changes."""
     req = gen_pb.UpdateWeightsRequest(weights_path=str(pair.checkpoint))
     for metadata in (None, [("authorization", "Bearer guess")]):
@@ -347,7 +351,7 @@ def test_update_weights_without_admin_token_is_refused(pair: InProcessPair, gen_
     assert pair.state().generation == 1 and pair.state().pending_weights_path == ""
 
 
-def test_health_is_serving_when_attached(pair: InProcessPair) -> None:
+def test_health_is_serving_when_attached(pair: Pair) -> None:
     for service in ("", GENERATOR_SERVICE):
         assert health_status(pair.target, service) == SERVING
     for service in ("", PLANCACHE_SERVICE):
@@ -372,7 +376,7 @@ def _read_until_step(it: Any, events: list[tuple[str, Any]], step: int) -> None:
     raise AssertionError(f"the stream ended before step {step}: {[k for k, _ in events]}")
 
 
-def test_full_queue_is_resource_exhausted(slow_pair: InProcessPair) -> None:
+def test_full_queue_is_resource_exhausted(slow_pair: Pair) -> None:
     with slow_pair.channel() as ch:
         stub = gen_grpc.GeneratorStub(ch)
         call, events, it = _start_stream(stub, {**SLOW_REQUEST, "request_id": "occupier"})
@@ -392,9 +396,7 @@ def test_full_queue_is_resource_exhausted(slow_pair: InProcessPair) -> None:
         assert ok.sha256
 
 
-def test_cancel_stream_stops_executor_within_one_step(
-    slow_pair: InProcessPair, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cancel_stream_stops_executor_within_one_step(slow_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = slow_pair.generator.backend
     checks: list[float] = []  # one per denoise step (the executor checks the session every step)
     cancelled_at: list[int] = []
@@ -444,7 +446,7 @@ def test_cancel_stream_stops_executor_within_one_step(
         assert client.generate_unary({**T2V_REQUEST, "request_id": "after-cancel"}, timeout=60).sha256
 
 
-def test_sequential_requests_on_a_queue_of_one_are_never_refused(slow_pair: InProcessPair) -> None:
+def test_sequential_requests_on_a_queue_of_one_are_never_refused(slow_pair: Pair) -> None:
     """A client that waits for each result may always send the next request (depth 1)."""
     req = {**T2V_REQUEST, "steps": 1, "guidance_scale": 1.0, "frames": 1, "height": 16, "width": 16}
     with GeneratorClient(slow_pair.target) as client:

@@ -1,4 +1,5 @@
-"""Crash consistency of UpdateWeights (DESIGN §5) with real processes and kill -9.
+"""Crash consistency of UpdateWeights (docs/architecture.md, 'Weight generations and
+UpdateWeights') with real processes and kill -9.
 
 A sidecar (`python -m plancache_service --state-dir ...`) and a generator (`python -m
 generator_service --weights-root ... --admin-token ...`) serve checkpoint A (generation 1);
@@ -18,19 +19,7 @@ import signal
 
 import grpc
 import pytest
-from service_fixtures import health_status
-from update_fixtures import (
-    NOT_SERVING,
-    REQ_T2V,
-    REQ_T2VA,
-    Background,
-    Cluster,
-    Weights,
-    cluster_fixture,  # noqa: F401 - the cluster fixture
-    read_state_file,
-    ref_sha,
-    weights_fixture,  # noqa: F401 - the weights fixture
-)
+from servicekit import NOT_SERVING, REQ_T2V, REQ_T2VA, Pair, Weights, background, read_state_file, ref_sha
 
 from ditcore import fingerprint
 
@@ -43,7 +32,7 @@ def real(p: object) -> str:
     return os.path.realpath(str(p))
 
 
-def assert_consistent(c: Cluster, weights: Weights, expected: int, floor: int) -> None:
+def assert_consistent(c: Pair, weights: Weights, expected: int, floor: int) -> None:
     """Both sides agree on `expected`; outputs equal the resident reference of its checkpoint."""
     st, ss = c.status(), c.state()
     assert st.serving and ss.serving, (st, ss)
@@ -62,7 +51,7 @@ def assert_consistent(c: Cluster, weights: Weights, expected: int, floor: int) -
         assert r.sha256 == ref_sha(weights.ckpt_of(r.generation), req)
 
 
-def assert_recovers(c: Cluster, weights: Weights, expected: int, floor: int = 1) -> None:
+def assert_recovers(c: Pair, weights: Weights, expected: int, floor: int = 1) -> None:
     """After agreement, one more update (to the other checkpoint) commits and serves."""
     assert_consistent(c, weights, expected, floor=floor)
     up = c.update(weights.ckpt_of(expected + 1))
@@ -70,9 +59,7 @@ def assert_recovers(c: Cluster, weights: Weights, expected: int, floor: int = 1)
     assert_consistent(c, weights, expected + 1, floor=expected + 1)
 
 
-def start_serving_a(
-    c: Cluster, weights: Weights, sidecar_fault: str | None = None, gen_fault: str | None = None
-) -> None:
+def start_serving_a(c: Pair, weights: Weights, sidecar_fault: str | None = None, gen_fault: str | None = None) -> None:
     c.start_sidecar(sidecar_fault)
     c.start_generator(gen_fault)
     assert_consistent(c, weights, 1, floor=1)
@@ -89,8 +76,8 @@ def start_serving_a(
         ("update:after_commit", 2),
     ],
 )
-def test_generator_killed_during_update(cluster: Cluster, weights: Weights, point: str, expected: int) -> None:
-    c = cluster
+def test_generator_killed_during_update(proc_pair: Pair, weights: Weights, point: str, expected: int) -> None:
+    c = proc_pair
     start_serving_a(c, weights, gen_fault=point)
     with pytest.raises(grpc.RpcError) as ei:
         c.update(weights.b)
@@ -106,8 +93,8 @@ def test_generator_killed_during_update(cluster: Cluster, weights: Weights, poin
 
 # ----------------------------------------------------------------------------- sidecar killed
 @pytest.mark.parametrize(("point", "expected"), [("sidecar:before_commit", 1), ("sidecar:after_persist", 2)])
-def test_sidecar_killed_during_commit(cluster: Cluster, weights: Weights, point: str, expected: int) -> None:
-    c = cluster
+def test_sidecar_killed_during_commit(proc_pair: Pair, weights: Weights, point: str, expected: int) -> None:
+    c = proc_pair
     start_serving_a(c, weights, sidecar_fault=point)
     with pytest.raises(grpc.RpcError) as ei:
         c.update(weights.b)
@@ -119,7 +106,7 @@ def test_sidecar_killed_during_commit(cluster: Cluster, weights: Weights, point:
     assert persisted == expected
 
     c.start_sidecar()  # same flags (--checkpoint A), same state dir: the state file wins
-    c.wait_generator_serving()
+    c.wait_generator()
     assert_recovers(c, weights, expected, floor=persisted)
 
 
@@ -142,17 +129,17 @@ STALL_CASES = [
 
 
 @pytest.mark.parametrize(("point", "restart"), STALL_CASES)
-def test_sidecar_killed_while_generator_is_at(cluster: Cluster, weights: Weights, point: str, restart: str) -> None:
-    c = cluster
+def test_sidecar_killed_while_generator_is_at(proc_pair: Pair, weights: Weights, point: str, restart: str) -> None:
+    c = proc_pair
     start_serving_a(c, weights, gen_fault=f"{point}=sleep:{STALL_S}")
     log_at = len(c.generator.log())
-    update = Background(lambda: c.update(weights.b), name="update")
+    update = background(lambda: c.update(weights.b), name="update")
     c.generator.wait_log(rf"fault hook: stalling \S+ s at {re.escape(point)}\b", 60, since=log_at)
     c.sidecar.kill9()
     if restart == "at_once":
         c.start_sidecar()  # the generator may reattach before or after it resumes
 
-    err = update.error(120)
+    err = update.exception(120)
     # the prepared update died with the sidecar: the update cannot have committed
     assert isinstance(err, grpc.RpcError), f"the update returned {update.result()!r}"
     if restart == "at_once":
@@ -160,12 +147,12 @@ def test_sidecar_killed_while_generator_is_at(cluster: Cluster, weights: Weights
     else:
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
         # no sidecar to ask: the generator serves nothing (and says so) until it reattaches
-        assert health_status(c.target, timeout=2.0) == NOT_SERVING
+        assert c.health() == NOT_SERVING
         assert not c.status().serving
         with pytest.raises(grpc.RpcError) as ei:
             c.generate(REQ_T2V, request_id="while-detached")
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
         c.start_sidecar()
     assert c.generator.running()
-    c.wait_generator_serving()
+    c.wait_generator()
     assert_recovers(c, weights, 1)

@@ -17,17 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from update_fixtures import (
-    REQ_SHORT,
-    REQ_T2V,
-    REQ_T2VA,
-    SERVING,
-    PairFactory,
-    Weights,
-    pairs_fixture,  # noqa: F401 - the pairs fixture
-    ref_sha,
-    weights_fixture,  # noqa: F401 - the weights fixture
-)
+from servicekit import REQ_SHORT, REQ_T2V, REQ_T2VA, SERVING, StartPair, Weights, ref_sha
 
 from ditcore import GenerationRequest
 from ditserve.client import GeneratorClient
@@ -46,11 +36,11 @@ class Response:
     sha256: str
 
 
-def run_load(pairs: PairFactory, weights: Weights, updates: int, dwell_s: float, min_per_generation: int) -> None:
+def run_load(pairs: StartPair, weights: Weights, updates: int, dwell_s: float, min_per_generation: int) -> None:
     assert all(4 <= v["steps"] <= 6 for v in VARIANTS)
     refs = {(str(c), i): ref_sha(c, v) for c in (weights.a, weights.b) for i, v in enumerate(VARIANTS)}
     assert len(set(refs.values())) == len(refs), "every (checkpoint, variant) must have its own output"
-    pair = pairs.cached(weights.a)
+    pair = pairs(weights.a)
 
     stop = threading.Event()
     lock = threading.Lock()
@@ -135,10 +125,10 @@ def run_load(pairs: PairFactory, weights: Weights, updates: int, dwell_s: float,
     print(f"responses per generation: {dict(sorted(per_generation.items()))}")
 
 
-def test_never_mixed_under_load(pairs: PairFactory, weights: Weights) -> None:
+def test_never_mixed_under_load(pairs: StartPair, weights: Weights) -> None:
     run_load(pairs, weights, updates=4, dwell_s=4.0, min_per_generation=3)
 
 
 @pytest.mark.slow
-def test_never_mixed_under_load_long(pairs: PairFactory, weights: Weights) -> None:
+def test_never_mixed_under_load_long(pairs: StartPair, weights: Weights) -> None:
     run_load(pairs, weights, updates=30, dwell_s=4.0, min_per_generation=10)

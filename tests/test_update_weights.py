@@ -1,4 +1,5 @@
-"""UpdateWeights (DESIGN §5) on real in-process servers: a sidecar and a generator over a unix socket.
+"""UpdateWeights (docs/architecture.md, 'Weight generations and UpdateWeights') on real
+in-process servers: a sidecar and a generator over a unix socket.
 
 Checkpoints A (tiny, seed 0) and B (tiny, seed 1) live in the generator's --weights-root.
 Every output is compared with ditcore's resident generation of the checkpoint that the
@@ -17,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,25 +27,24 @@ import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from update_fixtures import (
+from servicekit import (
     NOT_SERVING,
     REPO_ROOT,
     REQ_T2V,
     REQ_T2VA,
     SERVING,
     TOKEN,
-    Background,
     Pair,
-    PairFactory,
+    StartPair,
     Weights,
+    background,
     error_info,
+    gen_request,
     long_request,
-    pairs_fixture,  # noqa: F401 - the pairs fixture
     read_state_file,
     ref_sha,
-    start_stream,
+    updatable,
     wait_for,
-    weights_fixture,  # noqa: F401 - the weights fixture
 )
 
 from ditcore import GenerationRequest, fingerprint, generate, get_preset, load_model, write_checkpoint
@@ -159,8 +160,8 @@ def wrong_dtype(ckpt: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- happy path
-def test_update_to_b_and_back_to_a(pairs: PairFactory, weights: Weights) -> None:
-    pair = pairs.cached(weights.a)
+def test_update_to_b_and_back_to_a(pairs: StartPair, weights: Weights) -> None:
+    pair = pairs(weights.a)
     assert_serves(pair, 1, weights.a)
     assert read_state_file(pair.state_dir)["generation"] == 1
 
@@ -190,13 +191,9 @@ def test_update_to_b_and_back_to_a(pairs: PairFactory, weights: Weights) -> None
 @pytest.fixture(scope="module")
 def serving_a(weights: Weights) -> Iterator[Pair]:
     """One pair serving A for the whole rejection table: no rejection may change anything."""
-    factory = PairFactory(weights)
-    try:
-        pair = factory.cached(weights.a)
-        pair.generate(REQ_T2V, request_id="warm")
+    with Pair(weights.a, **updatable(weights)) as pair:
+        pair.start().generate(REQ_T2V, request_id="warm")
         yield pair
-    finally:
-        factory.close()
 
 
 @dataclass(frozen=True)
@@ -289,8 +286,8 @@ def test_refused_update_changes_nothing(serving_a: Pair, weights: Weights, tmp_p
     assert read_state_file(pair.state_dir)["generation"] == 1
 
 
-def test_generate_with_stale_expected_generation_is_aborted(pairs: PairFactory, weights: Weights) -> None:
-    pair = pairs.cached(weights.a)
+def test_generate_with_stale_expected_generation_is_aborted(pairs: StartPair, weights: Weights) -> None:
+    pair = pairs(weights.a)
     assert pair.generate(REQ_T2V, expected_generation=1).sha256 == ref_sha(weights.a, REQ_T2V)
     assert pair.update("B").generation == 2
     with pytest.raises(grpc.RpcError) as ei:
@@ -304,6 +301,25 @@ def test_generate_with_stale_expected_generation_is_aborted(pairs: PairFactory, 
 
 
 # ----------------------------------------------------------------------------- concurrency with drain
+def start_stream(pair: Pair, req: dict[str, Any], request_id: str) -> tuple[Future[Any], threading.Event]:
+    """GenerateStream in a thread; the event is set at its first `step` (the request is running)."""
+    running = threading.Event()
+
+    def run() -> gen_pb.GenerateResponse:
+        header = None
+        msg = gen_pb.GenerateStreamRequest(request=gen_request(req, request_id))
+        for ev in pair.stub.GenerateStream(msg, timeout=300):
+            kind = ev.WhichOneof("event")
+            if kind == "step":
+                running.set()
+            elif kind == "result":
+                header = ev.result
+        assert header is not None, "the stream ended without a result"
+        return header
+
+    return background(run, name=f"stream-{request_id}"), running
+
+
 class Gate:
     """Holds requests whose id starts with "gated-" after their first denoise step until opened.
 
@@ -342,13 +358,13 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
         g.opened.set()
 
 
-def test_second_update_while_one_drains_is_aborted(pairs: PairFactory, weights: Weights, gate: Gate) -> None:
-    pair = pairs.cached(weights.a, drain_timeout_s=120)
+def test_second_update_while_one_drains_is_aborted(pairs: StartPair, weights: Weights, gate: Gate) -> None:
+    pair = pairs(weights.a, drain_timeout_s=120)
     long_ref = ref_sha(weights.a, LONG)
     stream, running = start_stream(pair, LONG, "gated-1")
     assert running.wait(60) and gate.reached.is_set(), "the long request never started"
 
-    first = Background(lambda: pair.update("B"), name="first-update")
+    first = background(lambda: pair.update("B"), name="first-update")
     # the first update is prepared at the sidecar and waits in drain (health NOT_SERVING while updating)
     wait_for(lambda: pair.health() == NOT_SERVING, 30, "the first update to start draining")
     assert real(pair.state().pending_weights_path) == real(weights.b)
@@ -370,9 +386,9 @@ def test_second_update_while_one_drains_is_aborted(pairs: PairFactory, weights: 
     assert pair.state().pending_weights_path == ""
 
 
-def test_drain_timeout_aborts_and_serving_resumes(pairs: PairFactory, weights: Weights, gate: Gate) -> None:
+def test_drain_timeout_aborts_and_serving_resumes(pairs: StartPair, weights: Weights, gate: Gate) -> None:
     drain_s = 1.0
-    pair = pairs.cached(weights.a, drain_timeout_s=drain_s)
+    pair = pairs(weights.a, drain_timeout_s=drain_s)
     long_ref = ref_sha(weights.a, LONG)
     before = snapshot(pair)
 
@@ -391,7 +407,7 @@ def test_drain_timeout_aborts_and_serving_resumes(pairs: PairFactory, weights: W
     # serving resumed at once: health back, nothing prepared at the sidecar, a queued request runs
     assert pair.health() == SERVING
     assert pair.state().pending_weights_path == ""
-    queued = Background(lambda: pair.generate(REQ_T2V, request_id="after-abort", timeout=120), name="queued")
+    queued = background(lambda: pair.generate(REQ_T2V, request_id="after-abort", timeout=120), name="queued")
     wait_for(lambda: pair.status().queue_depth == 2, 10, "the request to queue behind the long one")
     gate.opened.set()
     long_resp = stream.result(120)
@@ -415,8 +431,8 @@ def tensor_proto(name: str, t: torch.Tensor) -> gen_pb.Tensor:
     return gen_pb.Tensor(name=name, dtype="float32", shape=list(t.shape), data=t.numpy().tobytes())
 
 
-def test_tensor_update_is_refused_in_cached_mode(pairs: PairFactory, weights: Weights) -> None:
-    pair = pairs.cached(weights.a)
+def test_tensor_update_is_refused_in_cached_mode(pairs: StartPair, weights: Weights) -> None:
+    pair = pairs(weights.a)
     before = snapshot(pair)
     new = torch.full((TINY_PATCH,), 0.25)
     with pytest.raises(grpc.RpcError) as ei:
@@ -427,8 +443,8 @@ def test_tensor_update_is_refused_in_cached_mode(pairs: PairFactory, weights: We
     assert_unchanged(pair, before)
 
 
-def test_tensor_update_in_resident_mode(pairs: PairFactory, weights: Weights) -> None:
-    pair = pairs.resident(weights.a)
+def test_tensor_update_in_resident_mode(pairs: StartPair, weights: Weights) -> None:
+    pair = pairs(weights.a, mode="resident")
     r0 = pair.generate(REQ_T2V)
     assert (r0.generation, r0.sha256) == (1, ref_sha(weights.a, REQ_T2V))
 
@@ -447,9 +463,9 @@ def test_tensor_update_in_resident_mode(pairs: PairFactory, weights: Weights) ->
 
 
 # ----------------------------------------------------------------------------- in-place overwrite
-def test_overwritten_checkpoint_is_detected_before_rebuild(pairs: PairFactory, weights: Weights) -> None:
+def test_overwritten_checkpoint_is_detected_before_rebuild(pairs: StartPair, weights: Weights) -> None:
     served = copy_into_root(weights, weights.a, "acopy-")
-    pair = pairs.cached(served)
+    pair = pairs(served)
     r = pair.generate(REQ_T2V)
     assert (r.generation, r.sha256) == (1, ref_sha(weights.a, REQ_T2V))
 
@@ -497,8 +513,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_update_weights_cli(pairs: PairFactory, weights: Weights) -> None:
-    pair = pairs.cached(weights.a)
+def test_update_weights_cli(pairs: StartPair, weights: Weights) -> None:
+    pair = pairs(weights.a)
     bad = _cli("update-weights", "--target", pair.target, "--path", "B", "--token", "wrong-token")
     assert bad.returncode != 0
     assert "failed: PERMISSION_DENIED" in bad.stderr, bad.stderr

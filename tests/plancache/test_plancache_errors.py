@@ -6,7 +6,6 @@ rejected requests (capacity, width, non-finite, generation) change nothing (docs
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,6 @@ from plancache_helpers import (  # isort: skip
     Reference,
     assert_slots_match_reference,
     assert_unchanged,
-    cache_factory,
     check_invariants,
     expect,
     keys_of,
@@ -49,23 +47,6 @@ from plancache_helpers import (  # isort: skip
     t2v,
     t2va,
 )
-
-
-@pytest.fixture(scope="module")
-def source(tiny_ckpt: Path) -> RebuildSource:
-    return RebuildSource(tiny_ckpt, CPU)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_ckpt: Path, source: RebuildSource) -> Reference:
-    return Reference(tiny_ckpt, source)
-
-
-@pytest.fixture
-def make(source: RebuildSource, tmp_path: Path) -> Iterator[MakeCache]:
-    """make(gpu_plans=..., plan_width=2, host_pages=0, generation=0) -> a cache closed at teardown."""
-    with cache_factory(source, tmp_path) as factory:
-        yield factory
 
 
 # ============================================================================ 7. failed rebuilds

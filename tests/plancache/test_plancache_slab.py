@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,7 @@ from plancache_helpers import (  # isort: skip
     X,
     Y,
     MakeCache,
-    Reference,
     assert_unchanged,
-    cache_factory,
     check_invariants,
     expect,
     group_of,
@@ -48,23 +45,6 @@ from plancache_helpers import (  # isort: skip
     snapshot,
     t2va,
 )
-
-
-@pytest.fixture(scope="module")
-def source(tiny_ckpt: Path) -> RebuildSource:
-    return RebuildSource(tiny_ckpt, CPU)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_ckpt: Path, source: RebuildSource) -> Reference:
-    return Reference(tiny_ckpt, source)
-
-
-@pytest.fixture
-def make(source: RebuildSource, tmp_path: Path) -> Iterator[MakeCache]:
-    """make(gpu_plans=..., plan_width=2, host_pages=0, generation=0) -> a cache closed at teardown."""
-    with cache_factory(source, tmp_path) as factory:
-        yield factory
 
 
 # ============================================================================ 6. invalidate

@@ -8,8 +8,7 @@ leases, slot-table rows) with docs/architecture.md, "Plans, slots, pages and gro
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from plancache_service.rebuild import RebuildSource
 from plancache_service.tiers import CacheCounters, SlabPages, Tier, TierFill
 
 from plancache_helpers import (  # isort: skip
-    CPU,
     PAGE_BYTES,
     T2VA_A,
     T2VA_B,
@@ -34,7 +32,6 @@ from plancache_helpers import (  # isort: skip
     Reference,
     assert_slots_match_reference,
     assert_unchanged,
-    cache_factory,
     check_invariants,
     expect,
     group_of,
@@ -47,23 +44,6 @@ from plancache_helpers import (  # isort: skip
     t2v,
     t2va,
 )
-
-
-@pytest.fixture(scope="module")
-def source(tiny_ckpt: Path) -> RebuildSource:
-    return RebuildSource(tiny_ckpt, CPU)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_ckpt: Path, source: RebuildSource) -> Reference:
-    return Reference(tiny_ckpt, source)
-
-
-@pytest.fixture
-def make(source: RebuildSource, tmp_path: Path) -> Iterator[MakeCache]:
-    """make(gpu_plans=..., plan_width=2, host_pages=0, generation=0) -> a cache closed at teardown."""
-    with cache_factory(source, tmp_path) as factory:
-        yield factory
 
 
 def test_schedules_used_here_have_the_shapes_the_scenarios_assume() -> None:

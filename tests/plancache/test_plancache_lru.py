@@ -5,9 +5,6 @@ lease protocol").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,10 +17,8 @@ from plancache_service.errors import (
     SlabBusyError,
     UnknownLeaseError,
 )
-from plancache_service.rebuild import RebuildSource
 
 from plancache_helpers import (  # isort: skip
-    CPU,
     X,
     Y,
     Z,
@@ -31,7 +26,6 @@ from plancache_helpers import (  # isort: skip
     Reference,
     assert_slots_match_reference,
     assert_unchanged,
-    cache_factory,
     check_invariants,
     expect,
     keys_of,
@@ -40,23 +34,6 @@ from plancache_helpers import (  # isort: skip
     snapshot,
     t2va,
 )
-
-
-@pytest.fixture(scope="module")
-def source(tiny_ckpt: Path) -> RebuildSource:
-    return RebuildSource(tiny_ckpt, CPU)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_ckpt: Path, source: RebuildSource) -> Reference:
-    return Reference(tiny_ckpt, source)
-
-
-@pytest.fixture
-def make(source: RebuildSource, tmp_path: Path) -> Iterator[MakeCache]:
-    """make(gpu_plans=..., plan_width=2, host_pages=0, generation=0) -> a cache closed at teardown."""
-    with cache_factory(source, tmp_path) as factory:
-        yield factory
 
 
 # ============================================================================ 3. LRU
