@@ -24,10 +24,7 @@ def run_service(
     banner: Callable[[Service], str],
 ) -> int:
     """Exit 2 on a bad flag or a build error (message names it); else serve until signalled."""
-    if threads is not None:
-        if threads < 1:
-            print(f"{prog}: error: --threads must be >= 1, got {threads}", file=sys.stderr)
-            return 2
+    if threads is not None:  # LaunchOptions (ditruntime.flags) already checked it is >= 1
         torch.set_num_threads(threads)
     try:
         server = build()
