@@ -1,0 +1,277 @@
+"""Plan pages for diffusers' MiniMax-H3 transformer: their layout, how the sidecar computes them, and the modules
+that read them in place of every block's `adaln_proj.linear` and of `norm_out.linear`.
+
+Protocol (docs/architecture.md, "Plans, slots, pages and groups"):
+
+    temb  = plan_inputs(time_proj, time_embedder, timestep)       # (T, E) float32, T = the plan's width (1..4)
+    pages = build_pages(layout, temb, load_layer)                 # (T, page_numel), one GEMM per projection, M = T
+    holder.set(pages)                                             # per step, before the transformer's forward
+    transformer(...)                                              # PlanLinear modules return rows of `pages`
+
+A page is one timestep's rows of every projection, in the transformer's own order:
+`[block 0: video 6H | text 6H | audio 6H] ... [block L-1: ...] [norm_out: shift H | scale H]`, each 6H being
+`shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp`. A GEMM row's bits depend on M, so a plan is the
+step's whole sorted tuple of distinct timesteps and its pages are computed together, never shared across plans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+MODALITIES = 3  # diffusers' MINIMAX_H3_MODALITY_NUM: video, text, audio rows per timestep
+CHUNKS = 6  # shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+NORM_OUT = "norm_out.linear"
+INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
+SINGLE_FILE = "diffusion_pytorch_model.safetensors"
+# safetensors header dtype names -> bytes per element (for the bytes a cached load skips)
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+
+# (weight (out, in), bias (out,)) of one projection, by its checkpoint prefix, e.g. "transformer_blocks.3.adaln_proj.linear"
+LayerLoader = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def block_projection(i: int) -> str:
+    """Checkpoint prefix of block `i`'s modulation projection."""
+    return f"transformer_blocks.{i}.adaln_proj.linear"
+
+
+def is_plan_tensor(name: str) -> bool:
+    """True for the tensors a cached generator never reads: `adaln_proj.*` and `norm_out.linear.*`."""
+    return ".adaln_proj." in name or name.startswith(NORM_OUT + ".")
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where each projection's rows sit in a page.
+
+    H3's released config (50 layers, hidden 5376, time_embed_dim 2688) gives `page_numel` = 50·18·5376 + 2·5376 =
+    4,849,152 elements = 9,698,304 bytes (9.25 MiB) in bf16, and `adaln_proj` = 50·96768·(2688 + 1) elements =
+    26,020,915,200 bytes = 24.23 GiB in bf16.
+    """
+
+    num_layers: int
+    """Transformer blocks, one `adaln_proj` each."""
+    hidden: int
+    """hidden_size H: each block contributes 18H values per timestep, norm_out 2H."""
+    time_embed_dim: int
+    """E, the projections' input width (temb's last dimension)."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> PageLayout:
+        """From a transformer config (`model.config` or the parsed `config.json`)."""
+        return cls(int(config["num_layers"]), int(config["hidden_size"]), int(config["time_embed_dim"]))
+
+    @property
+    def block_numel(self) -> int:
+        return CHUNKS * MODALITIES * self.hidden
+
+    @property
+    def norm_out_numel(self) -> int:
+        return 2 * self.hidden
+
+    @property
+    def page_numel(self) -> int:
+        return self.num_layers * self.block_numel + self.norm_out_numel
+
+    @property
+    def norm_out_offset(self) -> int:
+        return self.num_layers * self.block_numel
+
+    def block_offset(self, i: int) -> int:
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"block {i} out of range: the transformer has blocks 0..{self.num_layers - 1}")
+        return i * self.block_numel
+
+    def page_bytes(self, dtype: torch.dtype) -> int:
+        return self.page_numel * dtype.itemsize
+
+    def adaln_proj_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of every block's `adaln_proj.linear` weight and bias (what a cached generator does not hold)."""
+        return self.num_layers * self.block_numel * (self.time_embed_dim + 1) * dtype.itemsize
+
+    def projections(self) -> Iterator[tuple[str, int, int]]:
+        """(checkpoint prefix, offset, numel) of every projection, in page order."""
+        for i in range(self.num_layers):
+            yield block_projection(i), self.block_offset(i), self.block_numel
+        yield NORM_OUT, self.norm_out_offset, self.norm_out_numel
+
+
+@torch.no_grad()
+def plan_inputs(time_proj: nn.Module, time_embedder: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
+    """The transformer's `temb` for a plan, computed by the transformer's own modules as its forward does.
+
+    timestep: (T,) float32, the step's distinct timesteps sorted ascending (H3's t = 1 - sigma).
+    Returns (T, E) at the time embedder's dtype (float32 in the released checkpoint).
+    """
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    return time_embedder(time_proj(timestep).to(get_parameter_dtype(time_embedder)))
+
+
+@torch.no_grad()
+def build_pages(layout: PageLayout, temb: torch.Tensor, load_layer: LayerLoader) -> torch.Tensor:
+    """Compute a plan's pages: (T, E) temb -> (T, page_numel) in the projections' dtype.
+
+    Each projection is one GEMM with M = T, `linear(silu(temb).to(weight dtype))` as diffusers'
+    MiniMaxH3AdaLayerNormModulation / MiniMaxH3AdaLayerNormOut compute it. Weights are requested one projection at a
+    time, so a caller can stream them from the checkpoint's shards and drop each after use.
+    """
+    act = F.silu(temb)  # (T, E) at temb's precision; cast to each projection's dtype below, as diffusers does
+    pages: torch.Tensor | None = None
+    for name, offset, numel in layout.projections():
+        weight, bias = load_layer(name)  # (numel, E), (numel,)
+        if weight.shape != (numel, layout.time_embed_dim):
+            raise ValueError(
+                f"{name}.weight has shape {tuple(weight.shape)}, expected {(numel, layout.time_embed_dim)}"
+            )
+        rows = F.linear(act.to(weight.dtype), weight, bias)  # (T, numel)
+        if pages is None:
+            pages = torch.empty(temb.shape[0], layout.page_numel, dtype=rows.dtype, device=rows.device)
+        pages[:, offset : offset + numel] = rows
+    assert pages is not None  # a layout always has norm_out
+    return pages
+
+
+class PlanPages:
+    """The current step's pages, shared by every PlanLinear of one transformer. Set once per step."""
+
+    def __init__(self) -> None:
+        self._pages: torch.Tensor | None = None
+
+    def set(self, pages: torch.Tensor) -> None:
+        """pages: (T, page_numel) in the projections' dtype, T = the step's number of distinct timesteps."""
+        self._pages = pages
+
+    def get(self) -> torch.Tensor:
+        if self._pages is None:
+            raise RuntimeError("no plan pages set for this step: call PlanPages.set(pages) before the forward")
+        return self._pages
+
+
+class PlanLinear(nn.Module):
+    """Stands in for a projection `nn.Linear`: returns its rows of the current pages and ignores its input.
+
+    Holds no weight. A 0-element buffer carries the projection dtype, because the calling diffusers module casts its
+    input with `get_parameter_dtype(self.linear)` (which looks at parameters, then floating buffers).
+    """
+
+    dtype_anchor: torch.Tensor
+
+    def __init__(self, holder: PlanPages, offset: int, numel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.holder, self.offset, self.numel = holder, offset, numel
+        self.register_buffer("dtype_anchor", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (T, E), unused. Returns (T, numel); contiguous because MiniMaxH3AdaLayerNormModulation calls .view on it.
+        pages = self.holder.get()
+        return pages[:, self.offset : self.offset + self.numel].contiguous()
+
+
+def install_plan_modules(transformer: Any, holder: PlanPages) -> None:
+    """Replace every block's `adaln_proj.linear` and `norm_out.linear` by a PlanLinear reading from `holder`.
+
+    transformer: diffusers' MiniMaxH3Transformer3DModel (typed Any: diffusers is not type-checked here).
+    Each PlanLinear keeps the dtype of the projection it replaces (which may still be on `meta`).
+    """
+    layout = PageLayout.from_config(transformer.config)
+    owners = [block.adaln_proj for block in transformer.transformer_blocks] + [transformer.norm_out]
+    for owner, (_, offset, numel) in zip(owners, layout.projections(), strict=True):
+        dtype = owner.linear.weight.dtype
+        owner.linear = PlanLinear(holder, offset, numel, dtype)
+
+
+def shard_map(transformer_dir: str) -> dict[str, str]:
+    """Tensor name -> shard file name of a diffusers transformer directory (sharded with an index, or single-file)."""
+    index_path = os.path.join(transformer_dir, INDEX_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(transformer_dir, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{transformer_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
+
+
+def load_dtype(name: str, torch_dtype: torch.dtype, keep_fp32: list[str]) -> torch.dtype:
+    """from_pretrained's rule: float32 for a name with a `_keep_in_fp32_modules` entry as a component, else torch_dtype."""
+    return torch.float32 if any(k in name.split(".") for k in keep_fp32) else torch_dtype
+
+
+def safetensors_layer_loader(transformer_dir: str, torch_dtype: torch.dtype | None = None) -> LayerLoader:
+    """A LayerLoader reading one projection's weight and bias from the shards (as stored, or cast to torch_dtype)."""
+    files = shard_map(transformer_dir)
+
+    def load(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for part in ("weight", "bias"):
+            name = f"{prefix}.{part}"
+            if name not in files:
+                raise KeyError(f"{name} is not in {transformer_dir}'s checkpoint")
+            with safe_open(os.path.join(transformer_dir, files[name]), "pt") as f:
+                t = f.get_tensor(name)
+            out.append(t if torch_dtype is None else t.to(torch_dtype))
+        return out[0], out[1]
+
+    return load
+
+
+def _read_state_dict(
+    transformer_dir: str, torch_dtype: torch.dtype, keep_fp32: list[str]
+) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Every tensor except the plan tensors, cast by the from_pretrained rule. Returns (state, bytes read, skipped)."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in shard_map(transformer_dir).items():
+        by_file.setdefault(file, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    read = skipped = 0
+    for file, names in sorted(by_file.items()):
+        with safe_open(os.path.join(transformer_dir, file), "pt") as f:
+            for name in names:
+                if is_plan_tensor(name):  # header only: shape and dtype, no data
+                    meta = f.get_slice(name)
+                    skipped += _DTYPE_BYTES[meta.get_dtype()] * int(torch.Size(meta.get_shape()).numel())
+                    continue
+                t = f.get_tensor(name)
+                read += t.numel() * t.element_size()
+                state[name] = t.to(load_dtype(name, torch_dtype, keep_fp32))
+    return state, read, skipped
+
+
+def load_transformer_without_adaln(
+    transformer_dir: str, holder: PlanPages, torch_dtype: torch.dtype = torch.float32
+) -> tuple[Any, int, int]:
+    """Cached-mode construction of diffusers' MiniMaxH3Transformer3DModel: never reads nor allocates a plan tensor.
+
+    Builds on meta, installs PlanLinear modules (dtype = torch_dtype, the projections' dtype under the from_pretrained
+    rule), then assigns every other tensor from the shards. torch_dtype=bfloat16 on the released checkpoint gives the
+    released mixed precision. Returns (model in eval mode, bytes read, plan-tensor bytes skipped).
+    """
+    from accelerate import init_empty_weights
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    config = MiniMaxH3Transformer3DModel.load_config(transformer_dir)
+    with init_empty_weights():  # parameters on meta; buffers (rope.inv_freq, computed, float32) stay real
+        model = MiniMaxH3Transformer3DModel.from_config(config)
+    for owner in [*(block.adaln_proj for block in model.transformer_blocks), model.norm_out]:
+        owner.linear.to(torch_dtype)  # still on meta; the PlanLinear anchors take this dtype
+    install_plan_modules(model, holder)
+    keep_fp32 = list(model._keep_in_fp32_modules or [])
+    state, read, skipped = _read_state_dict(transformer_dir, torch_dtype, keep_fp32)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{transformer_dir}: tensors missing {missing}, unexpected {unexpected}")
+    meta_left = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta_left:
+        raise ValueError(f"{transformer_dir}: no tensor for {meta_left}")
+    return model.eval(), read, skipped
