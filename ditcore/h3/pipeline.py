@@ -1,0 +1,250 @@
+"""MiniMax-H3's t2va denoise loop run by diffusers' own modular blocks (decode removed), resident or cached.
+
+Protocol for one request on one pipeline (the pipeline's schedulers are stateful: one request at a time):
+
+    pipe = load_pipeline(repo, dtype)                       # diffusers' MiniMaxH3Blocks, t2va workflow, no decode
+    keys = plan_keys(pipe, request)                         # per step: float32 bits of its sorted distinct timesteps
+    video, audio = generate_latents(pipe, request)          # resident: diffusers' transformer, unmodified
+    holder = use_cached_transformer(pipe, repo, dtype)      # or: transformer without adaln_proj / norm_out.linear
+    video, audio = generate_latents(pipe, request, pages_for_step, keys)   # pages_for_step(i, keys[i]) -> pages
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.processing_utils import ProcessorMixin
+
+from ditcore.h3.plans import PlanLinear, PlanPages, load_transformer_without_adaln
+
+PlanKey = tuple[int, ...]
+"""One step's plan: the int32 bit patterns of the float32 distinct timesteps the transformer gets, ascending."""
+PagesForStep = Callable[[int, PlanKey], torch.Tensor]
+"""(step index, plan key) -> that plan's pages, (len(key), page_numel) in the projections' dtype."""
+
+DTYPES = ("float32", "mixed")
+# load_components dtypes: "mixed" is the released precision (transformer and Qwen3-VL in bfloat16; from_pretrained
+# keeps the transformer's `_keep_in_fp32_modules` in float32); schedulers and the rest stay float32.
+_LOAD_DTYPES: dict[str, Any] = {
+    "float32": torch.float32,
+    "mixed": {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "default": torch.float32},
+}
+# the projection dtype load_transformer_without_adaln gives the cached transformer, per precision
+_TRANSFORMER_DTYPES = {"float32": torch.float32, "mixed": torch.bfloat16}
+_PLANNING_STOP = "denoise.set_timesteps"  # the last block plan_keys runs; the denoise loop follows it
+_PLANNING_SKIP = ("denoise.prepare_latents",)  # draws the noise, which the timesteps do not depend on
+
+
+class H3PipelineError(Exception):
+    """Base of the errors this module raises."""
+
+
+class PlanKeyMismatchError(H3PipelineError):
+    """The transformer was given timesteps other than the plan precomputed for that step."""
+
+
+class NotCachedError(H3PipelineError):
+    """Cached generation was asked of a pipeline whose transformer still holds its own projections."""
+
+
+class TextOnlyProcessor:
+    """Stands in for Qwen3VLProcessor in t2va, where MiniMaxH3TextEncoderStep uses only `create_mm_token_type_ids`.
+
+    Qwen3VLProcessor cannot be built without torchvision (its video processor). `create_mm_token_type_ids` is
+    transformers' own ProcessorMixin function, run on this object; the pad-token ids it reads are resolved by
+    Qwen3VLProcessor.__init__'s rule (the tokenizer's `*_token_id` attribute, else the id of `<|image_pad|>` /
+    `<|video_pad|>`). Qwen3-VL has no audio token, so `audio_token_ids` is `[None]`, as ProcessorMixin gives it.
+    """
+
+    create_mm_token_type_ids = ProcessorMixin.create_mm_token_type_ids
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.image_token_ids = [_pad_token_id(tokenizer, "image", "<|image_pad|>")]
+        self.video_token_ids = [_pad_token_id(tokenizer, "video", "<|video_pad|>")]
+        self.audio_token_ids: list[int | None] = [None]
+
+
+def _pad_token_id(tokenizer: Any, modality: str, default_token: str) -> int:
+    token = getattr(tokenizer, f"{modality}_token", default_token)
+    token_id = getattr(tokenizer, f"{modality}_token_id", None)
+    return int(token_id) if token_id else int(tokenizer.convert_tokens_to_ids(token))
+
+
+@dataclass(frozen=True)
+class H3Request:
+    """One t2va request. H3's own rules (frame counts, durations, canvas) are checked by diffusers' layout block."""
+
+    prompt: str
+    """The text, presented verbatim (no chat template, no negative prompt: the checkpoint is guidance-distilled)."""
+    num_inference_steps: int
+    """Grid points of each schedule, as diffusers' `num_inference_steps`."""
+    seed: int
+    """Seeds the CPU generator the video then audio noise is drawn from."""
+    height: int
+    """Pixels; a multiple of the canvas multiple (32 for H3)."""
+    width: int
+    """Pixels; a multiple of the canvas multiple (32 for H3)."""
+    num_frames: int
+    """Frames at 24 fps, of the form 17n + 5."""
+    flow_shift: float = 12.0
+    """Video schedule shift; 12.0 is H3's release default."""
+    audio_flow_shift: float = 3.0
+    """Audio schedule shift; 3.0 is H3's release default."""
+
+    def __post_init__(self) -> None:
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+
+    def pipeline_inputs(self) -> dict[str, Any]:
+        """The keyword inputs diffusers' t2va blocks take, without the generator."""
+        return {
+            "prompt": self.prompt,
+            "height": self.height,
+            "width": self.width,
+            "num_frames": self.num_frames,
+            "num_inference_steps": self.num_inference_steps,
+        }
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+
+
+def load_pipeline(repo: str | os.PathLike[str], dtype: str = "float32") -> Any:
+    """diffusers' MiniMaxH3ModularPipeline on `repo`: MiniMaxH3Blocks without `decode`, pruned to the t2va workflow.
+
+    Every from_pretrained component is loaded at `dtype`'s precision except the processor, which is a
+    TextOnlyProcessor (see there). The pipeline ends at `denoise.after_denoise`, with latents in its state.
+    """
+    from diffusers import MiniMaxH3Blocks, MiniMaxH3ModularPipeline
+
+    _check_dtype(dtype)
+    blocks = MiniMaxH3Blocks()
+    blocks.sub_blocks.pop("decode")  # no VAE pass: the service returns latents
+    blocks = blocks.get_workflow("t2va")  # drops the keyframe / reference branches and their components
+    pipe = MiniMaxH3ModularPipeline(blocks=blocks, pretrained_model_name_or_path=os.fspath(repo))
+    names = [n for n in pipe.pretrained_component_names if n != "processor"]
+    pipe.load_components(names=names, dtype=_LOAD_DTYPES[dtype])
+    pipe.update_components(processor=TextOnlyProcessor(pipe.tokenizer))
+    return pipe
+
+
+def use_cached_transformer(pipe: Any, repo: str | os.PathLike[str], dtype: str = "float32") -> PlanPages:
+    """Swap in the repository's transformer loaded without its plan tensors; returns the holder its PlanLinears read.
+
+    `dtype` must be the one `pipe` was loaded with, so the two transformers share the released precision.
+    """
+    _check_dtype(dtype)
+    holder = PlanPages()
+    transformer_dir = os.path.join(os.fspath(repo), "transformer")
+    transformer, _, _ = load_transformer_without_adaln(transformer_dir, holder, _TRANSFORMER_DTYPES[dtype])
+    pipe.update_components(transformer=transformer.to(pipe.transformer.device))
+    return holder
+
+
+def plan_key(timestep: torch.Tensor) -> PlanKey:
+    """The key of the (T,) float32 distinct timesteps a forward receives: their int32 bit patterns, in order."""
+    if timestep.dtype != torch.float32 or timestep.ndim != 1:
+        raise ValueError(f"timestep must be 1-D float32, got {timestep.dtype} of shape {tuple(timestep.shape)}")
+    return tuple(int(b) for b in timestep.detach().cpu().view(torch.int32).tolist())
+
+
+def _set_shifts(pipe: Any, request: H3Request) -> None:
+    # Set on the pipeline's own scheduler objects, which set_timesteps then reads: state shared by every call.
+    pipe.scheduler.set_shift(request.flow_shift)
+    pipe.audio_scheduler.set_shift(request.audio_flow_shift)
+
+
+def _planning_blocks(pipe: Any) -> Any:
+    """The workflow's blocks up to and including set_timesteps, less the noise draw: no transformer, no generator."""
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+
+    chosen = {}
+    for name, block in pipe.blocks.sub_blocks.items():
+        if name not in _PLANNING_SKIP:
+            chosen[name] = block
+        if name == _PLANNING_STOP:
+            return SequentialPipelineBlocks.from_blocks_dict(chosen)
+    raise H3PipelineError(f"the pipeline's workflow has no {_PLANNING_STOP!r} block: {list(pipe.blocks.sub_blocks)}")
+
+
+@torch.no_grad()
+def plan_keys(pipe: Any, request: H3Request) -> list[PlanKey]:
+    """The plan key of every step, before the loop: runs diffusers' blocks up to set_timesteps on `pipe`.
+
+    The inputs are staged into the state as ModularPipeline.__call__ does (given value, else the input's default);
+    the keys come from set_timesteps' `row_timestep_plan`, exactly the `timestep` each forward will receive.
+    Costs one text encoding. Sets the pipeline's scheduler shifts and timesteps to the request's.
+    """
+    from diffusers.modular_pipelines import PipelineState
+
+    _set_shifts(pipe, request)
+    blocks = _planning_blocks(pipe)
+    inputs = request.pipeline_inputs()
+    state = PipelineState()
+    for param in blocks.inputs:
+        if param.name is not None:
+            state.set(param.name, inputs.get(param.name, param.default), param.kwargs_type)
+    _, state = blocks(pipe, state)
+    return [plan_key(timestep) for timestep, _ in state.get("row_timestep_plan")]
+
+
+def _plan_holder(transformer: Any) -> PlanPages:
+    linear = transformer.norm_out.linear
+    if not isinstance(linear, PlanLinear):
+        raise NotCachedError(
+            "pages_for_step needs a cached transformer (see use_cached_transformer); this one holds norm_out.linear"
+        )
+    return linear.holder
+
+
+def _run(pipe: Any, request: H3Request) -> tuple[torch.Tensor, torch.Tensor]:
+    _set_shifts(pipe, request)
+    out = pipe(
+        **request.pipeline_inputs(),
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output=["latents", "audio_latents"],
+    )
+    return out["latents"], out["audio_latents"]  # (1, 24, F, h, w), (2, 32, N)
+
+
+def generate_latents(
+    pipe: Any,
+    request: H3Request,
+    pages_for_step: PagesForStep | None = None,
+    keys: Sequence[PlanKey] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the t2va loop; returns the final (video latents (1, C, F, h, w), audio latents (2, C_a, N)).
+
+    Resident when `pages_for_step` is None. Otherwise `pipe.transformer` must be cached (use_cached_transformer) and
+    a forward pre-hook sets its pages to `pages_for_step(i, key)` before step i's forward, after checking that the
+    forward's timesteps have the key `keys[i]` (computed with plan_keys when not given). Not reentrant: the
+    schedulers and the holder are the pipeline's, so a pipeline serves one request at a time.
+    """
+    if pages_for_step is None:
+        return _run(pipe, request)
+    holder = _plan_holder(pipe.transformer)
+    expected = list(keys) if keys is not None else plan_keys(pipe, request)
+    steps = itertools.count()
+
+    def set_pages(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        i, got = next(steps), plan_key(kwargs["timestep"])
+        if i >= len(expected) or got != expected[i]:
+            want = expected[i] if i < len(expected) else "no step"
+            raise PlanKeyMismatchError(f"step {i}: the transformer got plan key {got}, the plan has {want}")
+        holder.set(pages_for_step(i, got))
+
+    handle = pipe.transformer.register_forward_pre_hook(set_pages, with_kwargs=True)
+    try:
+        latents = _run(pipe, request)
+    finally:
+        handle.remove()
+    if (ran := next(steps)) != len(expected):
+        raise PlanKeyMismatchError(f"the loop ran {ran} forwards, the plan has {len(expected)} steps")
+    return latents
