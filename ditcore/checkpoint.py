@@ -248,7 +248,7 @@ def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> Checkpo
 _FP_SAMPLE_BYTES = 4096
 
 
-def _data_samples(path: Path, hdr: ShardHeader) -> bytes:
+def data_samples(path: Path, hdr: ShardHeader) -> bytes:
     """The first and last (up to) 4 KiB of every tensor's data, in tensor-name order.
 
     Headers alone are identical for every checkpoint of one config (same names, dtypes,
@@ -279,7 +279,7 @@ def _file_digests(root: Path, headers: dict[str, ShardHeader]) -> dict[str, str]
     for fname in sorted(headers):
         hdr = headers[fname]
         h = hashlib.sha256(f"{hdr.size}\0".encode() + hdr.header_bytes)
-        h.update(_data_samples(root / fname, hdr))
+        h.update(data_samples(root / fname, hdr))
         digests[fname] = h.hexdigest()
     return digests
 

@@ -1,0 +1,331 @@
+"""Validation, fingerprint and in-place change detection of a MiniMax-H3 diffusers repository.
+
+Every error is a `ditcore.checkpoint.CheckpointError` whose message starts with the file's path relative to the
+repository (`transformer/diffusion_pytorch_model-00001-of-00002.safetensors: tensor '...': ...`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ShardHeader,
+    changed_files,
+    combine_digests,
+    data_samples,
+    read_shard_header,
+)
+from .plans import INDEX_FILE, SINGLE_FILE, PageLayout, is_plan_tensor, load_dtype
+
+MODEL_INDEX = "model_index.json"
+TRANSFORMER = "transformer"
+TRANSFORMER_CLASS = "MiniMaxH3Transformer3DModel"
+# component -> the file diffusers / transformers read first from its folder; the first six are what the t2va path
+# needs, processor and audio_scheduler are checked when model_index.json names them (the writer lays both out)
+COMPONENT_FILES: dict[str, str] = {
+    "transformer": "config.json",
+    "scheduler": "scheduler_config.json",
+    "text_encoder": "config.json",
+    "tokenizer": "tokenizer_config.json",
+    "vae": "config.json",
+    "audio_vae": "config.json",
+    "processor": "processor_config.json",
+    "audio_scheduler": "scheduler_config.json",
+}
+REQUIRED_COMPONENTS: tuple[str, ...] = ("transformer", "scheduler", "text_encoder", "tokenizer", "vae", "audio_vae")
+# stored dtype of everything outside `_keep_in_fp32_modules`: the released bfloat16, or float32 throughout
+_PROJECTION_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
+_ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16"}
+
+
+@dataclass(frozen=True)
+class RepositoryInfo:
+    """A validated MiniMax-H3 repository.
+
+    The fingerprint covers model_index.json and every file in the folder of each component model_index.json names
+    (transformer config, index and shards; scheduler configs; text encoder, tokenizer, processor and VAE files), all
+    that decides what the model computes. modular_model_index.json is left out: it records the repository's absolute
+    path, so a copy would change it while the model is the same.
+    """
+
+    path: Path
+    transformer_config: dict[str, Any]
+    """transformer/config.json as parsed."""
+    layout: PageLayout
+    projection_dtype: torch.dtype
+    """stored dtype of `adaln_proj` / `norm_out.linear` (and of every tensor outside `_keep_in_fp32_modules`)."""
+    has_adaln: bool
+    """every plan tensor (`adaln_proj.*`, `norm_out.linear.*`) is in the transformer's shards."""
+    digests: dict[str, str]
+    """relative path -> digest (whole bytes for JSON/text; size, header, first/last 4 KiB per tensor for safetensors)."""
+    fingerprint: str
+
+
+def _read_json(root: Path, rel: str) -> Any:
+    try:
+        return json.loads((root / rel).read_text())
+    except OSError as e:
+        raise CheckpointError(f"{rel}: cannot read: {e.strerror or e}") from e
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{rel}: not valid JSON ({e})") from e
+
+
+def _model_index(root: Path) -> dict[str, Any]:
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"repository directory not found: {root}")
+    if not (root / MODEL_INDEX).is_file():
+        raise CheckpointNotFoundError(f"{MODEL_INDEX}: missing from repository {root}")
+    index = _read_json(root, MODEL_INDEX)
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{MODEL_INDEX}: expected an object of component -> [library, class]")
+    return index
+
+
+def _components(root: Path) -> list[str]:
+    """Components named by model_index.json, each with its folder and first file present."""
+    index = _model_index(root)
+    named = sorted(k for k in index if not k.startswith("_"))
+    for comp in REQUIRED_COMPONENTS:
+        if comp not in index:
+            raise CheckpointError(
+                f"{MODEL_INDEX}: component '{comp}' not named; a MiniMax-H3 repository has {list(REQUIRED_COMPONENTS)}"
+            )
+    entry = index[TRANSFORMER]
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[1] == TRANSFORMER_CLASS):
+        raise CheckpointError(
+            f"{MODEL_INDEX}: component 'transformer' is {entry!r}, expected ['diffusers', '{TRANSFORMER_CLASS}']"
+        )
+    for comp in named:
+        first = COMPONENT_FILES.get(comp)
+        if not (root / comp).is_dir():
+            raise CheckpointError(f"{comp}/: component folder named by {MODEL_INDEX} is missing")
+        if first is not None and not (root / comp / first).is_file():
+            raise CheckpointError(f"{comp}/{first}: missing (component '{comp}')")
+    return named
+
+
+def _model_files(root: Path, components: Iterable[str]) -> list[str]:
+    """model_index.json plus every regular file under the components' folders, as sorted relative paths."""
+    files = [MODEL_INDEX]
+    for comp in components:
+        for f in sorted((root / comp).rglob("*")):
+            if f.is_file() and not f.name.startswith("."):
+                files.append(f.relative_to(root).as_posix())
+    return files
+
+
+def _header(root: Path, rel: str, first_tensor: str | None = None) -> ShardHeader:
+    """read_shard_header with the file named by its relative path (and a tensor it should hold, if known)."""
+    try:
+        return read_shard_header(root / rel)
+    except CheckpointError as e:
+        msg = f"{Path(rel).parent.as_posix()}/{e}"  # its messages start with the file's bare name
+        if first_tensor is not None and "tensor '" not in msg:
+            msg += f" (the index places tensor '{first_tensor}' in this file)"
+        raise CheckpointError(msg) from e
+
+
+def _digest(root: Path, rel: str, hdr: ShardHeader | None) -> str:
+    """The digest of ditcore.checkpoint: whole bytes for small files; size, header and data samples for shards."""
+    if hdr is None:
+        return hashlib.sha256((root / rel).read_bytes()).hexdigest()
+    h = hashlib.sha256(f"{hdr.size}\0".encode() + hdr.header_bytes)
+    h.update(data_samples(root / rel, hdr))
+    return h.hexdigest()
+
+
+def _transformer_config(root: Path) -> tuple[dict[str, Any], Any]:
+    """Parsed transformer/config.json and diffusers' model built from it on meta (shapes, no memory)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    rel = f"{TRANSFORMER}/config.json"
+    config = _read_json(root, rel)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{rel}: expected a JSON object")
+    if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
+        raise CheckpointError(f"{rel}: _class_name is {config['_class_name']!r}, expected '{TRANSFORMER_CLASS}'")
+    try:
+        with torch.device("meta"):
+            model = MiniMaxH3Transformer3DModel.from_config(config)
+    except Exception as e:  # diffusers raises whatever the constructor raises on a bad value
+        raise CheckpointError(f"{rel}: cannot build {TRANSFORMER_CLASS}: {type(e).__name__}: {e}") from e
+    return config, model
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    """Tensor -> shard file (bare name) of transformer/, from its index or its single file."""
+    rel_index = f"{TRANSFORMER}/{INDEX_FILE}"
+    if not (root / rel_index).is_file():
+        if not (root / TRANSFORMER / SINGLE_FILE).is_file():
+            raise CheckpointError(f"{TRANSFORMER}/: holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        hdr = _header(root, f"{TRANSFORMER}/{SINGLE_FILE}")
+        return dict.fromkeys(hdr.tensors, SINGLE_FILE)
+    data = _read_json(root, rel_index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{rel_index}: corrupt index: weight_map must map tensor names to shard file names")
+    for tname, fname in weight_map.items():
+        if fname != Path(fname).name or not fname.endswith(".safetensors"):
+            raise CheckpointError(f"{rel_index}: tensor '{tname}' names an invalid shard file {fname!r}")
+    return weight_map
+
+
+def _transformer_headers(root: Path, weight_map: Mapping[str, str]) -> dict[str, ShardHeader]:
+    """Relative shard path -> parsed header; index <-> shard files checked both ways."""
+    rel_index = f"{TRANSFORMER}/{INDEX_FILE}"
+    headers: dict[str, ShardHeader] = {}
+    for fname in sorted(set(weight_map.values())):
+        rel = f"{TRANSFORMER}/{fname}"
+        first = next(t for t, f in weight_map.items() if f == fname)
+        if not (root / rel).is_file():
+            raise CheckpointError(f"{rel_index}: tensor '{first}' points to missing shard {rel}")
+        headers[rel] = _header(root, rel, first)
+    for path in sorted((root / TRANSFORMER).glob("*.safetensors")):
+        rel = f"{TRANSFORMER}/{path.name}"
+        if rel not in headers:
+            hdr = _header(root, rel)
+            some = next(iter(sorted(hdr.tensors)), "<none>")
+            raise CheckpointError(f"{rel}: shard not named by {INDEX_FILE} (it holds tensor '{some}')")
+    return headers
+
+
+def _stored_dtype(expected: Iterable[str], entries: Mapping[str, tuple[str, str]], keep: list[str]) -> str:
+    """The repository's dtype outside `_keep_in_fp32_modules`: the most common one among those tensors."""
+    votes = Counter(
+        entries[n][1] for n in expected if n in entries and load_dtype(n, torch.bfloat16, keep) != torch.float32
+    )
+    if not votes:
+        raise CheckpointError(f"{TRANSFORMER}/: no tensor outside _keep_in_fp32_modules to read the stored dtype from")
+    dtype = votes.most_common(1)[0][0]
+    if dtype not in _PROJECTION_DTYPES:
+        name = next(n for n in sorted(expected) if n in entries and entries[n][1] == dtype)
+        raise CheckpointError(
+            f"{entries[name][0]}: tensor '{name}': stored dtype {dtype}; allowed {sorted(_PROJECTION_DTYPES)}"
+        )
+    return dtype
+
+
+def _check_tensors(
+    model: Any, weight_map: Mapping[str, str], headers: Mapping[str, ShardHeader], require_adaln: bool, listing: str
+) -> tuple[torch.dtype, bool]:
+    """Every state-dict tensor present with its shape and dtype; none unexpected. Returns (stored dtype, has_adaln).
+
+    `listing` is the file that lists the tensors (the index, or the single safetensors file), named when one is absent.
+    """
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    keep = list(model._keep_in_fp32_modules or [])
+    entries: dict[str, tuple[str, str]] = {}  # tensor -> (relative shard, safetensors dtype)
+    for tname, fname in weight_map.items():
+        rel = f"{TRANSFORMER}/{fname}"
+        if tname not in shapes:
+            raise CheckpointError(f"{rel}: unexpected tensor '{tname}' for this transformer config")
+        entry = headers[rel].tensors.get(tname)
+        if entry is None:
+            raise CheckpointError(f"{rel}: missing tensor '{tname}' (the index says it is here)")
+        if entry.shape != shapes[tname]:
+            raise CheckpointError(
+                f"{rel}: tensor '{tname}': wrong shape {list(entry.shape)}, expected {list(shapes[tname])}"
+            )
+        entries[tname] = (rel, entry.dtype)
+    stored = _stored_dtype(shapes, entries, keep)
+    has_adaln = all(n in entries for n in shapes if is_plan_tensor(n))
+    for tname, shape in shapes.items():
+        want = _ST_NAMES[load_dtype(tname, _PROJECTION_DTYPES[stored], keep)]
+        if tname not in entries:
+            if is_plan_tensor(tname) and not require_adaln:
+                continue
+            raise CheckpointError(f"{listing}: missing tensor '{tname}' (expected {want}{list(shape)})")
+        rel, dtype = entries[tname]
+        if dtype != want:
+            raise CheckpointError(
+                f"{rel}: tensor '{tname}': wrong dtype {dtype}, expected {want} (stored dtype {stored}, _keep_in_fp32_modules in F32)"
+            )
+    return _PROJECTION_DTYPES[stored], has_adaln
+
+
+def _other_headers(root: Path, files: Iterable[str], done: Mapping[str, ShardHeader]) -> dict[str, ShardHeader]:
+    """Headers of every safetensors file outside transformer/ (text encoder, VAEs), bounds-checked."""
+    return {rel: _header(root, rel) for rel in files if rel.endswith(".safetensors") and rel not in done}
+
+
+def _check_json(root: Path, files: Iterable[str]) -> None:
+    for rel in files:
+        if rel.endswith(".json"):
+            _read_json(root, rel)
+
+
+def validate_repository(path: str | Path, require_adaln: bool = True) -> RepositoryInfo:
+    """Check a MiniMax-H3 diffusers repository; raise CheckpointError naming the file (and tensor) on any fault.
+
+    `require_adaln=False` is the cached-mode check: the plan tensors may be absent from the transformer's shards
+    (a cached generator never reads them), but any that are present must still be well-formed.
+    """
+    root = Path(path)
+    components = _components(root)
+    config, model = _transformer_config(root)
+    weight_map = _weight_map(root)
+    headers = _transformer_headers(root, weight_map)
+    indexed = (root / TRANSFORMER / INDEX_FILE).is_file()
+    listing = f"{TRANSFORMER}/{INDEX_FILE if indexed else SINGLE_FILE}"
+    dtype, has_adaln = _check_tensors(model, weight_map, headers, require_adaln, listing)
+    files = _model_files(root, components)
+    _check_json(root, files)
+    headers = {**headers, **_other_headers(root, files, headers)}
+    digests = {rel: _digest(root, rel, headers.get(rel)) for rel in files}
+    layout = PageLayout.from_config(config)
+    return RepositoryInfo(root, config, layout, dtype, has_adaln, digests, combine_digests(digests))
+
+
+def repository_digests(path: str | Path) -> dict[str, str]:
+    """Per-file digests of the repository as it is now (the files `RepositoryInfo.digests` covers).
+
+    Lenient, so a damaged file shows up as changed rather than raising: a safetensors file whose header no longer
+    parses is digested by its error message.
+    """
+    root = Path(path)
+    components = sorted(k for k in _model_index(root) if not k.startswith("_") and (root / k).is_dir())
+    out: dict[str, str] = {}
+    for rel in _model_files(root, components):
+        hdr: ShardHeader | None = None
+        if rel.endswith(".safetensors"):
+            try:
+                hdr = read_shard_header(root / rel)
+            except CheckpointError as e:
+                out[rel] = "corrupt:" + hashlib.sha256(str(e).encode()).hexdigest()
+                continue
+        out[rel] = _digest(root, rel, hdr)
+    return out
+
+
+def repository_changed_files(info: RepositoryInfo) -> list[str]:
+    """Relative paths whose digest differs, appeared or disappeared since `info` was validated (in-place edits)."""
+    return changed_files(info.digests, repository_digests(info.path))
+
+
+def repository_fingerprint(path: str | Path) -> str:
+    """The fingerprint `validate_repository` would report, without validating (for a quick identity check)."""
+    return combine_digests(repository_digests(path))
+
+
+__all__ = [
+    "COMPONENT_FILES",
+    "MODEL_INDEX",
+    "REQUIRED_COMPONENTS",
+    "RepositoryInfo",
+    "repository_changed_files",
+    "repository_digests",
+    "repository_fingerprint",
+    "validate_repository",
+]
