@@ -10,7 +10,6 @@ from ditruntime.flags import check_bounds, flag
 
 TOKEN_ENV = "DITSERVE_ADMIN_TOKEN"
 MIB = 2**20
-LIMITS = ("max_steps", "max_frames", "max_height", "max_width", "max_prompt_bytes")
 
 
 def _limit(what: str) -> int | None:

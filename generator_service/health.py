@@ -46,9 +46,6 @@ class ServingState:
         self._listener = listener
         listener(self._state.serving, self._state.reason)
 
-    def snapshot(self) -> Serving:
-        return self._state
-
     @property
     def serving(self) -> bool:
         return self._state.serving

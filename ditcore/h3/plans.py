@@ -208,20 +208,23 @@ def load_dtype(name: str, torch_dtype: torch.dtype, keep_fp32: list[str]) -> tor
     return torch.float32 if any(k in name.split(".") for k in keep_fp32) else torch_dtype
 
 
+def read_tensor(transformer_dir: str, files: Mapping[str, str], name: str) -> torch.Tensor:
+    """One tensor's data as stored, from the shard `files` (a `shard_map`) places it in."""
+    if name not in files:
+        raise KeyError(f"{name} is not in {transformer_dir}'s checkpoint")
+    with safe_open(os.path.join(transformer_dir, files[name]), "pt") as f:
+        return f.get_tensor(name)
+
+
 def safetensors_layer_loader(transformer_dir: str, torch_dtype: torch.dtype | None = None) -> LayerLoader:
     """A LayerLoader reading one projection's weight and bias from the shards (as stored, or cast to torch_dtype)."""
     files = shard_map(transformer_dir)
 
     def load(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-        out = []
-        for part in ("weight", "bias"):
-            name = f"{prefix}.{part}"
-            if name not in files:
-                raise KeyError(f"{name} is not in {transformer_dir}'s checkpoint")
-            with safe_open(os.path.join(transformer_dir, files[name]), "pt") as f:
-                t = f.get_tensor(name)
-            out.append(t if torch_dtype is None else t.to(torch_dtype))
-        return out[0], out[1]
+        weight, bias = (read_tensor(transformer_dir, files, f"{prefix}.{part}") for part in ("weight", "bias"))
+        if torch_dtype is not None:
+            weight, bias = weight.to(torch_dtype), bias.to(torch_dtype)
+        return weight, bias
 
     return load
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from ditcore.h3.plans import PageLayout, is_plan_tensor, load_dtype, plan_inputs, shard_map
+from ditcore.h3.plans import PageLayout, is_plan_tensor, load_dtype, plan_inputs, read_tensor, shard_map
 
 TIME_EMBEDDER = "time_embedder"
 # safetensors header dtype names -> torch dtypes a projection may be stored in
@@ -92,10 +92,7 @@ class PlanBuilder:
 
     def _read(self, name: str) -> torch.Tensor:
         """One tensor's data, as stored, on the builder's device."""
-        if name not in self.files:
-            raise KeyError(f"{name} is not in {self.transformer_dir}'s checkpoint")
-        with safe_open(os.path.join(self.transformer_dir, self.files[name]), "pt") as f:
-            t = f.get_tensor(name)
+        t = read_tensor(self.transformer_dir, self.files, name)
         self.tensor_reads[name] += 1
         self.bytes_read += t.numel() * t.element_size()
         return t.to(self.device)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ditcore.h3 import rebuild
+from ditcore.h3 import plans, rebuild
 from ditcore.h3.plans import PageLayout, build_pages, is_plan_tensor, plan_inputs, shard_map
 from ditcore.h3.rebuild import PlanBuilder, key_timesteps, plan_tensor_names
 from ditcore.h3.repo import write_repository
@@ -158,7 +158,8 @@ def test_builder_reads_only_plan_and_time_embedder_tensors(
     repos: dict[str, Path], dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recording = RecordingSafeOpen()
-    monkeypatch.setattr(rebuild, "safe_open", recording)
+    for module in (rebuild, plans):  # data reads go through plans.read_tensor; header look-ups through rebuild
+        monkeypatch.setattr(module, "safe_open", recording)
     builder = PlanBuilder(repos[dtype])
     one_pass(builder, KEYS)
     all_names = set(shard_map(str(repos[dtype])))
