@@ -1,54 +1,56 @@
-"""ditcore: the DiT model family (config, checkpoints, model, schedules, plans), pure torch."""
+"""ditcore: the model layer. MiniMax-H3 as diffusers ships it, plus the plan math the cache is built on; pure torch.
 
-from .checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointNotFoundError,
-    CheckpointReader,
-    fingerprint,
-    validate_checkpoint,
-    write_checkpoint,
+Modules: `repo` (presets and offline repositories of the real classes), `checkpoint` (validation, fingerprints),
+`plans` (plan keys, page layout, the modules that read pages), `rebuild` (the sidecar's streaming page builder),
+`pipeline` (diffusers' t2va blocks, resident or cached), `request` (H3's request rules), `model` (a loaded
+checkpoint and `generate`), `report` (where a request's plans came from).
+"""
+
+from .checkpoint import CheckpointError, CheckpointInfo, CheckpointNotFoundError, fingerprint, validate_checkpoint
+from .model import (
+    ADALN_MODES,
+    GenerationResult,
+    H3Model,
+    ModelMemory,
+    PlanLease,
+    PlanProvider,
+    generate,
+    latents_sha256,
+    load_model,
 )
-from .config import PRESETS, ConfigError, DiTConfig, get_preset, param_counts, param_shapes
-from .loader import ADALN_MODES, load_model
-from .local_plans import LocalPlanProvider
-from .model import DiT
-from .plans import PlanKey, ScheduleSpec, StepPlan, build_pages, project
+from .plans import PageLayout, PlanKey, distinct_keys
+from .rebuild import PlanBuilder
+from .repo import PRESETS, PresetError, figures, get_preset, write_repository
 from .report import CacheReport
-from .request import GenerationRequest, RequestError
-from .sampler import GenerationResult, PlanLease, PlanProvider, generate, latents_sha256
-from .schedule import flow_schedule
+from .request import H3_LIMITS, GenerationRequest, RequestError, RequestLimits
 
 __all__ = [
     "ADALN_MODES",
+    "H3_LIMITS",
     "PRESETS",
     "CacheReport",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
-    "CheckpointReader",
-    "ConfigError",
-    "DiT",
-    "DiTConfig",
     "GenerationRequest",
     "GenerationResult",
-    "LocalPlanProvider",
+    "H3Model",
+    "ModelMemory",
+    "PageLayout",
+    "PlanBuilder",
     "PlanKey",
     "PlanLease",
     "PlanProvider",
+    "PresetError",
     "RequestError",
-    "ScheduleSpec",
-    "StepPlan",
-    "build_pages",
+    "RequestLimits",
+    "distinct_keys",
+    "figures",
     "fingerprint",
-    "flow_schedule",
     "generate",
     "get_preset",
     "latents_sha256",
     "load_model",
-    "param_counts",
-    "param_shapes",
-    "project",
     "validate_checkpoint",
-    "write_checkpoint",
+    "write_repository",
 ]

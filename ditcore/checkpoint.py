@@ -1,7 +1,10 @@
-"""Checkpoint format: `config.json`, sharded `*.safetensors`, `model.safetensors.index.json`.
+"""MiniMax-H3 checkpoints: a diffusers repository directory, validated, fingerprinted and watched for in-place edits.
 
-Owns writing (deterministic random init), validation (every error names the file and the
-tensor), the cheap fingerprint, and per-tensor streaming reads with `safe_open`.
+A checkpoint is what diffusers' `MiniMaxH3ModularPipeline.from_pretrained` reads: `model_index.json` and one folder
+per component (`transformer/` with its config, sharded `diffusion_pytorch_model-*.safetensors` and their index;
+`scheduler/`, `audio_scheduler/`, `text_encoder/`, `tokenizer/`, `processor/`, `vae/`, `audio_vae/`). Every error is
+a `CheckpointError` whose message starts with the file's path relative to the repository
+(`transformer/diffusion_pytorch_model-00001-of-00002.safetensors: tensor '...': ...`).
 """
 
 from __future__ import annotations
@@ -10,86 +13,26 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from .config import ConfigError, DiTConfig, is_adaln_name, param_shapes
+from .plans import INDEX_FILE, SINGLE_FILE, PageLayout, is_plan_tensor, load_dtype
 
-CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 _ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class CheckpointError(Exception):
-    """A checkpoint is corrupt or incompatible; the message names the file and tensor."""
+    """A checkpoint is missing, unreadable, corrupt or incompatible; the message names the file (and tensor)."""
 
 
 class CheckpointNotFoundError(CheckpointError):
-    """The checkpoint directory (or its config) does not exist."""
-
-
-# ---------------------------------------------------------------------------- writing
-def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Deterministic init: unit norms, small biases, fan-in scaled weights."""
-    if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
-        return 1.0 + 0.02 * torch.randn(shape, generator=gen)
-    if name.endswith(".bias"):
-        return 0.02 * torch.randn(shape, generator=gen)
-    if name == "text_embed.weight":
-        return torch.randn(shape, generator=gen) * 0.5
-    std = 1.0 / math.sqrt(shape[-1])
-    if is_adaln_name(name):
-        std *= 0.5  # modulation around 0: scale/shift/gate of a few tenths
-    return torch.randn(shape, generator=gen) * std
-
-
-def _shard_plan(names: list[str], sizes: dict[str, int], shards: int) -> list[list[str]]:
-    """Split names (in order) into `shards` contiguous runs of roughly equal bytes."""
-    total = sum(sizes.values())
-    target = total / shards
-    out: list[list[str]] = [[]]
-    acc = 0
-    for n in names:
-        if acc >= target * len(out) and len(out) < shards:
-            out.append([])
-        out[-1].append(n)
-        acc += sizes[n]
-    while len(out) < shards:  # more shards than tensors worth splitting: keep K files anyway
-        out.append([])
-    return out
-
-
-def write_checkpoint(config: DiTConfig, out_dir: str | Path, seed: int, shards: int = 1) -> Path:
-    """Write a random-init checkpoint; the same (config, seed, shards) gives the same bytes."""
-    if shards < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shapes = param_shapes(config)
-    dtype = config.torch_dtype
-    gen = torch.Generator().manual_seed(seed)
-    names = list(shapes)
-    sizes = {n: math.prod(s) * config.dtype_bytes for n, s in shapes.items()}
-    weight_map: dict[str, str] = {}
-    plan = _shard_plan(names, sizes, shards)
-    for k, group in enumerate(plan):
-        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {n: _init_tensor(n, shapes[n], gen).to(dtype).contiguous() for n in group}
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in group})
-        del tensors
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
-    return out
+    """The checkpoint directory (or its model_index.json) does not exist."""
 
 
 # ---------------------------------------------------------------------------- headers
@@ -158,93 +101,6 @@ def _parse_entry(file: str, tname: str, info: Any, data_len: int) -> TensorEntry
     return TensorEntry(dtype=dtype, shape=shape, begin=begin, end=end)
 
 
-# ---------------------------------------------------------------------------- validation
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A validated checkpoint: where it is, its config, tensor -> shard map, fingerprint."""
-
-    path: Path
-    config: DiTConfig
-    weight_map: dict[str, str]
-    fingerprint: str
-    has_adaln: bool
-
-
-def load_config(path: str | Path) -> DiTConfig:
-    root = Path(path)
-    cfg = root / CONFIG_FILE
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint directory not found: {root}")
-    if not cfg.is_file():
-        raise CheckpointNotFoundError(f"{CONFIG_FILE} not found in checkpoint directory {root}")
-    try:
-        return DiTConfig.from_dict(json.loads(cfg.read_text()))
-    except (ValueError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"{CONFIG_FILE}: {e}") from e
-
-
-def _load_index(root: Path) -> dict[str, str]:
-    idx = root / INDEX_FILE
-    if not idx.is_file():
-        raise CheckpointError(f"{INDEX_FILE}: missing from {root}")
-    try:
-        data = json.loads(idx.read_text())
-        weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ValueError("weight_map must map tensor names to shard file names")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{INDEX_FILE}: corrupt index ({e})") from e
-    for tname, fname in weight_map.items():
-        if fname != Path(fname).name or not fname.endswith(".safetensors"):
-            raise CheckpointError(f"{INDEX_FILE}: tensor '{tname}' names an invalid shard file {fname!r}")
-    return weight_map
-
-
-def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> CheckpointInfo:
-    """Check config, index <-> shards, every expected tensor's presence, dtype and shape.
-
-    `require_adaln=False` is the cached-mode check: adaln_proj tensors may be absent (they
-    are never read), but any that are present must still be well-formed.
-    """
-    root = Path(path)
-    config = load_config(root)
-    weight_map = _load_index(root)
-    headers: dict[str, ShardHeader] = {}
-    for fname in sorted(set(weight_map.values())):
-        first = next(t for t, f in weight_map.items() if f == fname)
-        if not (root / fname).is_file():
-            raise CheckpointError(f"{INDEX_FILE}: tensor '{first}' points to missing shard {fname}")
-        try:
-            headers[fname] = read_shard_header(root / fname)
-        except CheckpointError as e:
-            if "tensor '" in str(e):
-                raise
-            # A shard-level error (unreadable or garbage header): name a tensor the index puts here.
-            raise CheckpointError(f"{e} (the index places tensor '{first}' in this shard)") from e
-    want = _ST_DTYPES[config.dtype]
-    shapes = param_shapes(config)
-    has_adaln = all(n in weight_map for n in shapes if is_adaln_name(n))
-    for tname, shape in shapes.items():
-        if tname not in weight_map:
-            if is_adaln_name(tname) and not require_adaln:
-                continue
-            raise CheckpointError(f"{INDEX_FILE}: missing tensor '{tname}' (expected {want}{list(shape)})")
-        fname = weight_map[tname]
-        entry = headers[fname].tensors.get(tname)
-        if entry is None:
-            raise CheckpointError(f"{fname}: missing tensor '{tname}' (the index says it is here)")
-        if entry.dtype != want:
-            raise CheckpointError(f"{fname}: tensor '{tname}': wrong dtype {entry.dtype}, expected {want}")
-        if entry.shape != shape:
-            raise CheckpointError(f"{fname}: tensor '{tname}': wrong shape {list(entry.shape)}, expected {list(shape)}")
-    for tname in weight_map:
-        if tname not in shapes:
-            raise CheckpointError(f"{weight_map[tname]}: unexpected tensor '{tname}' for this config")
-    return CheckpointInfo(root, config, dict(weight_map), _fingerprint(root, headers), has_adaln)
-
-
 _FP_SAMPLE_BYTES = 4096
 
 
@@ -272,39 +128,8 @@ def data_samples(path: Path, hdr: ShardHeader) -> bytes:
     return b"".join(parts)
 
 
-def _file_digests(root: Path, headers: dict[str, ShardHeader]) -> dict[str, str]:
-    digests = {}
-    for fname in (CONFIG_FILE, INDEX_FILE):
-        digests[fname] = hashlib.sha256((root / fname).read_bytes()).hexdigest()
-    for fname in sorted(headers):
-        hdr = headers[fname]
-        h = hashlib.sha256(f"{hdr.size}\0".encode() + hdr.header_bytes)
-        h.update(data_samples(root / fname, hdr))
-        digests[fname] = h.hexdigest()
-    return digests
-
-
 def combine_digests(digests: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(digests.items())).encode()).hexdigest()
-
-
-def _fingerprint(root: Path, headers: dict[str, ShardHeader]) -> str:
-    return combine_digests(_file_digests(root, headers))
-
-
-def file_digests(path: str | Path) -> dict[str, str]:
-    """Per-file parts of the fingerprint (config, index, each shard): names what changed."""
-    root = Path(path)
-    weight_map = _load_index(root)
-    headers = {f: read_shard_header(root / f) for f in sorted(set(weight_map.values()))}
-    return _file_digests(root, headers)
-
-
-def fingerprint(path: str | Path) -> str:
-    """Cheap identity of a checkpoint: config + index + shard sizes + header bytes + the
-    first and last 4 KiB of every tensor's data (edits confined to the interior of a large
-    tensor are not seen; different weights, truncation and re-sharding are)."""
-    return combine_digests(file_digests(path))
 
 
 def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -312,76 +137,327 @@ def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return sorted(f for f in set(old) | set(new) if old.get(f) != new.get(f))
 
 
-# ---------------------------------------------------------------------------- reading
-class CheckpointReader:
-    """Per-tensor reads through `safe_open` (memory-mapped); one open handle per shard."""
+# ---------------------------------------------------------------------------- repositories
+MODEL_INDEX = "model_index.json"
+TRANSFORMER = "transformer"
+TRANSFORMER_CLASS = "MiniMaxH3Transformer3DModel"
+# component -> the file diffusers / transformers read first from its folder; the first six are what the t2va path
+# needs, processor and audio_scheduler are checked when model_index.json names them (the writer lays both out)
+COMPONENT_FILES: dict[str, str] = {
+    "transformer": "config.json",
+    "scheduler": "scheduler_config.json",
+    "text_encoder": "config.json",
+    "tokenizer": "tokenizer_config.json",
+    "vae": "config.json",
+    "audio_vae": "config.json",
+    "processor": "processor_config.json",
+    "audio_scheduler": "scheduler_config.json",
+}
+REQUIRED_COMPONENTS: tuple[str, ...] = ("transformer", "scheduler", "text_encoder", "tokenizer", "vae", "audio_vae")
+# stored dtype of everything outside `_keep_in_fp32_modules`: the released bfloat16, or float32 throughout
+_PROJECTION_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
+_ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16"}
 
-    def __init__(self, info: CheckpointInfo) -> None:
-        self.info = info
-        self._handles: dict[str, Any] = {}
 
-    def _handle(self, fname: str) -> Any:
-        if fname not in self._handles:
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A validated MiniMax-H3 repository.
+
+    The fingerprint covers model_index.json and every file in the folder of each component model_index.json names
+    (transformer config, index and shards; scheduler configs; text encoder, tokenizer, processor and VAE files), all
+    that decides what the model computes. modular_model_index.json is left out: it records the repository's absolute
+    path, so a copy would change it while the model is the same.
+    """
+
+    path: Path
+    transformer_config: dict[str, Any]
+    """transformer/config.json as parsed."""
+    layout: PageLayout
+    projection_dtype: torch.dtype
+    """stored dtype of `adaln_proj` / `norm_out.linear` (and of every tensor outside `_keep_in_fp32_modules`)."""
+    has_adaln: bool
+    """every plan tensor (`adaln_proj.*`, `norm_out.linear.*`) is in the transformer's shards."""
+    digests: dict[str, str]
+    """relative path -> digest (whole bytes for JSON/text; size, header, first/last 4 KiB per tensor for safetensors)."""
+    fingerprint: str
+
+    @property
+    def precision(self) -> str:
+        """ "mixed" (the released layout: bfloat16 outside `_keep_in_fp32_modules`) or "float32"."""
+        return "float32" if self.projection_dtype == torch.float32 else "mixed"
+
+    @property
+    def preset(self) -> str:
+        """The name of the preset whose transformer this is ("h3" for the released shapes), else "custom"."""
+        from .repo import preset_of
+
+        return preset_of(self.transformer_config)
+
+    def incompatibility(self, other: CheckpointInfo) -> str | None:
+        """Why `other` cannot replace this checkpoint under a running server (plan layout, shapes or precision
+        differ), or None when it can. Names the file and the differing keys."""
+        a, b = _shape_config(self.transformer_config), _shape_config(other.transformer_config)
+        diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        if self.projection_dtype != other.projection_dtype:
+            diff.append(f"stored dtype: {self.projection_dtype} -> {other.projection_dtype}")
+        if not diff:
+            return None
+        return f"{TRANSFORMER}/config.json: incompatible with the served model ({', '.join(diff)})"
+
+
+def _shape_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A transformer config without diffusers' bookkeeping keys (`_class_name`, `_diffusers_version`, ...)."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def _read_json(root: Path, rel: str) -> Any:
+    try:
+        return json.loads((root / rel).read_text())
+    except OSError as e:
+        raise CheckpointError(f"{rel}: cannot read: {e.strerror or e}") from e
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{rel}: not valid JSON ({e})") from e
+
+
+def _model_index(root: Path) -> dict[str, Any]:
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"repository directory not found: {root}")
+    if not (root / MODEL_INDEX).is_file():
+        raise CheckpointNotFoundError(f"{MODEL_INDEX}: missing from repository {root}")
+    index = _read_json(root, MODEL_INDEX)
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{MODEL_INDEX}: expected an object of component -> [library, class]")
+    return index
+
+
+def _components(root: Path) -> list[str]:
+    """Components named by model_index.json, each with its folder and first file present."""
+    index = _model_index(root)
+    named = sorted(k for k in index if not k.startswith("_"))
+    for comp in REQUIRED_COMPONENTS:
+        if comp not in index:
+            raise CheckpointError(
+                f"{MODEL_INDEX}: component '{comp}' not named; a MiniMax-H3 repository has {list(REQUIRED_COMPONENTS)}"
+            )
+    entry = index[TRANSFORMER]
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[1] == TRANSFORMER_CLASS):
+        raise CheckpointError(
+            f"{MODEL_INDEX}: component 'transformer' is {entry!r}, expected ['diffusers', '{TRANSFORMER_CLASS}']"
+        )
+    for comp in named:
+        first = COMPONENT_FILES.get(comp)
+        if not (root / comp).is_dir():
+            raise CheckpointError(f"{comp}/: component folder named by {MODEL_INDEX} is missing")
+        if first is not None and not (root / comp / first).is_file():
+            raise CheckpointError(f"{comp}/{first}: missing (component '{comp}')")
+    return named
+
+
+def _model_files(root: Path, components: Iterable[str]) -> list[str]:
+    """model_index.json plus every regular file under the components' folders, as sorted relative paths."""
+    files = [MODEL_INDEX]
+    for comp in components:
+        for f in sorted((root / comp).rglob("*")):
+            if f.is_file() and not f.name.startswith("."):
+                files.append(f.relative_to(root).as_posix())
+    return files
+
+
+def _header(root: Path, rel: str, first_tensor: str | None = None) -> ShardHeader:
+    """read_shard_header with the file named by its relative path (and a tensor it should hold, if known)."""
+    try:
+        return read_shard_header(root / rel)
+    except CheckpointError as e:
+        msg = f"{Path(rel).parent.as_posix()}/{e}"  # its messages start with the file's bare name
+        if first_tensor is not None and "tensor '" not in msg:
+            msg += f" (the index places tensor '{first_tensor}' in this file)"
+        raise CheckpointError(msg) from e
+
+
+def _digest(root: Path, rel: str, hdr: ShardHeader | None) -> str:
+    """The digest of ditcore.checkpoint: whole bytes for small files; size, header and data samples for shards."""
+    if hdr is None:
+        return hashlib.sha256((root / rel).read_bytes()).hexdigest()
+    h = hashlib.sha256(f"{hdr.size}\0".encode() + hdr.header_bytes)
+    h.update(data_samples(root / rel, hdr))
+    return h.hexdigest()
+
+
+def _transformer_config(root: Path) -> tuple[dict[str, Any], Any]:
+    """Parsed transformer/config.json and diffusers' model built from it on meta (shapes, no memory)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    rel = f"{TRANSFORMER}/config.json"
+    config = _read_json(root, rel)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{rel}: expected a JSON object")
+    if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
+        raise CheckpointError(f"{rel}: _class_name is {config['_class_name']!r}, expected '{TRANSFORMER_CLASS}'")
+    try:
+        with torch.device("meta"):
+            model = MiniMaxH3Transformer3DModel.from_config(config)
+    except Exception as e:  # diffusers raises whatever the constructor raises on a bad value
+        raise CheckpointError(f"{rel}: cannot build {TRANSFORMER_CLASS}: {type(e).__name__}: {e}") from e
+    return config, model
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    """Tensor -> shard file (bare name) of transformer/, from its index or its single file."""
+    rel_index = f"{TRANSFORMER}/{INDEX_FILE}"
+    if not (root / rel_index).is_file():
+        if not (root / TRANSFORMER / SINGLE_FILE).is_file():
+            raise CheckpointError(f"{TRANSFORMER}/: holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        hdr = _header(root, f"{TRANSFORMER}/{SINGLE_FILE}")
+        return dict.fromkeys(hdr.tensors, SINGLE_FILE)
+    data = _read_json(root, rel_index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{rel_index}: corrupt index: weight_map must map tensor names to shard file names")
+    for tname, fname in weight_map.items():
+        if fname != Path(fname).name or not fname.endswith(".safetensors"):
+            raise CheckpointError(f"{rel_index}: tensor '{tname}' names an invalid shard file {fname!r}")
+    return weight_map
+
+
+def _transformer_headers(root: Path, weight_map: Mapping[str, str]) -> dict[str, ShardHeader]:
+    """Relative shard path -> parsed header; index <-> shard files checked both ways."""
+    rel_index = f"{TRANSFORMER}/{INDEX_FILE}"
+    headers: dict[str, ShardHeader] = {}
+    for fname in sorted(set(weight_map.values())):
+        rel = f"{TRANSFORMER}/{fname}"
+        first = next(t for t, f in weight_map.items() if f == fname)
+        if not (root / rel).is_file():
+            raise CheckpointError(f"{rel_index}: tensor '{first}' points to missing shard {rel}")
+        headers[rel] = _header(root, rel, first)
+    for path in sorted((root / TRANSFORMER).glob("*.safetensors")):
+        rel = f"{TRANSFORMER}/{path.name}"
+        if rel not in headers:
+            hdr = _header(root, rel)
+            some = next(iter(sorted(hdr.tensors)), "<none>")
+            raise CheckpointError(f"{rel}: shard not named by {INDEX_FILE} (it holds tensor '{some}')")
+    return headers
+
+
+def _stored_dtype(expected: Iterable[str], entries: Mapping[str, tuple[str, str]], keep: list[str]) -> str:
+    """The repository's dtype outside `_keep_in_fp32_modules`: the most common one among those tensors."""
+    votes = Counter(
+        entries[n][1] for n in expected if n in entries and load_dtype(n, torch.bfloat16, keep) != torch.float32
+    )
+    if not votes:
+        raise CheckpointError(f"{TRANSFORMER}/: no tensor outside _keep_in_fp32_modules to read the stored dtype from")
+    dtype = votes.most_common(1)[0][0]
+    if dtype not in _PROJECTION_DTYPES:
+        name = next(n for n in sorted(expected) if n in entries and entries[n][1] == dtype)
+        raise CheckpointError(
+            f"{entries[name][0]}: tensor '{name}': stored dtype {dtype}; allowed {sorted(_PROJECTION_DTYPES)}"
+        )
+    return dtype
+
+
+def _check_tensors(
+    model: Any, weight_map: Mapping[str, str], headers: Mapping[str, ShardHeader], require_adaln: bool, listing: str
+) -> tuple[torch.dtype, bool]:
+    """Every state-dict tensor present with its shape and dtype; none unexpected. Returns (stored dtype, has_adaln).
+
+    `listing` is the file that lists the tensors (the index, or the single safetensors file), named when one is absent.
+    """
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    keep = list(model._keep_in_fp32_modules or [])
+    entries: dict[str, tuple[str, str]] = {}  # tensor -> (relative shard, safetensors dtype)
+    for tname, fname in weight_map.items():
+        rel = f"{TRANSFORMER}/{fname}"
+        if tname not in shapes:
+            raise CheckpointError(f"{rel}: unexpected tensor '{tname}' for this transformer config")
+        entry = headers[rel].tensors.get(tname)
+        if entry is None:
+            raise CheckpointError(f"{rel}: missing tensor '{tname}' (the index says it is here)")
+        if entry.shape != shapes[tname]:
+            raise CheckpointError(
+                f"{rel}: tensor '{tname}': wrong shape {list(entry.shape)}, expected {list(shapes[tname])}"
+            )
+        entries[tname] = (rel, entry.dtype)
+    stored = _stored_dtype(shapes, entries, keep)
+    has_adaln = all(n in entries for n in shapes if is_plan_tensor(n))
+    for tname, shape in shapes.items():
+        want = _ST_NAMES[load_dtype(tname, _PROJECTION_DTYPES[stored], keep)]
+        if tname not in entries:
+            if is_plan_tensor(tname) and not require_adaln:
+                continue
+            raise CheckpointError(f"{listing}: missing tensor '{tname}' (expected {want}{list(shape)})")
+        rel, dtype = entries[tname]
+        if dtype != want:
+            raise CheckpointError(
+                f"{rel}: tensor '{tname}': wrong dtype {dtype}, expected {want} (stored dtype {stored}, _keep_in_fp32_modules in F32)"
+            )
+    return _PROJECTION_DTYPES[stored], has_adaln
+
+
+def _other_headers(root: Path, files: Iterable[str], done: Mapping[str, ShardHeader]) -> dict[str, ShardHeader]:
+    """Headers of every safetensors file outside transformer/ (text encoder, VAEs), bounds-checked."""
+    return {rel: _header(root, rel) for rel in files if rel.endswith(".safetensors") and rel not in done}
+
+
+def _check_json(root: Path, files: Iterable[str]) -> None:
+    for rel in files:
+        if rel.endswith(".json"):
+            _read_json(root, rel)
+
+
+def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> CheckpointInfo:
+    """Check a MiniMax-H3 diffusers repository; raise CheckpointError naming the file (and tensor) on any fault.
+
+    `require_adaln=False` is the cached-mode check: the plan tensors may be absent from the transformer's shards
+    (a cached generator never reads them), but any that are present must still be well-formed.
+    """
+    root = Path(path)
+    components = _components(root)
+    config, model = _transformer_config(root)
+    weight_map = _weight_map(root)
+    headers = _transformer_headers(root, weight_map)
+    indexed = (root / TRANSFORMER / INDEX_FILE).is_file()
+    listing = f"{TRANSFORMER}/{INDEX_FILE if indexed else SINGLE_FILE}"
+    dtype, has_adaln = _check_tensors(model, weight_map, headers, require_adaln, listing)
+    files = _model_files(root, components)
+    _check_json(root, files)
+    headers = {**headers, **_other_headers(root, files, headers)}
+    digests = {rel: _digest(root, rel, headers.get(rel)) for rel in files}
+    layout = PageLayout.from_config(config)
+    return CheckpointInfo(root, config, layout, dtype, has_adaln, digests, combine_digests(digests))
+
+
+def file_digests(path: str | Path) -> dict[str, str]:
+    """Per-file digests of the repository as it is now (the files `CheckpointInfo.digests` covers).
+
+    Lenient, so a damaged file shows up as changed rather than raising: a safetensors file whose header no longer
+    parses is digested by its error message.
+    """
+    root = Path(path)
+    components = sorted(k for k in _model_index(root) if not k.startswith("_") and (root / k).is_dir())
+    out: dict[str, str] = {}
+    for rel in _model_files(root, components):
+        hdr: ShardHeader | None = None
+        if rel.endswith(".safetensors"):
             try:
-                self._handles[fname] = safe_open(str(self.info.path / fname), framework="pt", device="cpu")
-            except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"{fname}: cannot open shard: {e}") from e
-        return self._handles[fname]
-
-    def get(self, name: str) -> torch.Tensor:
-        fname = self.info.weight_map.get(name)
-        if fname is None:
-            raise CheckpointError(f"{INDEX_FILE}: missing tensor '{name}'")
-        try:
-            return self._handle(fname).get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{fname}: tensor '{name}': read failed: {e}") from e
-
-    def tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        return {n: self.get(n) for n in names}
-
-    def adaln_layer(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight, bias) of one adaln_proj, e.g. prefix 'blocks.3.adaln_proj'."""
-        return self.get(f"{prefix}.weight"), self.get(f"{prefix}.bias")
-
-    def close(self) -> None:
-        self._handles.clear()
-
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+                hdr = read_shard_header(root / rel)
+            except CheckpointError as e:
+                out[rel] = "corrupt:" + hashlib.sha256(str(e).encode()).hexdigest()
+                continue
+        out[rel] = _digest(root, rel, hdr)
+    return out
 
 
-def checkpoint_files(path: str | Path) -> list[str]:
-    """Names of the files that make up a checkpoint (config, index, shards)."""
-    root = Path(path)
-    return [CONFIG_FILE, INDEX_FILE, *sorted(set(_load_index(root).values()))]
+def changed_since(info: CheckpointInfo) -> list[str]:
+    """Relative paths whose digest differs, appeared or disappeared since `info` was validated (in-place edits)."""
+    return changed_files(info.digests, file_digests(info.path))
 
 
-def is_checkpoint_dir(path: str | Path) -> bool:
-    root = Path(path)
-    return (root / CONFIG_FILE).is_file() and (root / INDEX_FILE).is_file()
+def fingerprint(path: str | Path) -> str:
+    """The fingerprint `validate_repository` would report, without validating (for a quick identity check)."""
+    return combine_digests(file_digests(path))
 
 
-__all__ = [
-    "CONFIG_FILE",
-    "INDEX_FILE",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointNotFoundError",
-    "CheckpointReader",
-    "changed_files",
-    "checkpoint_files",
-    "combine_digests",
-    "file_digests",
-    "fingerprint",
-    "is_checkpoint_dir",
-    "load_config",
-    "read_shard_header",
-    "validate_checkpoint",
-    "write_checkpoint",
-]
+def is_repository_dir(path: str | Path) -> bool:
+    """True if `path` looks like a diffusers repository (has model_index.json); no validation."""
+    return (Path(path) / MODEL_INDEX).is_file()

@@ -1,263 +1,236 @@
-"""The DiT: three modality streams (video, audio, text) with joint attention and AdaLN.
+"""A loaded MiniMax-H3 checkpoint, ready to serve requests, and `generate()`, the one way a request runs.
 
-Two modes share every line of forward code and differ only in where a block's modulation
-comes from (`Modulation`): `resident` projects `adaln_proj` each step, `cached` slices the
-step's plan pages. Shapes: B batch (2 with guidance), N joint tokens, h hidden, W plan width.
+`H3Model` is diffusers' own modular pipeline on a checkpoint (pipeline.py): in **resident** mode with the transformer
+exactly as `from_pretrained` loads it; in **cached** mode with the transformer loaded without its plan tensors (never
+read, never allocated) and every `adaln_proj.linear` / `norm_out.linear` replaced by a module that reads the current
+step's rows from a plan lease. `generate(model, request, plans, on_step)` runs diffusers' t2va denoise loop and returns
+the final latents exactly as diffusers computes them.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from typing import Protocol
+import copy
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from .config import MOD_CHUNKS, MODALITIES, TEXT_VOCAB, DiTConfig
-from .plans import page_slices, project
+from .checkpoint import CheckpointInfo, validate_checkpoint
+from .pipeline import ScheduleKeys, generate_latents, load_pipeline, use_cached_transformer
+from .plans import PlanKey, is_plan_tensor
+from .report import CacheReport
+from .request import H3_LIMITS, GenerationRequest, RequestLimits
 
-_EPS = 1e-6
-
-
-def sinusoid(positions: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """(P,) float32 -> (P, dim) float32 [cos | sin] features (DiT's timestep embedding)."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=positions.device) / half)
-    args = positions.to(torch.float32)[:, None] * freqs[None]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+ADALN_MODES = ("resident", "cached")
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
+class PlanLease(Protocol):
+    """Pages for every step of one request, valid until `release()`."""
 
-
-class Modulation(Protocol):
-    """Where a step's AdaLN parameters come from."""
-
-    def block(self, i: int) -> torch.Tensor:
-        """(W, 6*3*h) params of block i for the step's W distinct timesteps."""
+    @property
+    def report(self) -> CacheReport:
+        """Where the request's plans came from (read-only)."""
         ...
 
-    def final(self) -> torch.Tensor:
-        """(W, 2*h) shift/scale of the final layer."""
+    def pages(self, step: int) -> torch.Tensor:
+        """(width, page_numel) pages of step `step`, in the projections' dtype, on the model's device."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class PlanProvider(Protocol):
+    def acquire(self, keys: Sequence[PlanKey]) -> PlanLease:
+        """A lease on the pages of `keys` (one key per step)."""
         ...
 
 
-class PageModulation:
-    """Cached mode: slices of the step's plan pages (W, page_numel); no weights involved."""
-
-    def __init__(self, config: DiTConfig, pages: torch.Tensor) -> None:
-        self._pages = pages
-        self._cols = page_slices(config)
-
-    def block(self, i: int) -> torch.Tensor:
-        return self._pages[:, self._cols[i]]
-
-    def final(self) -> torch.Tensor:
-        return self._pages[:, self._cols[-1]]
+StepCallback = Callable[[int, int], None]
+"""Called as (steps_done, total) after every transformer forward; raising aborts the request."""
 
 
-class ResidentModulation:
-    """Resident mode: projects the loaded adaln_proj weights with M = W rows each step."""
-
-    def __init__(self, model: DiT, adaln_input: torch.Tensor) -> None:
-        self._model = model
-        self._x = adaln_input  # (W, T)
-
-    def block(self, i: int) -> torch.Tensor:
-        block = self._model.blocks[i]
-        assert isinstance(block, DiTBlock)
-        proj = block.adaln_proj
-        assert proj is not None, "resident modulation needs adaln_proj loaded"
-        return project(self._x, proj.weight, proj.bias)
-
-    def final(self) -> torch.Tensor:
-        proj = self._model.final_layer.adaln_proj
-        assert proj is not None, "resident modulation needs adaln_proj loaded"
-        return project(self._x, proj.weight, proj.bias)
+@dataclass
+class GenerationResult:
+    request_id: str
+    video: torch.Tensor
+    """Final video latents as diffusers returns them: (1, 24, F_latent, H/16, W/16) float32."""
+    audio: torch.Tensor
+    """Final audio latents as diffusers returns them: (2, 32, N) float32 (stereo channels first)."""
+    sha256: str
+    timings_ms: dict[str, float]
+    cache: CacheReport | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-class TimestepEmbedder(nn.Module):
-    """Sinusoid -> MLP. Small and resident in both the generator and the sidecar."""
-
-    def __init__(self, config: DiTConfig) -> None:
-        super().__init__()
-        self.freq_dim = config.freq_embed_dim
-        self.fc1 = nn.Linear(config.freq_embed_dim, config.time_embed_dim)
-        self.fc2 = nn.Linear(config.time_embed_dim, config.time_embed_dim)
-
-    def adaln_input(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """(W,) float32 timesteps -> (W, T) silu(temb): the input of every adaln_proj."""
-        freq = sinusoid(timesteps, self.freq_dim).to(self.fc1.weight.dtype)
-        temb = self.fc2(F.silu(self.fc1(freq)))
-        return F.silu(temb)
+def latents_sha256(video: torch.Tensor, audio: torch.Tensor | None) -> str:
+    """SHA-256 of the raw little-endian bytes of the video latents, then the audio latents (contiguous)."""
+    h = hashlib.sha256()
+    for t in (video, audio):
+        if t is not None:
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
-class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out = nn.Linear(hidden, hidden)
+@dataclass(frozen=True)
+class ModelMemory:
+    """What the served transformer holds, against the plan tensors of its checkpoint."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, h = x.shape
-        qkv = self.qkv(x).view(b, n, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # (B, heads, N, d)
-        return self.out(y.transpose(1, 2).reshape(b, n, h))
+    transformer_bytes: int
+    """Parameter and buffer bytes of the transformer as loaded."""
+    plan_tensor_bytes: int
+    """Bytes of every `adaln_proj` and `norm_out.linear` tensor in the checkpoint (as stored)."""
+    held_plan_bytes: int
+    """Of those, the bytes this model holds (all in resident mode, none in cached mode)."""
 
+    @property
+    def saved_bytes(self) -> int:
+        return self.plan_tensor_bytes - self.held_plan_bytes
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, ratio: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, ratio * hidden)
-        self.fc2 = nn.Linear(ratio * hidden, hidden)
+    @property
+    def saved_fraction(self) -> float:
+        return self.saved_bytes / self.plan_tensor_bytes if self.plan_tensor_bytes else 0.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class TextLayer(nn.Module):
-    """Plain pre-LN transformer layer of the byte-level text encoder."""
-
-    def __init__(self, config: DiTConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.norm1 = nn.LayerNorm(h, eps=_EPS)
-        self.attn = Attention(h, config.num_heads)
-        self.norm2 = nn.LayerNorm(h, eps=_EPS)
-        self.mlp = MLP(h, config.mlp_ratio)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "transformer_bytes": self.transformer_bytes,
+            "plan_tensor_bytes": self.plan_tensor_bytes,
+            "held_plan_bytes": self.held_plan_bytes,
+            "saved_bytes": self.saved_bytes,
+            "saved_fraction": round(self.saved_fraction, 6),
+        }
 
 
-class TextEncoder(nn.Module):
-    def __init__(self, config: DiTConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(TextLayer(config) for _ in range(config.text_layers))
-        self.norm = nn.LayerNorm(config.hidden_size, eps=_EPS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
+def _module_bytes(module: torch.nn.Module) -> int:
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
-class DiTBlock(nn.Module):
-    def __init__(self, config: DiTConfig, with_adaln: bool) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.hidden = h
-        self.adaln_proj = nn.Linear(config.time_embed_dim, config.block_mod_numel) if with_adaln else None
-        self.attn = Attention(h, config.num_heads)
-        self.mlp = MLP(h, config.mlp_ratio)
+class H3Model:
+    """diffusers' MiniMax-H3 pipeline on one checkpoint, resident or cached; one request at a time (see generate)."""
 
-    def forward(self, x: torch.Tensor, params: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # params (W, 18h) -> per-modality (3, 6, h) picked by page row -> per token (N, 6, h)
-        w = params.shape[0]
-        mod = params.view(w, len(MODALITIES), len(MOD_CHUNKS), self.hidden)
-        per_mod = mod[rows, torch.arange(len(MODALITIES), device=rows.device)]  # (3, 6, h)
-        tok = per_mod.repeat_interleave(counts, dim=0)  # (N, 6, h)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = tok.unbind(1)
-        norm = F.layer_norm(x, (self.hidden,), eps=_EPS)
-        x = x + gate_msa * self.attn(modulate(norm, shift_msa, scale_msa))
-        norm = F.layer_norm(x, (self.hidden,), eps=_EPS)
-        return x + gate_mlp * self.mlp(modulate(norm, shift_mlp, scale_mlp))
+    def __init__(self, info: CheckpointInfo, mode: str, device: torch.device | str = "cpu") -> None:
+        if mode not in ADALN_MODES:
+            raise ValueError(f"adaln mode must be one of {list(ADALN_MODES)}, got {mode!r}")
+        if mode == "resident" and not info.has_adaln:
+            raise ValueError(f"{info.path}: resident mode needs the transformer's native adaln_proj tensors")
+        self.info = info
+        self.mode = mode
+        self.device = torch.device(device)
+        self.precision = info.precision
+        self.pipe: Any = load_pipeline(info.path, self.precision)
+        self.bytes_read = self.bytes_skipped = 0
+        if mode == "cached":
+            self.holder = use_cached_transformer(self.pipe, info.path, self.precision)
+        if self.device.type != "cpu":
+            for name in ("transformer", "text_encoder"):
+                self.pipe.update_components(**{name: getattr(self.pipe, name).to(self.device)})
+        self.schedule = ScheduleKeys(info.path)
+
+    @property
+    def path(self) -> Path:
+        return self.info.path
+
+    @property
+    def transformer(self) -> Any:
+        """diffusers' MiniMaxH3Transformer3DModel this model runs."""
+        return self.pipe.transformer
+
+    def plan_keys(self, request: GenerationRequest) -> list[PlanKey]:
+        """Every step's plan key (cheap: the schedulers alone; safe while another request runs)."""
+        return self.schedule.keys(request)
+
+    def memory(self) -> ModelMemory:
+        plan_bytes = self.info.layout.plan_tensor_bytes(self.info.projection_dtype)
+        held = sum(t.numel() * t.element_size() for n, t in self.transformer.state_dict().items() if is_plan_tensor(n))
+        return ModelMemory(_module_bytes(self.transformer), plan_bytes, held)
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> H3Model:
+        """A resident copy whose transformer has the named tensors replaced (checked by the caller); the text
+        encoder and the rest are shared."""
+        if self.mode != "resident":
+            raise ValueError("only a resident model takes pushed tensors")
+        from diffusers import MiniMaxH3ModularPipeline
+
+        transformer = copy.deepcopy(self.transformer)
+        state = transformer.state_dict()
+        for name, t in tensors.items():
+            state[name].copy_(t.to(state[name].device))
+        pipe = MiniMaxH3ModularPipeline(blocks=self.pipe.blocks, pretrained_model_name_or_path=str(self.info.path))
+        pipe.update_components(**{**self.pipe.components, "transformer": transformer})
+        pipe.set_progress_bar_config(disable=True)
+        other = copy.copy(self)
+        other.pipe = pipe
+        return other
 
 
-class FinalLayer(nn.Module):
-    def __init__(self, config: DiTConfig, with_adaln: bool) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.adaln_proj = nn.Linear(config.time_embed_dim, config.final_mod_numel) if with_adaln else None
-        self.video_out = nn.Linear(h, config.video_patch_numel)
-        self.audio_out = nn.Linear(h, config.audio_channels)
+def load_model(checkpoint: CheckpointInfo | str | Path, mode: str, device: torch.device | str = "cpu") -> H3Model:
+    """Validate (unless given a CheckpointInfo) and load a checkpoint for serving in `mode`."""
+    info = (
+        checkpoint
+        if isinstance(checkpoint, CheckpointInfo)
+        else validate_checkpoint(checkpoint, require_adaln=mode == "resident")
+    )
+    return H3Model(info, mode, device)
 
 
-class DiT(nn.Module):
-    """The H3-style DiT. `with_adaln=False` builds the cached-mode model (no adaln_proj)."""
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000.0, 3)
 
-    def __init__(self, config: DiTConfig, with_adaln: bool = True) -> None:
-        super().__init__()
-        self.config = config
-        self.with_adaln = with_adaln
-        h = config.hidden_size
-        self.time_embed = TimestepEmbedder(config)
-        self.text_embed = nn.Embedding(TEXT_VOCAB, h)
-        self.text_encoder = TextEncoder(config)
-        self.video_embed = nn.Linear(config.video_patch_numel, h)
-        self.audio_embed = nn.Linear(config.audio_channels, h)
-        self.blocks = nn.ModuleList(DiTBlock(config, with_adaln) for _ in range(config.num_layers))
-        self.final_layer = FinalLayer(config, with_adaln)
 
-    # ---------------------------------------------------------------- helpers
-    def _pos(self, n: int, offset: int, like: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(offset, offset + n, device=like.device)
-        return sinusoid(pos, self.config.hidden_size).to(like.dtype)
+def generate(
+    model: H3Model,
+    request: GenerationRequest,
+    plans: PlanProvider | None = None,
+    on_step: StepCallback | None = None,
+    limits: RequestLimits = H3_LIMITS,
+) -> GenerationResult:
+    """Run one request through diffusers' t2va loop. Cached models need `plans`; resident models take none.
 
-    def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, Lt) byte ids -> (B, Lt, h) text context, computed once per request."""
-        x = self.text_embed(tokens)
-        return self.text_encoder(x + self._pos(tokens.shape[1], 0, x))
+    The lease (if any) is acquired after validation and released in every outcome. Timings: `plans` (acquire),
+    `encode` (start of the loop to the first transformer forward: text encoding and layout), `denoise` (the rest).
+    """
+    request.validate(limits)
+    if (plans is None) != (model.mode == "resident"):
+        raise ValueError(f"a {model.mode} model {'takes no' if plans is not None else 'needs a'} plan provider")
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    keys = model.plan_keys(request)
+    t0 = time.perf_counter()
+    lease = plans.acquire(keys) if plans is not None else None
+    timings["plans"] = _ms(t0)
+    marks: list[float] = []
 
-    def resident_modulation(self, timesteps: torch.Tensor) -> Modulation:
-        return ResidentModulation(self, self.time_embed.adaln_input(timesteps))
+    def forward_started(module: Any, args: Any) -> None:
+        marks.append(time.perf_counter())
 
-    def _patchify(self, video: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-        # (B, C, F, H, W) -> (B, F'*H'*W', C*pf*ph*pw)
-        b, c, f, hh, ww = video.shape
-        pf, ph, pw = self.config.patch_size
-        x = video.view(b, c, f // pf, pf, hh // ph, ph, ww // pw, pw)
-        x = x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, (f // pf) * (hh // ph) * (ww // pw), -1)
-        return x, (b, c, f, hh, ww)
+    def forward_done(module: Any, args: Any, output: Any) -> None:
+        if on_step is not None:
+            on_step(len(marks), len(keys))
 
-    def _unpatchify(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        b, c, f, hh, ww = shape
-        pf, ph, pw = self.config.patch_size
-        x = x.view(b, f // pf, hh // ph, ww // pw, c, pf, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
-        return x.reshape(b, c, f, hh, ww)
-
-    # ---------------------------------------------------------------- forward
-    def forward(
-        self,
-        video: torch.Tensor,
-        audio: torch.Tensor | None,
-        text_ctx: torch.Tensor,
-        mod: Modulation,
-        video_row: int,
-        audio_row: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Velocity for video (B, Cv, F, H, W) and audio (B, Ca, La) latents, in model dtype."""
-        vtok, vshape = self._patchify(video)
-        xv = self.video_embed(vtok)
-        xv = xv + self._pos(xv.shape[1], 0, xv)
-        parts = [xv]
-        na = 0
-        if audio is not None:
-            xa = self.audio_embed(audio.transpose(1, 2))  # (B, La, h)
-            parts.append(xa + self._pos(xa.shape[1], 0, xa))
-            na = xa.shape[1]
-        parts.append(text_ctx)
-        x = torch.cat(parts, dim=1)  # (B, N, h), modality order video, audio, text
-        counts = torch.tensor([xv.shape[1], na, text_ctx.shape[1]], device=x.device)
-        rows = torch.tensor([video_row, audio_row, video_row], device=x.device)  # text follows the video timestep
-        for i, block in enumerate(self.blocks):
-            x = block(x, mod.block(i), rows, counts)
-        return self._final(x, mod.final(), vshape, xv.shape[1], na, video_row, audio_row)
-
-    def _final(
-        self, x: torch.Tensor, params: torch.Tensor, vshape: Sequence[int], nv: int, na: int, vrow: int, arow: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h = self.config.hidden_size
-        fin = params.view(params.shape[0], 2, h)  # (W, shift|scale, h)
-        norm = F.layer_norm(x, (h,), eps=_EPS)
-        yv = modulate(norm[:, :nv], fin[vrow, 0], fin[vrow, 1])
-        video = self._unpatchify(self.final_layer.video_out(yv), vshape)
-        if na == 0:
-            return video, None
-        ya = modulate(norm[:, nv : nv + na], fin[arow, 0], fin[arow, 1])
-        return video, self.final_layer.audio_out(ya).transpose(1, 2)
+    transformer = model.transformer
+    handles = [
+        transformer.register_forward_pre_hook(forward_started),
+        transformer.register_forward_hook(forward_done),
+    ]
+    try:
+        t0 = time.perf_counter()
+        pages = (lambda i, key: lease.pages(i)) if lease is not None else None
+        video, audio = generate_latents(model.pipe, request, pages, keys)
+        end = time.perf_counter()
+        first = marks[0] if marks else end
+        timings["encode"] = round((first - t0) * 1000.0, 3)
+        timings["denoise"] = round((end - first) * 1000.0, 3)
+    finally:
+        for h in handles:
+            h.remove()
+        report = lease.report if lease is not None else None
+        if lease is not None:
+            lease.release()
+    timings["total"] = _ms(t_start)
+    v_out = video.detach().cpu().contiguous()
+    a_out = audio.detach().cpu().contiguous()
+    return GenerationResult(request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report)

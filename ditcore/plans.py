@@ -1,32 +1,56 @@
-"""Plan math, defined once: plan keys, page layout and the AdaLN projection.
+"""Plan pages for diffusers' MiniMax-H3 transformer: their layout, how the sidecar computes them, and the modules
+that read them in place of every block's `adaln_proj.linear` and of `norm_out.linear`.
 
-A *plan* is everything the blocks need from `adaln_proj` for one denoise step: for each of
-the step's distinct timesteps (video first, then audio if it differs), one *page* of
-`num_layers*6*3*hidden + 2*hidden` elements. Page layout, for page row r:
+Protocol (docs/architecture.md, "Plans, slots, pages and groups"):
 
-    page[r, i*18h:(i+1)*18h]  = blocks.{i}.adaln_proj(silu(temb[r]))   viewed as (3 mod, 6 chunk, h)
-    page[r, L*18h:L*18h+2h]   = final_layer.adaln_proj(silu(temb[r]))  viewed as (2, h)
+    temb  = plan_inputs(time_proj, time_embedder, timestep)       # (T, E) float32, T = the plan's width (1..4)
+    pages = build_pages(layout, temb, load_layer)                 # (T, page_numel), one GEMM per projection, M = T
+    holder.set(pages)                                             # per step, before the transformer's forward
+    transformer(...)                                              # PlanLinear modules return rows of `pages`
 
-Bit-exactness rule: the resident forward and every rebuild call `project()` with the same
-GEMM shape, M = the plan's width (its number of distinct timesteps). CPU GEMMs on 1 and 2
-rows give different bits for the same row, so the shape is part of the contract.
+A page is one timestep's rows of every projection, in the transformer's own order:
+`[block 0: video 6H | text 6H | audio 6H] ... [block L-1: ...] [norm_out: shift H | scale H]`, each 6H being
+`shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp`. A GEMM row's bits depend on M, so a plan is the
+step's whole sorted tuple of distinct timesteps and its pages are computed together, never shared across plans.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
 
-from .config import DiTConfig, adaln_layer_names
-from .schedule import flow_schedule
+MODALITIES = 3  # diffusers' MINIMAX_H3_MODALITY_NUM: video, text, audio rows per timestep
+CHUNKS = 6  # shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+NORM_OUT = "norm_out.linear"
+INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
+SINGLE_FILE = "diffusion_pytorch_model.safetensors"
+# safetensors header dtype names -> bytes per element (for the bytes a cached load skips)
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+
+MAX_PLAN_WIDTH = 4  # t2va: video (+ text) and audio; fl2va adds the keyframe level, ref2va the reference level
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Page dtypes by name (the projections' dtype: bfloat16 in the released checkpoint, float32 in a float32 one)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The DTYPES name of a torch dtype; ValueError for one pages cannot have."""
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"pages cannot be {dtype}; allowed: {sorted(DTYPES)}")
 
 
 def f32_bits(value: float) -> int:
-    """The IEEE-754 float32 bit pattern of `value` (rounded to float32)."""
+    """The IEEE-754 float32 bit pattern (unsigned) of `value` rounded to float32."""
     return int(struct.unpack("<I", struct.pack("<f", value))[0])
 
 
@@ -36,7 +60,11 @@ def bits_f32(bits: int) -> float:
 
 @dataclass(frozen=True, order=True)
 class PlanKey:
-    """Exact float32 bit patterns of one step's distinct timesteps, video first then audio."""
+    """One step's plan: the float32 bit patterns (unsigned) of the distinct timesteps the transformer receives.
+
+    Exactly diffusers' `timestep` argument for that step: `torch.unique(row_timesteps, sorted=True)`, so ascending
+    (H3's t = 1 - sigma lies in [0, 1], where the bit patterns sort as the values do). Width 1 to 4.
+    """
 
     bits: tuple[int, ...]
 
@@ -50,56 +78,23 @@ class PlanKey:
         return torch.frombuffer(bytearray(raw), dtype=torch.float32).clone()
 
     @classmethod
-    def from_timesteps(cls, *timesteps: torch.Tensor | float) -> PlanKey:
-        """Deduplicate (by bits, keeping order) the given float32 timesteps into a key."""
-        seen: list[int] = []
-        for t in timesteps:
-            b = f32_bits(float(t))
-            if b not in seen:
-                seen.append(b)
-        return cls(tuple(seen))
+    def from_tensor(cls, timestep: torch.Tensor) -> PlanKey:
+        """The key of the (T,) float32 `timestep` a forward receives, in its order."""
+        if timestep.dtype != torch.float32 or timestep.ndim != 1:
+            raise ValueError(f"timestep must be 1-D float32, got {timestep.dtype} of shape {tuple(timestep.shape)}")
+        return cls(tuple(int(b) & 0xFFFFFFFF for b in timestep.detach().cpu().view(torch.int32).tolist()))
+
+    @classmethod
+    def from_timesteps(cls, *timesteps: float) -> PlanKey:
+        """The distinct values (rounded to float32), sorted ascending as torch.unique sorts them."""
+        values = torch.tensor([float(t) for t in timesteps], dtype=torch.float32)
+        return cls.from_tensor(torch.unique(values, sorted=True))
 
     def is_finite(self) -> bool:
-        # float32 exponent all ones = inf or nan
-        return all((b >> 23) & 0xFF != 0xFF for b in self.bits)
+        return all((b >> 23) & 0xFF != 0xFF for b in self.bits)  # exponent all ones = inf or nan
 
     def __str__(self) -> str:
         return "(" + ", ".join(f"{bits_f32(b):.4f}" for b in self.bits) + ")"
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Which plan one step uses and which page row each modality reads."""
-
-    key: PlanKey
-    video_row: int  # text reads the video row too
-    audio_row: int  # == video_row for t2v (unused) and for equal timesteps
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """The request knobs that determine plans (every other knob leaves plans unchanged)."""
-
-    task: str
-    steps: int
-    flow_shift: float
-    audio_flow_shift: float
-
-    def step_plans(self) -> list[StepPlan]:
-        video = flow_schedule(self.steps, self.flow_shift)
-        audio = flow_schedule(self.steps, self.audio_flow_shift) if self.task == "t2va" else None
-        plans = []
-        for i in range(self.steps):
-            tv = video.timesteps[i]
-            if audio is None:
-                plans.append(StepPlan(PlanKey.from_timesteps(tv), 0, 0))
-                continue
-            key = PlanKey.from_timesteps(tv, audio.timesteps[i])
-            plans.append(StepPlan(key, 0, key.width - 1))
-        return plans
-
-    def plan_keys(self) -> list[PlanKey]:
-        return [p.key for p in self.step_plans()]
 
 
 def distinct_keys(keys: Iterable[PlanKey]) -> list[PlanKey]:
@@ -107,110 +102,250 @@ def distinct_keys(keys: Iterable[PlanKey]) -> list[PlanKey]:
     return list(dict.fromkeys(keys))
 
 
-# ------------------------------------------------------------------- the projection
-def project(adaln_input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """THE AdaLN projection: (M, T) silu(temb) -> (M, N). M must be the plan's width."""
-    return F.linear(adaln_input, weight, bias)
+# (weight (out, in), bias (out,)) of one projection, by its checkpoint prefix, e.g. "transformer_blocks.3.adaln_proj.linear"
+LayerLoader = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def page_slices(config: DiTConfig) -> list[slice]:
-    """Column range of each adaln_proj inside a page, in `adaln_layer_names` order."""
-    step = config.block_mod_numel
-    out = [slice(i * step, (i + 1) * step) for i in range(config.num_layers)]
-    base = config.num_layers * step
-    out.append(slice(base, base + config.final_mod_numel))
-    return out
+def block_projection(i: int) -> str:
+    """Checkpoint prefix of block `i`'s modulation projection."""
+    return f"transformer_blocks.{i}.adaln_proj.linear"
 
 
-LayerSource = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
-"""Loads (weight, bias) of one adaln_proj by module prefix; called once per layer per pass."""
+def is_plan_tensor(name: str) -> bool:
+    """True for the tensors a cached generator never reads: `adaln_proj.*` and `norm_out.linear.*`."""
+    return ".adaln_proj." in name or name.startswith(NORM_OUT + ".")
 
 
-class BatchingProbe:
-    """Decides, by experiment on this device, whether batching plans is bit-exact.
+@dataclass(frozen=True)
+class PageLayout:
+    """Where each projection's rows sit in a page.
 
-    Batching k plans of equal width w into one GEMM (M = k*w) reads each layer once instead
-    of k times, but a GEMM's bits for a row may depend on M (CPU: GEMV at M=1, other kernels
-    at other sizes). For each (w, k) the probe projects random inputs both ways with a
-    weight of the real layer shape and keeps the answer; a pass batches only sizes proven
-    exact, and falls back to one GEMM per plan otherwise. Results are cached per size.
+    H3's released config (50 layers, hidden 5376, time_embed_dim 2688) gives `page_numel` = 50·18·5376 + 2·5376 =
+    4,849,152 elements = 9,698,304 bytes (9.25 MiB) in bf16, and `adaln_proj` = 50·96768·(2688 + 1) elements =
+    26,020,915,200 bytes = 24.23 GiB in bf16.
     """
 
-    def __init__(self, config: DiTConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        t = config.time_embed_dim
-        self._shapes = {n: (n, t) for n in (config.block_mod_numel, config.final_mod_numel)}
-        self._w = {
-            n: (torch.randn(shape, generator=gen) / t**0.5).to(device, dtype) for n, shape in self._shapes.items()
-        }
-        self._b = {n: torch.randn(n, generator=gen).to(device, dtype) for n in self._shapes}
-        self._x_gen = gen
-        self._t = t
-        self._device, self._dtype = device, dtype
-        self._exact: dict[tuple[int, int], bool] = {}
+    num_layers: int
+    """Transformer blocks, one `adaln_proj` each."""
+    hidden: int
+    """hidden_size H: each block contributes 18H values per timestep, norm_out 2H."""
+    time_embed_dim: int
+    """E, the projections' input width (temb's last dimension)."""
 
-    def exact(self, width: int, count: int) -> bool:
-        """True if `count` plans of `width` rows give the same bits in one GEMM as one by one."""
-        key = (width, count)
-        if self.disabled:
-            return False
-        if key not in self._exact:
-            self._exact[key] = count > 1 and all(self._check(n, width, count) for n in self._shapes)
-        return self._exact[key]
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> PageLayout:
+        """From a transformer config (`model.config` or the parsed `config.json`)."""
+        return cls(int(config["num_layers"]), int(config["hidden_size"]), int(config["time_embed_dim"]))
 
-    def _check(self, n: int, width: int, count: int) -> bool:
-        x = torch.randn(count * width, self._t, generator=self._x_gen).to(self._device, self._dtype)
-        w, b = self._w[n], self._b[n]
-        batched = project(x, w, b)
-        single = torch.cat([project(x[i * width : (i + 1) * width], w, b) for i in range(count)])
-        return bool(torch.equal(batched, single))
+    @property
+    def block_numel(self) -> int:
+        return CHUNKS * MODALITIES * self.hidden
 
-    def warm(self, widths: Sequence[int], counts: Sequence[int]) -> bool:
-        """Probe the given sizes now (start-up). If none is exact, batching is off for good
-        (no more probes); otherwise other sizes are probed when first needed."""
-        found = [self.exact(w, c) for w in widths for c in counts]
-        if not any(found):
-            self.disabled = True
-        return any(found)
+    @property
+    def norm_out_numel(self) -> int:
+        return 2 * self.hidden
 
-    disabled = False
+    @property
+    def page_numel(self) -> int:
+        return self.num_layers * self.block_numel + self.norm_out_numel
+
+    @property
+    def norm_out_offset(self) -> int:
+        return self.num_layers * self.block_numel
+
+    def block_offset(self, i: int) -> int:
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"block {i} out of range: the transformer has blocks 0..{self.num_layers - 1}")
+        return i * self.block_numel
+
+    def page_bytes(self, dtype: torch.dtype) -> int:
+        return self.page_numel * dtype.itemsize
+
+    def adaln_proj_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of every block's `adaln_proj.linear` weight and bias (what a cached generator does not hold)."""
+        return self.num_layers * self.block_numel * (self.time_embed_dim + 1) * dtype.itemsize
+
+    def plan_tensor_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of every plan tensor: each block's `adaln_proj.linear` and `norm_out.linear`, weight and bias."""
+        return self.page_numel * (self.time_embed_dim + 1) * dtype.itemsize
+
+    def projections(self) -> Iterator[tuple[str, int, int]]:
+        """(checkpoint prefix, offset, numel) of every projection, in page order."""
+        for i in range(self.num_layers):
+            yield block_projection(i), self.block_offset(i), self.block_numel
+        yield NORM_OUT, self.norm_out_offset, self.norm_out_numel
 
 
-def build_pages(
-    config: DiTConfig,
-    load_layer: LayerSource,
-    adaln_inputs: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor],
-    probe: BatchingProbe | None = None,
-) -> int:
-    """One rebuild pass: stream every adaln_proj once and project every plan.
+@torch.no_grad()
+def plan_inputs(time_proj: nn.Module, time_embedder: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
+    """The transformer's `temb` for a plan, computed by the transformer's own modules as its forward does.
 
-    `adaln_inputs[k]` is silu(temb) of plan k, shape (width_k, T); `outputs[k]` is where its
-    pages go, shape (width_k, page_numel) (a slab slot view is fine). One layer is held in
-    memory at a time. Each plan's rows are bit-identical to a GEMM with M = its width
-    (bit-exactness rule): plans of equal width share one GEMM only where `probe` proved that
-    exact on this device. Returns the number of GEMMs per layer.
+    timestep: (T,) float32, the step's distinct timesteps sorted ascending (H3's t = 1 - sigma).
+    Returns (T, E) at the time embedder's dtype (float32 in the released checkpoint).
     """
-    if len(adaln_inputs) != len(outputs):
-        raise ValueError("adaln_inputs and outputs must have the same length")
-    groups: dict[int, list[int]] = {}
-    for i, x in enumerate(adaln_inputs):
-        groups.setdefault(int(x.shape[0]), []).append(i)
-    batched = {w: probe is not None and probe.exact(w, len(idx)) for w, idx in groups.items()}
-    stacked = {w: torch.cat([adaln_inputs[i] for i in idx]) for w, idx in groups.items() if batched[w]}
-    gemms = 0
-    for name, cols in zip(adaln_layer_names(config), page_slices(config), strict=True):
-        weight, bias = load_layer(name)
-        gemms = 0
-        for w, idx in groups.items():
-            if batched[w]:
-                rows = project(stacked[w], weight, bias)  # (k*w, N): one read of the layer
-                for j, i in enumerate(idx):
-                    outputs[i][:, cols].copy_(rows[j * w : (j + 1) * w])
-                gemms += 1
-            else:
-                for i in idx:
-                    outputs[i][:, cols].copy_(project(adaln_inputs[i], weight, bias))
-                gemms += len(idx)
-        del weight, bias
-    return gemms
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    return time_embedder(time_proj(timestep).to(get_parameter_dtype(time_embedder)))
+
+
+@torch.no_grad()
+def build_pages(layout: PageLayout, temb: torch.Tensor, load_layer: LayerLoader) -> torch.Tensor:
+    """Compute a plan's pages: (T, E) temb -> (T, page_numel) in the projections' dtype.
+
+    Each projection is one GEMM with M = T, `linear(silu(temb).to(weight dtype))` as diffusers'
+    MiniMaxH3AdaLayerNormModulation / MiniMaxH3AdaLayerNormOut compute it. Weights are requested one projection at a
+    time, so a caller can stream them from the checkpoint's shards and drop each after use.
+    """
+    act = F.silu(temb)  # (T, E) at temb's precision; cast to each projection's dtype below, as diffusers does
+    pages: torch.Tensor | None = None
+    for name, offset, numel in layout.projections():
+        weight, bias = load_layer(name)  # (numel, E), (numel,)
+        if weight.shape != (numel, layout.time_embed_dim):
+            raise ValueError(
+                f"{name}.weight has shape {tuple(weight.shape)}, expected {(numel, layout.time_embed_dim)}"
+            )
+        rows = F.linear(act.to(weight.dtype), weight, bias)  # (T, numel)
+        if pages is None:
+            pages = torch.empty(temb.shape[0], layout.page_numel, dtype=rows.dtype, device=rows.device)
+        pages[:, offset : offset + numel] = rows
+    assert pages is not None  # a layout always has norm_out
+    return pages
+
+
+class PlanPages:
+    """The current step's pages, shared by every PlanLinear of one transformer. Set once per step."""
+
+    def __init__(self) -> None:
+        self._pages: torch.Tensor | None = None
+
+    def set(self, pages: torch.Tensor) -> None:
+        """pages: (T, page_numel) in the projections' dtype, T = the step's number of distinct timesteps."""
+        self._pages = pages
+
+    def get(self) -> torch.Tensor:
+        if self._pages is None:
+            raise RuntimeError("no plan pages set for this step: call PlanPages.set(pages) before the forward")
+        return self._pages
+
+
+class PlanLinear(nn.Module):
+    """Stands in for a projection `nn.Linear`: returns its rows of the current pages and ignores its input.
+
+    Holds no weight. A 0-element buffer carries the projection dtype, because the calling diffusers module casts its
+    input with `get_parameter_dtype(self.linear)` (which looks at parameters, then floating buffers).
+    """
+
+    dtype_anchor: torch.Tensor
+
+    def __init__(self, holder: PlanPages, offset: int, numel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.holder, self.offset, self.numel = holder, offset, numel
+        self.register_buffer("dtype_anchor", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (T, E), unused. Returns (T, numel); contiguous because MiniMaxH3AdaLayerNormModulation calls .view on it.
+        pages = self.holder.get()
+        return pages[:, self.offset : self.offset + self.numel].contiguous()
+
+
+def install_plan_modules(transformer: Any, holder: PlanPages) -> None:
+    """Replace every block's `adaln_proj.linear` and `norm_out.linear` by a PlanLinear reading from `holder`.
+
+    transformer: diffusers' MiniMaxH3Transformer3DModel (typed Any: diffusers is not type-checked here).
+    Each PlanLinear keeps the dtype of the projection it replaces (which may still be on `meta`).
+    """
+    layout = PageLayout.from_config(transformer.config)
+    owners = [block.adaln_proj for block in transformer.transformer_blocks] + [transformer.norm_out]
+    for owner, (_, offset, numel) in zip(owners, layout.projections(), strict=True):
+        dtype = owner.linear.weight.dtype
+        owner.linear = PlanLinear(holder, offset, numel, dtype)
+
+
+def shard_map(transformer_dir: str) -> dict[str, str]:
+    """Tensor name -> shard file name of a diffusers transformer directory (sharded with an index, or single-file)."""
+    index_path = os.path.join(transformer_dir, INDEX_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(transformer_dir, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{transformer_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
+
+
+def load_dtype(name: str, torch_dtype: torch.dtype, keep_fp32: list[str]) -> torch.dtype:
+    """from_pretrained's rule: float32 for a name with a `_keep_in_fp32_modules` entry as a component, else torch_dtype."""
+    return torch.float32 if any(k in name.split(".") for k in keep_fp32) else torch_dtype
+
+
+def read_tensor(transformer_dir: str, files: Mapping[str, str], name: str) -> torch.Tensor:
+    """One tensor's data as stored, from the shard `files` (a `shard_map`) places it in."""
+    if name not in files:
+        raise KeyError(f"{name} is not in {transformer_dir}'s checkpoint")
+    with safe_open(os.path.join(transformer_dir, files[name]), "pt") as f:
+        return f.get_tensor(name)
+
+
+def safetensors_layer_loader(transformer_dir: str, torch_dtype: torch.dtype | None = None) -> LayerLoader:
+    """A LayerLoader reading one projection's weight and bias from the shards (as stored, or cast to torch_dtype)."""
+    files = shard_map(transformer_dir)
+
+    def load(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, bias = (read_tensor(transformer_dir, files, f"{prefix}.{part}") for part in ("weight", "bias"))
+        if torch_dtype is not None:
+            weight, bias = weight.to(torch_dtype), bias.to(torch_dtype)
+        return weight, bias
+
+    return load
+
+
+def _read_state_dict(
+    transformer_dir: str, torch_dtype: torch.dtype, keep_fp32: list[str]
+) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Every tensor except the plan tensors, cast by the from_pretrained rule. Returns (state, bytes read, skipped)."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in shard_map(transformer_dir).items():
+        by_file.setdefault(file, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    read = skipped = 0
+    for file, names in sorted(by_file.items()):
+        with safe_open(os.path.join(transformer_dir, file), "pt") as f:
+            for name in names:
+                if is_plan_tensor(name):  # header only: shape and dtype, no data
+                    meta = f.get_slice(name)
+                    skipped += _DTYPE_BYTES[meta.get_dtype()] * int(torch.Size(meta.get_shape()).numel())
+                    continue
+                t = f.get_tensor(name)
+                read += t.numel() * t.element_size()
+                state[name] = t.to(load_dtype(name, torch_dtype, keep_fp32))
+    return state, read, skipped
+
+
+def load_transformer_without_adaln(
+    transformer_dir: str, holder: PlanPages, torch_dtype: torch.dtype = torch.float32
+) -> tuple[Any, int, int]:
+    """Cached-mode construction of diffusers' MiniMaxH3Transformer3DModel: never reads nor allocates a plan tensor.
+
+    Builds on meta, installs PlanLinear modules (dtype = torch_dtype, the projections' dtype under the from_pretrained
+    rule), then assigns every other tensor from the shards. torch_dtype=bfloat16 on the released checkpoint gives the
+    released mixed precision. Returns (model in eval mode, bytes read, plan-tensor bytes skipped).
+    """
+    from accelerate import init_empty_weights
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    config = MiniMaxH3Transformer3DModel.load_config(transformer_dir)
+    with init_empty_weights():  # parameters on meta; buffers (rope.inv_freq, computed, float32) stay real
+        model = MiniMaxH3Transformer3DModel.from_config(config)
+    for owner in [*(block.adaln_proj for block in model.transformer_blocks), model.norm_out]:
+        owner.linear.to(torch_dtype)  # still on meta; the PlanLinear anchors take this dtype
+    install_plan_modules(model, holder)
+    keep_fp32 = list(model._keep_in_fp32_modules or [])
+    state, read, skipped = _read_state_dict(transformer_dir, torch_dtype, keep_fp32)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{transformer_dir}: tensors missing {missing}, unexpected {unexpected}")
+    meta_left = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta_left:
+        raise ValueError(f"{transformer_dir}: no tensor for {meta_left}")
+    return model.eval(), read, skipped

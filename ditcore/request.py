@@ -1,7 +1,10 @@
-"""Generation requests: fields, defaults, validation against a model config, latent shapes.
+"""MiniMax-H3 generation requests: fields, defaults, and H3's rules, checked before any work.
 
-Every service and CLI builds a `GenerationRequest` and calls `validate()`; a bad field
-raises `RequestError(field, message)` whose message names the field and the allowed range.
+Every service and CLI builds a `GenerationRequest` and calls `validate(limits)`; a bad field raises
+`RequestError(field, message)` whose message names the field and states H3's rule (or the operator's tighter limit).
+The rules are the released model's: 24 fps, 5 to 15 seconds, `num_frames` of the form 17n + 5 (the video VAE's
+grouping: 124 to 345 frames), both canvas sides multiples of 32, aspect ratio 1:4 to 4:1. diffusers would round an
+off-grid frame count up with a warning; the service refuses it instead, so a caller gets exactly what it asked for.
 """
 
 from __future__ import annotations
@@ -12,16 +15,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .config import TEXT_PAD_ID, DiTConfig
-from .plans import ScheduleSpec
-
-TASKS = ("t2v", "t2va")
-MAX_STEPS = 1000
+TASKS = ("t2va",)
+"""Served tasks. Keyframe (fl2va) and reference (ref2va) tasks need media inputs and come with them."""
+FPS = 24
+MIN_SECONDS, MAX_SECONDS = 5, 15
+FRAMES_PER_CHUNK, FRAMES_OFFSET = 17, 5  # num_frames = 17 n + 5
+MIN_FRAMES = FRAMES_PER_CHUNK * math.ceil((MIN_SECONDS * FPS - FRAMES_OFFSET) / FRAMES_PER_CHUNK) + FRAMES_OFFSET  # 124
+MAX_FRAMES = FRAMES_PER_CHUNK * ((MAX_SECONDS * FPS - FRAMES_OFFSET) // FRAMES_PER_CHUNK) + FRAMES_OFFSET  # 345
+CANVAS_MULTIPLE = 32
+MAX_SIDE = 4096
+"""Largest canvas side accepted (H3's own canvas is 768 x 1344)."""
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0  # width / height
+MIN_STEPS, MAX_STEPS = 2, 1000
+"""num_inference_steps is the schedule's grid points: N points drive N - 1 forwards, so at least 2."""
 MAX_SHIFT = 1000.0
-MAX_GUIDANCE = 100.0
 MAX_SEED = 2**63 - 1
+MAX_PROMPT_BYTES = 16384
+"""Prompt limit in UTF-8 bytes (a long prompt costs one text-encoder pass and one longer sequence per step)."""
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -35,129 +45,138 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Operator limits, at most H3's own (a server may serve a smaller envelope than the model can)."""
+
+    max_num_frames: int = MAX_FRAMES
+    max_height: int = MAX_SIDE
+    max_width: int = MAX_SIDE
+    max_prompt_bytes: int = MAX_PROMPT_BYTES
+
+
+H3_LIMITS = RequestLimits()
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
-    """One text-to-video(-audio) request. Defaults are the CLI's and the RPC's defaults."""
+    """One MiniMax-H3 request. Defaults are the CLI's and the RPC's defaults."""
 
     request_id: str = "req-0"
-    task: str = "t2v"
-    """"t2v" (video only) or "t2va" (video + audio with its own schedule)."""
+    task: str = "t2va"
+    """"t2va": text to video with audio (the only task until media inputs land)."""
     prompt: str = ""
-    negative_prompt: str = ""
-    steps: int = 50
-    """Denoise steps; 50 like the seed's workload."""
-    flow_shift: float = 5.0
-    """Video (and text) schedule shift, as in diffusers' FlowMatchEulerDiscreteScheduler."""
-    audio_flow_shift: float | None = None
-    """Audio schedule shift for t2va; None = same as flow_shift (then plans have width 1)."""
-    guidance_scale: float = 5.0
-    """Classifier-free guidance; <= 1 disables it (one forward per step)."""
+    """Presented verbatim (no chat template). No negative prompt: the checkpoint is guidance-distilled."""
+    num_inference_steps: int = 50
+    """Grid points of each schedule (`linspace(1, 0, N)`); N points drive N - 1 transformer forwards."""
+    flow_shift: float = 12.0
+    """Video schedule shift (H3's release default 12.0)."""
+    audio_flow_shift: float = 3.0
+    """Audio schedule shift (H3's release default 3.0)."""
     seed: int = 0
-    frames: int = 5
-    """Pixel frames; latent frames = (frames - 1) / vae_temporal + 1."""
-    height: int = 64
-    width: int = 64
-    audio_length: int = 16
-    """Audio latent frames (t2va only)."""
-
-    # ---------------------------------------------------------------- derived
-    @property
-    def effective_audio_flow_shift(self) -> float:
-        return self.flow_shift if self.audio_flow_shift is None else self.audio_flow_shift
+    """Seeds the CPU generator the video, then audio, noise is drawn from."""
+    height: int = 32
+    """Pixels, a multiple of 32. The small default keeps a CPU demo quick; H3's own canvas is 768 x 1344."""
+    width: int = 32
+    """Pixels, a multiple of 32."""
+    num_frames: int = 124
+    """Frames at 24 fps, 17n + 5 in [124, 345] (5 to 15 seconds)."""
 
     @property
-    def use_guidance(self) -> bool:
-        return self.guidance_scale > 1.0
+    def steps(self) -> int:
+        """Transformer forwards (= plan keys) the request runs."""
+        return self.num_inference_steps - 1
 
-    def schedule_spec(self) -> ScheduleSpec:
-        return ScheduleSpec(self.task, self.steps, self.flow_shift, self.effective_audio_flow_shift)
-
-    def video_latent_shape(self, config: DiTConfig) -> tuple[int, int, int, int]:
-        """(C, F, H, W) of the video latent."""
-        f = (self.frames - 1) // config.vae_temporal + 1
-        return (config.video_channels, f, self.height // config.vae_spatial, self.width // config.vae_spatial)
-
-    def audio_latent_shape(self, config: DiTConfig) -> tuple[int, int] | None:
-        return (config.audio_channels, self.audio_length) if self.task == "t2va" else None
+    def pipeline_inputs(self) -> dict[str, Any]:
+        """The keyword inputs diffusers' t2va blocks take (the generator and shifts are set apart)."""
+        return {
+            "prompt": self.prompt,
+            "height": self.height,
+            "width": self.width,
+            "num_frames": self.num_frames,
+            "num_inference_steps": self.num_inference_steps,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], defaults: GenerationRequest | None = None) -> GenerationRequest:
-        """Build from JSON-like data (JSONL line); omitted keys take `defaults`' values."""
+        """Build from JSON-like data (a JSONL line); omitted keys take `defaults`' values."""
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise RequestError(unknown[0], f"unknown field; allowed fields: {', '.join(names)}")
-        base = defaults or cls()
-        return dataclasses.replace(base, **data)
+        return dataclasses.replace(defaults or cls(), **data)
 
     # ---------------------------------------------------------------- validation
-    def validate(self, config: DiTConfig) -> GenerationRequest:
+    def validate(self, limits: RequestLimits = H3_LIMITS) -> GenerationRequest:
         """Raise RequestError naming the first bad field; return self when valid."""
-        _check_type(self)
+        _check_types(self)
         if not _REQUEST_ID.match(self.request_id):
             raise RequestError("request_id", "must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         if self.task not in TASKS:
-            raise RequestError("task", f"unknown task {self.task!r}; allowed: {', '.join(TASKS)}")
-        for name in ("prompt", "negative_prompt"):
-            n = len(getattr(self, name).encode("utf-8"))
-            if n > config.text_len:
-                raise RequestError(name, f"is {n} bytes; allowed at most {config.text_len} bytes (UTF-8)")
-        if not 1 <= self.steps <= MAX_STEPS:
-            raise RequestError("steps", f"must be in [1, {MAX_STEPS}], got {self.steps}")
-        _check_shift("flow_shift", self.flow_shift)
-        if self.audio_flow_shift is not None:
-            _check_shift("audio_flow_shift", self.audio_flow_shift)
-        if not (math.isfinite(self.guidance_scale) and 0 <= self.guidance_scale <= MAX_GUIDANCE):
             raise RequestError(
-                "guidance_scale", f"must be finite and in [0, {MAX_GUIDANCE:g}], got {self.guidance_scale}"
+                "task",
+                f"unknown or unserved task {self.task!r}; allowed: {', '.join(TASKS)} (keyframe and "
+                "reference tasks need media inputs, which this server does not take yet)",
             )
+        n = len(self.prompt.encode("utf-8"))
+        if not self.prompt.strip():
+            raise RequestError("prompt", "must not be empty: MiniMax-H3 conditions every step on the prompt's text")
+        if n > limits.max_prompt_bytes:
+            raise RequestError("prompt", f"is {n} bytes; allowed at most {limits.max_prompt_bytes} bytes (UTF-8)")
+        if not MIN_STEPS <= self.num_inference_steps <= MAX_STEPS:
+            raise RequestError(
+                "num_inference_steps",
+                f"must be in [{MIN_STEPS}, {MAX_STEPS}] (grid points; N points run N - 1 forwards), "
+                f"got {self.num_inference_steps}",
+            )
+        for name in ("flow_shift", "audio_flow_shift"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 < value <= MAX_SHIFT):
+                raise RequestError(name, f"must be finite and in (0, {MAX_SHIFT:g}], got {value}")
         if not 0 <= self.seed <= MAX_SEED:
             raise RequestError("seed", f"must be in [0, 2^63-1], got {self.seed}")
-        _check_frames(self.frames, config)
-        grid = config.vae_spatial * config.patch_size[1]
-        for name, value, top in (("height", self.height, config.max_height), ("width", self.width, config.max_width)):
-            if not (grid <= value <= top and value % grid == 0):
-                raise RequestError(name, f"must be a multiple of {grid} in [{grid}, {top}], got {value}")
-        if self.task == "t2va" and not 1 <= self.audio_length <= config.max_audio_length:
-            raise RequestError(
-                "audio_length", f"must be in [1, {config.max_audio_length}] for t2va, got {self.audio_length}"
-            )
+        _check_frames(self.num_frames, limits)
+        _check_canvas(self.height, self.width, limits)
         return self
 
 
-def _check_type(req: GenerationRequest) -> None:
+def _check_types(req: GenerationRequest) -> None:
     for f in dataclasses.fields(req):
         v = getattr(req, f.name)
-        if f.name in ("request_id", "task", "prompt", "negative_prompt"):
+        if f.name in ("request_id", "task", "prompt"):
             ok = isinstance(v, str)
-        elif f.name in ("flow_shift", "guidance_scale", "audio_flow_shift"):
-            ok = (isinstance(v, (int, float)) and not isinstance(v, bool)) or (
-                f.name == "audio_flow_shift" and v is None
-            )
+        elif f.name in ("flow_shift", "audio_flow_shift"):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
         else:
             ok = isinstance(v, int) and not isinstance(v, bool)
         if not ok:
             raise RequestError(f.name, f"has the wrong type ({type(v).__name__}: {v!r})")
 
 
-def _check_shift(name: str, value: float) -> None:
-    if not (math.isfinite(value) and 0 < value <= MAX_SHIFT):
-        raise RequestError(name, f"must be finite and in (0, {MAX_SHIFT:g}], got {value}")
+def _check_frames(frames: int, limits: RequestLimits) -> None:
+    top = min(limits.max_num_frames, MAX_FRAMES)
+    rule = (
+        f"must be of the form 17n + 5 (the video VAE's grouping) for {MIN_SECONDS} to {MAX_SECONDS} seconds at "
+        f"{FPS} fps, i.e. one of {MIN_FRAMES}, {MIN_FRAMES + FRAMES_PER_CHUNK}, ..., {MAX_FRAMES}"
+    )
+    if top < MAX_FRAMES:
+        rule += f", and at most {top} on this server"
+    if not (MIN_FRAMES <= frames <= top and (frames - FRAMES_OFFSET) % FRAMES_PER_CHUNK == 0):
+        raise RequestError("num_frames", f"{rule}; got {frames}")
 
 
-def _check_frames(frames: int, config: DiTConfig) -> None:
-    t, pf = config.vae_temporal, config.patch_size[0]
-    ok = 1 <= frames <= config.max_frames and (frames - 1) % t == 0 and ((frames - 1) // t + 1) % pf == 0
-    if not ok:
-        raise RequestError("frames", f"must be {t}*k+1 in [1, {config.max_frames}], got {frames}")
-
-
-def tokenize(text: str, config: DiTConfig) -> torch.Tensor:
-    """UTF-8 bytes padded to `text_len`: (text_len,) int64."""
-    data = text.encode("utf-8")
-    if len(data) > config.text_len:
-        raise RequestError("prompt", f"is {len(data)} bytes; allowed at most {config.text_len} bytes")
-    ids = list(data) + [TEXT_PAD_ID] * (config.text_len - len(data))
-    return torch.tensor(ids, dtype=torch.int64)
+def _check_canvas(height: int, width: int, limits: RequestLimits) -> None:
+    for name, value, top in (("height", height, limits.max_height), ("width", width, limits.max_width)):
+        top = min(top, MAX_SIDE)
+        if not (CANVAS_MULTIPLE <= value <= top and value % CANVAS_MULTIPLE == 0):
+            raise RequestError(
+                name,
+                f"must be a multiple of {CANVAS_MULTIPLE} (MiniMax-H3's canvas multiple) in "
+                f"[{CANVAS_MULTIPLE}, {top}], got {value}",
+            )
+    if not MIN_ASPECT <= width / height <= MAX_ASPECT:
+        raise RequestError(
+            "width", f"aspect ratio width:height must be between 1:4 and 4:1 (MiniMax-H3's range), got {width}:{height}"
+        )

@@ -16,7 +16,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from ditcore import CheckpointError, CheckpointNotFoundError, ConfigError, RequestError
+from ditcore import CheckpointError, CheckpointNotFoundError, PresetError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ _CORE_TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (RequestError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
     (CheckpointNotFoundError, grpc.StatusCode.NOT_FOUND, "CHECKPOINT_NOT_FOUND"),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION, "CHECKPOINT_INVALID"),
-    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION, "CONFIG_INVALID"),
+    (PresetError, grpc.StatusCode.INVALID_ARGUMENT, "PRESET_INVALID"),
 ]
 
 

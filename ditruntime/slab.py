@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ditcore.config import DTYPES
+from ditcore.plans import DTYPES
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 
 # slot-table row layout (int64 words)

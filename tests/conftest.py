@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from clikit import CliRunner, run_cli_inprocess, run_cli_subprocess
-from servicekit import TINY, Pair, ProcessGroup, StartPair, Weights, process_group, updatable
+from servicekit import Pair, ProcessGroup, StartPair, Weights, process_group, updatable
 
-from ditcore import write_checkpoint
+from ditcore import write_repository
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,14 +35,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ----------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny preset, seed 0, 2 shards. Read-only: copy it (copy_ckpt) before mutating."""
-    return write_checkpoint(TINY, tmp_path_factory.mktemp("tiny_ckpt") / "ckpt", seed=0, shards=2)
+    """A tiny MiniMax-H3 repository (released mixed precision), seed 0, 2 transformer shards. Read-only: copy it
+    (copy_ckpt) before mutating."""
+    return write_repository(tmp_path_factory.mktemp("tiny_ckpt") / "ckpt", "tiny", seed=0, dtype="mixed", shards=2)
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Same config and sharding as `tiny_ckpt`, different weights (seed 1)."""
-    return write_checkpoint(TINY, tmp_path_factory.mktemp("tiny_ckpt_b") / "ckpt", seed=1, shards=2)
+    """Same config, precision and sharding as `tiny_ckpt`, different weights (seed 1)."""
+    return write_repository(tmp_path_factory.mktemp("tiny_ckpt_b") / "ckpt", "tiny", seed=1, dtype="mixed", shards=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset in float32 throughout, seed 0 (read-only)."""
+    return write_repository(tmp_path_factory.mktemp("tiny_f32") / "ckpt", "tiny", seed=0, dtype="float32", shards=2)
 
 
 # ----------------------------------------------------------------------------- CLI runners
@@ -59,16 +66,16 @@ def run_cli_proc() -> CliRunner:
 # ----------------------------------------------------------------------------- services
 @pytest.fixture(scope="session")
 def svc_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny preset, seed 0, one shard, for the service tests (read-only)."""
-    return write_checkpoint(TINY, tmp_path_factory.mktemp("svc_ckpt") / "tiny-ckpt-0", seed=0)
+    """The tiny preset (mixed precision), seed 0, one transformer shard, for the service tests (read-only)."""
+    return write_repository(tmp_path_factory.mktemp("svc_ckpt") / "tiny-ckpt-0", "tiny", seed=0, dtype="mixed", shards=1)
 
 
 @pytest.fixture(scope="session")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
     """A weights root with A (seed 0) and B (seed 1), two shards each. Never modify A or B; add directories."""
     root = tmp_path_factory.mktemp("upd") / "weights"
-    a = write_checkpoint(TINY, root / "A", seed=0, shards=2)
-    b = write_checkpoint(TINY, root / "B", seed=1, shards=2)
+    a = write_repository(root / "A", "tiny", seed=0, dtype="mixed", shards=2)
+    b = write_repository(root / "B", "tiny", seed=1, dtype="mixed", shards=2)
     return Weights(root, a, b)
 
 

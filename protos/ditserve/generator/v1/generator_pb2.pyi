@@ -10,7 +10,6 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TASK_UNSPECIFIED: _ClassVar[Task]
-    TASK_T2V: _ClassVar[Task]
     TASK_T2VA: _ClassVar[Task]
 
 class AdalnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -19,43 +18,36 @@ class AdalnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADALN_MODE_RESIDENT: _ClassVar[AdalnMode]
     ADALN_MODE_CACHED: _ClassVar[AdalnMode]
 TASK_UNSPECIFIED: Task
-TASK_T2V: Task
 TASK_T2VA: Task
 ADALN_MODE_UNSPECIFIED: AdalnMode
 ADALN_MODE_RESIDENT: AdalnMode
 ADALN_MODE_CACHED: AdalnMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "negative_prompt", "steps", "flow_shift", "audio_flow_shift", "guidance_scale", "seed", "frames", "height", "width", "audio_length", "expected_generation")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
-    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
-    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
-    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
-    AUDIO_LENGTH_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
-    negative_prompt: str
-    steps: int
+    num_inference_steps: int
     flow_shift: float
     audio_flow_shift: float
-    guidance_scale: float
     seed: int
-    frames: int
+    num_frames: int
     height: int
     width: int
-    audio_length: int
     expected_generation: int
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., audio_length: _Optional[int] = ..., expected_generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -227,7 +219,7 @@ class SlabGeometry(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset")
+    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +231,8 @@ class GetStatusResponse(_message.Message):
     SLAB_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     MODEL_PRESET_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     generation: int
     weights_path: str
     fingerprint: str
@@ -250,4 +244,20 @@ class GetStatusResponse(_message.Message):
     slab: SlabGeometry
     serving: bool
     model_preset: str
-    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ...) -> None: ...
+    memory: ModelMemory
+    precision: str
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ...) -> None: ...
+
+class ModelMemory(_message.Message):
+    __slots__ = ("transformer_bytes", "plan_tensor_bytes", "held_plan_bytes", "saved_bytes", "saved_fraction")
+    TRANSFORMER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    transformer_bytes: int
+    plan_tensor_bytes: int
+    held_plan_bytes: int
+    saved_bytes: int
+    saved_fraction: float
+    def __init__(self, transformer_bytes: _Optional[int] = ..., plan_tensor_bytes: _Optional[int] = ..., held_plan_bytes: _Optional[int] = ..., saved_bytes: _Optional[int] = ..., saved_fraction: _Optional[float] = ...) -> None: ...

@@ -1,4 +1,4 @@
-"""Tiny MiniMax-H3 repositories written by ditcore.h3.repo load with diffusers' and transformers' own classes,
+"""Tiny MiniMax-H3 repositories written by ditcore.repo load with diffusers' and transformers' own classes,
 in the released dtypes, and are deterministic for a seed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.h3.repo import COMPONENTS, PRESETS, PresetError, figures, write_repository
+from ditcore.repo import COMPONENTS, PRESETS, PresetError, figures, write_repository
 
 SUBDIRS = sorted(COMPONENTS)
 

@@ -1,21 +1,21 @@
-"""Oracle tests for ditcore.h3.pipeline: its resident and cached t2va loops give torch.equal latents to diffusers' own
+"""Oracle tests for ditcore.pipeline: its resident and cached t2va loops give torch.equal latents to diffusers' own
 MiniMax-H3 pipeline called directly on the same tiny repository, in float32 and in the released mixed precision."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from oracle import ReferenceProcessor, diffusers_latents
 
-from ditcore.h3.pipeline import (
-    H3Request,
+from ditcore.pipeline import (
     NotCachedError,
-    PlanKey,
     PlanKeyMismatchError,
+    ScheduleKeys,
     TextOnlyProcessor,
     generate_latents,
     load_pipeline,
@@ -23,37 +23,16 @@ from ditcore.h3.pipeline import (
     plan_keys,
     use_cached_transformer,
 )
-from ditcore.h3.plans import PageLayout, build_pages, plan_inputs, safetensors_layer_loader
-from ditcore.h3.repo import write_repository
+from ditcore.plans import PageLayout, PlanKey, build_pages, plan_inputs, safetensors_layer_loader
+from ditcore.repo import write_repository
+from ditcore.request import GenerationRequest
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 DTYPES = ("float32", "mixed")
-LOAD_DTYPES: dict[str, Any] = {
-    "float32": torch.float32,
-    "mixed": {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "default": torch.float32},
-}
-REQUEST = H3Request("a red fox runs through the snow", num_inference_steps=4, seed=7, height=32, width=32,
-                    num_frames=124)  # fmt: skip
-
-
-class ReferenceProcessor:
-    """The test's own reading of ProcessorMixin.create_mm_token_type_ids for Qwen3-VL (1 image pad, 2 video pad)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        self.video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-
-    def create_mm_token_type_ids(self, input_ids: list[Any]) -> list[list[int]]:
-        out = []
-        for ids in input_ids:
-            arr = np.array(list(ids))
-            types = np.zeros_like(arr)
-            types[arr == self.image] = 1
-            types[arr == self.video] = 2
-            out.append(types.tolist())
-        return out
+REQUEST = GenerationRequest(prompt="a red fox runs through the snow", num_inference_steps=4, seed=7, height=32,
+                            width=32, num_frames=124)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -63,26 +42,11 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def diffusers_reference(repo: Path, dtype: str) -> tuple[torch.Tensor, torch.Tensor, list[PlanKey]]:
-    """diffusers' t2va pipeline called directly (the recipe of the H3 groundwork scripts): latents and the keys
-    its transformer received."""
-    blocks = diffusers.MiniMaxH3Blocks()
-    blocks.sub_blocks.pop("decode")
-    pipe = diffusers.MiniMaxH3ModularPipeline(blocks=blocks.get_workflow("t2va"), pretrained_model_name_or_path=repo)
-    names = [n for n in pipe.pretrained_component_names if n != "processor"]
-    pipe.load_components(names=names, dtype=LOAD_DTYPES[dtype])
-    pipe.update_components(processor=ReferenceProcessor(pipe.tokenizer))
-    pipe.scheduler.set_shift(REQUEST.flow_shift)
-    pipe.audio_scheduler.set_shift(REQUEST.audio_flow_shift)
-    seen: list[PlanKey] = []
-
-    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        seen.append(tuple(kwargs["timestep"].view(torch.int32).tolist()))
-
-    pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
-    out = pipe(prompt=REQUEST.prompt, height=REQUEST.height, width=REQUEST.width, num_frames=REQUEST.num_frames,
-               num_inference_steps=REQUEST.num_inference_steps, generator=torch.Generator("cpu").manual_seed(7),
-               output=["latents", "audio_latents"])  # fmt: skip
-    return out["latents"], out["audio_latents"], seen
+    """diffusers' t2va pipeline called directly (tests/oracle.py): latents and the keys its transformer received."""
+    r = REQUEST
+    video, audio, seen = diffusers_latents(repo, r.prompt, r.num_inference_steps, r.seed, r.height, r.width,
+                                           r.num_frames, r.flow_shift, r.audio_flow_shift)  # fmt: skip
+    return video, audio, [PlanKey(k) for k in seen]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +63,7 @@ def sidecar(repo: Path, pipe: Any) -> tuple[Any, list[int]]:
 
     def pages_for_step(i: int, key: PlanKey) -> torch.Tensor:
         built.append(i)
-        timestep = torch.tensor(key, dtype=torch.int32).view(torch.float32)
+        timestep = key.timesteps()
         temb = plan_inputs(pipe.transformer.time_proj, pipe.transformer.time_embedder, timestep)
         return build_pages(layout, temb, load)
 
@@ -129,16 +93,16 @@ def test_cached_equals_diffusers(repos: dict[str, Path], reference: dict[str, An
 def test_plan_keys_are_what_the_transformer_receives(repos: dict[str, Path], reference: dict[str, Any]) -> None:
     keys = plan_keys(load_pipeline(repos["float32"]), REQUEST)
     assert keys == reference["float32"][2]
-    assert [len(k) for k in keys] == [1] + [2] * (len(keys) - 1)
+    assert [k.width for k in keys] == [1] + [2] * (len(keys) - 1)
     for key in keys:
-        values = torch.tensor(key, dtype=torch.int32).view(torch.float32)
+        values = key.timesteps()
         assert torch.equal(values, values.sort().values) and plan_key(values) == key
-    assert keys[0] == (0,)  # the first step: video and audio both at t = 1 - sigma = 0.0
+    assert keys[0] == PlanKey((0,))  # the first step: video and audio both at t = 1 - sigma = 0.0
 
 
 def test_shift_changes_the_keys(repos: dict[str, Path]) -> None:
     pipe = load_pipeline(repos["float32"])
-    shifted = H3Request(**{**REQUEST.__dict__, "flow_shift": 5.0})
+    shifted = dataclasses.replace(REQUEST, flow_shift=5.0)
     assert plan_keys(pipe, shifted)[1] != plan_keys(pipe, REQUEST)[1]
 
 
@@ -167,3 +131,19 @@ def test_text_only_processor_runs_transformers_own_logic(repos: dict[str, Path])
     got = TextOnlyProcessor(tokenizer).create_mm_token_type_ids(ids)
     assert got == ReferenceProcessor(tokenizer).create_mm_token_type_ids(ids)
     assert sorted(set(got[0])) == [0, 1, 2] and set(got[1]) == {0}
+
+
+@pytest.mark.parametrize(
+    ("steps", "shift", "audio_shift"), [(4, 12.0, 3.0), (50, 12.0, 3.0), (7, 5.0, 5.0), (2, 1.0, 0.5), (13, 30.0, 1.0)]
+)
+def test_schedule_keys_mirror_the_set_timesteps_block(repos: dict[str, Path], steps: int, shift: float,
+                                                      audio_shift: float) -> None:  # fmt: skip
+    """ScheduleKeys (the schedulers alone, no text encoding) gives exactly the keys diffusers' own
+    MiniMaxH3SetTimestepsStep stages, for the release shifts and others (equal shifts collapse to width 1)."""
+    request = dataclasses.replace(REQUEST, num_inference_steps=steps, flow_shift=shift, audio_flow_shift=audio_shift)
+    pipe = load_pipeline(repos["float32"])
+    mirror = ScheduleKeys(repos["float32"])
+    assert mirror.keys(request) == plan_keys(pipe, request)
+    assert len(mirror.keys(request)) == steps - 1
+    if shift == audio_shift:
+        assert {k.width for k in mirror.keys(request)} == {1}

@@ -1,4 +1,4 @@
-"""Oracle tests for ditcore.h3.plans: pages equal diffusers' own projection outputs, and diffusers' transformer with
+"""Oracle tests for ditcore.plans: pages equal diffusers' own projection outputs, and diffusers' transformer with
 PlanLinear modules (resident copy or loaded without the plan tensors) is bit-identical to the unmodified one."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from ditcore.h3 import plans
-from ditcore.h3.plans import (
+from ditcore import plans
+from ditcore.plans import (
     PageLayout,
     PlanPages,
     build_pages,

@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.processing_utils import ProcessorMixin
 
-from ditcore.h3.plans import PlanLinear, PlanPages, load_transformer_without_adaln
+from .plans import PlanKey, PlanLinear, PlanPages, load_transformer_without_adaln
+from .request import GenerationRequest
 
-PlanKey = tuple[int, ...]
-"""One step's plan: the int32 bit patterns of the float32 distinct timesteps the transformer gets, ascending."""
 PagesForStep = Callable[[int, PlanKey], torch.Tensor]
 """(step index, plan key) -> that plan's pages, (len(key), page_numel) in the projections' dtype."""
 
-DTYPES = ("float32", "mixed")
+PRECISIONS = ("float32", "mixed")
 # load_components dtypes: "mixed" is the released precision (transformer and Qwen3-VL in bfloat16; from_pretrained
 # keeps the transformer's `_keep_in_fp32_modules` in float32); schedulers and the rest stay float32.
 _LOAD_DTYPES: dict[str, Any] = {
@@ -75,45 +74,9 @@ def _pad_token_id(tokenizer: Any, modality: str, default_token: str) -> int:
     return int(token_id) if token_id else int(tokenizer.convert_tokens_to_ids(token))
 
 
-@dataclass(frozen=True)
-class H3Request:
-    """One t2va request. H3's own rules (frame counts, durations, canvas) are checked by diffusers' layout block."""
-
-    prompt: str
-    """The text, presented verbatim (no chat template, no negative prompt: the checkpoint is guidance-distilled)."""
-    num_inference_steps: int
-    """Grid points of each schedule, as diffusers' `num_inference_steps`."""
-    seed: int
-    """Seeds the CPU generator the video then audio noise is drawn from."""
-    height: int
-    """Pixels; a multiple of the canvas multiple (32 for H3)."""
-    width: int
-    """Pixels; a multiple of the canvas multiple (32 for H3)."""
-    num_frames: int
-    """Frames at 24 fps, of the form 17n + 5."""
-    flow_shift: float = 12.0
-    """Video schedule shift; 12.0 is H3's release default."""
-    audio_flow_shift: float = 3.0
-    """Audio schedule shift; 3.0 is H3's release default."""
-
-    def __post_init__(self) -> None:
-        if self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
-
-    def pipeline_inputs(self) -> dict[str, Any]:
-        """The keyword inputs diffusers' t2va blocks take, without the generator."""
-        return {
-            "prompt": self.prompt,
-            "height": self.height,
-            "width": self.width,
-            "num_frames": self.num_frames,
-            "num_inference_steps": self.num_inference_steps,
-        }
-
-
 def _check_dtype(dtype: str) -> None:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {dtype!r}")
 
 
 def load_pipeline(repo: str | os.PathLike[str], dtype: str = "float32") -> Any:
@@ -132,6 +95,7 @@ def load_pipeline(repo: str | os.PathLike[str], dtype: str = "float32") -> Any:
     names = [n for n in pipe.pretrained_component_names if n != "processor"]
     pipe.load_components(names=names, dtype=_LOAD_DTYPES[dtype])
     pipe.update_components(processor=TextOnlyProcessor(pipe.tokenizer))
+    pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
@@ -149,13 +113,11 @@ def use_cached_transformer(pipe: Any, repo: str | os.PathLike[str], dtype: str =
 
 
 def plan_key(timestep: torch.Tensor) -> PlanKey:
-    """The key of the (T,) float32 distinct timesteps a forward receives: their int32 bit patterns, in order."""
-    if timestep.dtype != torch.float32 or timestep.ndim != 1:
-        raise ValueError(f"timestep must be 1-D float32, got {timestep.dtype} of shape {tuple(timestep.shape)}")
-    return tuple(int(b) for b in timestep.detach().cpu().view(torch.int32).tolist())
+    """The key of the (T,) float32 distinct timesteps a forward receives."""
+    return PlanKey.from_tensor(timestep)
 
 
-def _set_shifts(pipe: Any, request: H3Request) -> None:
+def _set_shifts(pipe: Any, request: GenerationRequest) -> None:
     # Set on the pipeline's own scheduler objects, which set_timesteps then reads: state shared by every call.
     pipe.scheduler.set_shift(request.flow_shift)
     pipe.audio_scheduler.set_shift(request.audio_flow_shift)
@@ -175,7 +137,7 @@ def _planning_blocks(pipe: Any) -> Any:
 
 
 @torch.no_grad()
-def plan_keys(pipe: Any, request: H3Request) -> list[PlanKey]:
+def plan_keys(pipe: Any, request: GenerationRequest) -> list[PlanKey]:
     """The plan key of every step, before the loop: runs diffusers' blocks up to set_timesteps on `pipe`.
 
     The inputs are staged into the state as ModularPipeline.__call__ does (given value, else the input's default);
@@ -195,6 +157,40 @@ def plan_keys(pipe: Any, request: H3Request) -> list[PlanKey]:
     return [plan_key(timestep) for timestep, _ in state.get("row_timestep_plan")]
 
 
+class ScheduleKeys:
+    """Every step's plan key of a t2va request from the repository's two schedulers alone: no text encoding, no
+    pipeline state, safe to call while another request denoises (admission, prefetch, capacity checks).
+
+    Mirrors MiniMaxH3SetTimestepsStep for t2va (no conditioning rows): each step's rows sit at the video timestep
+    (video and text rows) or the audio timestep, reduced by `torch.unique(sorted=True)`. Pinned to the block by a test
+    against `plan_keys`, which runs diffusers' own block. Results are memoised per (steps, shifts).
+    """
+
+    def __init__(self, repo: str | os.PathLike[str]) -> None:
+        from diffusers import MiniMaxH3Scheduler
+
+        root = os.fspath(repo)
+        self._video = MiniMaxH3Scheduler.from_pretrained(root, subfolder="scheduler")
+        self._audio = MiniMaxH3Scheduler.from_pretrained(root, subfolder="audio_scheduler")
+        self._lock = threading.Lock()
+        self._memo: dict[tuple[int, float, float], list[PlanKey]] = {}
+
+    def keys(self, request: GenerationRequest) -> list[PlanKey]:
+        """One key per transformer forward (num_inference_steps - 1 of them)."""
+        memo_key = (request.num_inference_steps, float(request.flow_shift), float(request.audio_flow_shift))
+        with self._lock:
+            if memo_key not in self._memo:
+                self._video.set_shift(request.flow_shift)
+                self._audio.set_shift(request.audio_flow_shift)
+                self._video.set_timesteps(request.num_inference_steps)
+                self._audio.set_timesteps(request.num_inference_steps)
+                self._memo[memo_key] = [
+                    PlanKey.from_timesteps(float(tv), float(ta))
+                    for tv, ta in zip(self._video.timesteps, self._audio.timesteps, strict=True)
+                ]
+            return list(self._memo[memo_key])
+
+
 def _plan_holder(transformer: Any) -> PlanPages:
     linear = transformer.norm_out.linear
     if not isinstance(linear, PlanLinear):
@@ -204,7 +200,7 @@ def _plan_holder(transformer: Any) -> PlanPages:
     return linear.holder
 
 
-def _run(pipe: Any, request: H3Request) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(pipe: Any, request: GenerationRequest) -> tuple[torch.Tensor, torch.Tensor]:
     _set_shifts(pipe, request)
     out = pipe(
         **request.pipeline_inputs(),
@@ -216,7 +212,7 @@ def _run(pipe: Any, request: H3Request) -> tuple[torch.Tensor, torch.Tensor]:
 
 def generate_latents(
     pipe: Any,
-    request: H3Request,
+    request: GenerationRequest,
     pages_for_step: PagesForStep | None = None,
     keys: Sequence[PlanKey] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

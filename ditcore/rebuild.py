@@ -24,18 +24,20 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from ditcore.h3.plans import PageLayout, is_plan_tensor, load_dtype, plan_inputs, read_tensor, shard_map
+from .plans import PageLayout, PlanKey, is_plan_tensor, load_dtype, plan_inputs, read_tensor, shard_map
 
 TIME_EMBEDDER = "time_embedder"
 # safetensors header dtype names -> torch dtypes a projection may be stored in
 _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
-PlanKeyLike = torch.Tensor | tuple[int, ...]
-"""(T,) float32 timesteps, or their float32 bit patterns read as int32 (`t.view(torch.int32).tolist()`)."""
+PlanKeyLike = PlanKey | torch.Tensor | tuple[int, ...]
+"""A PlanKey, (T,) float32 timesteps, or their float32 bit patterns (signed or unsigned 32-bit)."""
 
 
 def key_timesteps(key: PlanKeyLike, where: str = "key") -> torch.Tensor:
     """A key as the (T,) float32 timestep tensor the transformer receives; ValueError naming `where` if invalid."""
+    if isinstance(key, PlanKey):
+        key = key.bits
     if isinstance(key, torch.Tensor):
         if key.dtype != torch.float32 or key.ndim != 1:
             raise ValueError(

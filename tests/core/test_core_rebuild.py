@@ -1,4 +1,4 @@
-"""Oracle tests for ditcore.h3.rebuild: one streamed pass builds every key's pages bit for bit as diffusers' fully
+"""Oracle tests for ditcore.rebuild: one streamed pass builds every key's pages bit for bit as diffusers' fully
 loaded MiniMaxH3Transformer3DModel computes its adaln_proj / norm_out rows, reading each plan tensor once and no
 tensor outside the plan and the time embedder."""
 
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from ditcore.h3 import plans, rebuild
-from ditcore.h3.plans import PageLayout, build_pages, is_plan_tensor, plan_inputs, shard_map
-from ditcore.h3.rebuild import PlanBuilder, key_timesteps, plan_tensor_names
-from ditcore.h3.repo import write_repository
+from ditcore import plans, rebuild
+from ditcore.plans import PageLayout, build_pages, is_plan_tensor, plan_inputs, shard_map
+from ditcore.rebuild import PlanBuilder, key_timesteps, plan_tensor_names
+from ditcore.repo import write_repository
 
 diffusers = pytest.importorskip("diffusers")
 

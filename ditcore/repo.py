@@ -137,6 +137,19 @@ def get_preset(name: str) -> H3Preset:
     return PRESETS[name]
 
 
+def preset_of(transformer_config: dict[str, Any]) -> str:
+    """The preset whose transformer arguments `transformer_config` has ("h3" = the released shapes), else "custom"."""
+    for name, p in PRESETS.items():
+        want = p.transformer_kwargs()
+        if all(_same(transformer_config.get(k), v) for k, v in want.items()):
+            return name
+    return "custom"
+
+
+def _same(a: Any, b: Any) -> bool:
+    return list(a) == list(b) if isinstance(b, tuple) and isinstance(a, (list, tuple)) else bool(a == b)
+
+
 @dataclass(frozen=True)
 class H3Figures:
     """Sizes of a preset's transformer, counted on the meta device (nothing is allocated)."""

@@ -13,10 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ditcore.checkpoint import CheckpointError, CheckpointNotFoundError
-from ditcore.h3.checkpoint import repository_changed_files, validate_repository
-from ditcore.h3.plans import INDEX_FILE, SINGLE_FILE, is_plan_tensor
-from ditcore.h3.repo import write_repository
+from ditcore.checkpoint import CheckpointError, CheckpointNotFoundError, changed_since, validate_checkpoint
+from ditcore.plans import INDEX_FILE, SINGLE_FILE, is_plan_tensor
+from ditcore.repo import write_repository
 
 TR = "transformer"
 BLOCK_WEIGHT = "transformer_blocks.1.attn.to_q.weight"  # bf16 in mixed, outside _keep_in_fp32_modules
@@ -63,7 +62,7 @@ def write_index(repo: Path, wm: dict[str, str]) -> None:
 def refused(repo: Path, *names: str, require_adaln: bool = True) -> str:
     """Validation fails and the message names every one of `names`."""
     with pytest.raises(CheckpointError) as e:
-        validate_repository(repo, require_adaln=require_adaln)
+        validate_checkpoint(repo, require_adaln=require_adaln)
     msg = str(e.value)
     for n in names:
         assert n in msg, f"{n!r} not named in: {msg}"
@@ -72,23 +71,23 @@ def refused(repo: Path, *names: str, require_adaln: bool = True) -> str:
 
 @pytest.mark.parametrize("dtype", ["float32", "mixed"])
 def test_valid_repository(repos: dict[str, Path], dtype: str, tmp_path: Path) -> None:
-    info = validate_repository(repos[dtype])
+    info = validate_checkpoint(repos[dtype])
     assert info.has_adaln
     assert info.projection_dtype == (torch.float32 if dtype == "float32" else torch.bfloat16)
     assert info.layout.num_layers == info.transformer_config["num_layers"] == 3
-    assert validate_repository(repos[dtype]).fingerprint == info.fingerprint
-    assert repository_changed_files(info) == []
+    assert validate_checkpoint(repos[dtype]).fingerprint == info.fingerprint
+    assert changed_since(info) == []
     covered = set(info.digests)
     assert "model_index.json" in covered and f"{TR}/{INDEX_FILE}" in covered and f"{TR}/config.json" in covered
     assert {"scheduler/scheduler_config.json", "text_encoder/model.safetensors", "tokenizer/tokenizer.json",
             "vae/diffusion_pytorch_model.safetensors", "audio_vae/config.json"} <= covered  # fmt: skip
     assert "modular_model_index.json" not in covered  # it records the absolute path
     copy = Path(shutil.copytree(repos[dtype], tmp_path / "copy"))
-    assert validate_repository(copy).fingerprint == info.fingerprint  # the model, not where it lies
+    assert validate_checkpoint(copy).fingerprint == info.fingerprint  # the model, not where it lies
 
 
 def test_fingerprint_differs(repos: dict[str, Path]) -> None:
-    fps = {validate_repository(repos[k]).fingerprint for k in ("float32", "mixed", "seed1")}
+    fps = {validate_checkpoint(repos[k]).fingerprint for k in ("float32", "mixed", "seed1")}
     assert len(fps) == 3
 
 
@@ -101,7 +100,7 @@ def test_single_file_transformer(repo: Path) -> None:
         (repo / TR / fname).unlink()
     (repo / TR / INDEX_FILE).unlink()
     save_file(tensors, str(repo / TR / SINGLE_FILE), metadata={"format": "pt"})
-    assert validate_repository(repo).has_adaln
+    assert validate_checkpoint(repo).has_adaln
     rewrite_shard(repo, f"{TR}/{SINGLE_FILE}", lambda t: t.pop(BLOCK_WEIGHT))
     refused(repo, f"{TR}/{SINGLE_FILE}", BLOCK_WEIGHT, "missing tensor")
 
@@ -109,7 +108,7 @@ def test_single_file_transformer(repo: Path) -> None:
 def test_missing_model_index(repo: Path) -> None:
     (repo / "model_index.json").unlink()
     with pytest.raises(CheckpointNotFoundError, match=r"model_index\.json"):
-        validate_repository(repo)
+        validate_checkpoint(repo)
 
 
 @pytest.mark.parametrize("component", ["vae", "audio_vae", "tokenizer", "processor"])
@@ -231,9 +230,9 @@ def test_stripped_plan_tensors_pass_only_in_cached_mode(repo: Path) -> None:
     write_index(repo, {t: f for t, f in wm.items() if not is_plan_tensor(t)})
     msg = refused(repo, f"{TR}/{INDEX_FILE}", "missing tensor")
     assert any(f"'{n}'" in msg for n in plan)
-    info = validate_repository(repo, require_adaln=False)
+    info = validate_checkpoint(repo, require_adaln=False)
     assert not info.has_adaln
-    assert info.projection_dtype == validate_repository(repo, require_adaln=False).projection_dtype
+    assert info.projection_dtype == validate_checkpoint(repo, require_adaln=False).projection_dtype
 
 
 def test_cached_mode_still_checks_present_plan_tensors(repo: Path) -> None:
@@ -244,7 +243,7 @@ def test_cached_mode_still_checks_present_plan_tensors(repo: Path) -> None:
 
 
 def test_in_place_edit_is_reported(repo: Path) -> None:
-    info = validate_repository(repo)
+    info = validate_checkpoint(repo)
     rel = shard_of(repo, BLOCK_WEIGHT)
     path = repo / rel
     size = path.stat().st_size
@@ -256,16 +255,16 @@ def test_in_place_edit_is_reported(repo: Path) -> None:
         fh.seek(8 + hlen + begin)
         fh.write(bytes(b ^ 0xFF for b in old))
     assert path.stat().st_size == size
-    assert repository_changed_files(info) == [rel]
-    assert validate_repository(repo).fingerprint != info.fingerprint
+    assert changed_since(info) == [rel]
+    assert validate_checkpoint(repo).fingerprint != info.fingerprint
 
 
 def test_changed_files_names_other_components(repo: Path) -> None:
-    info = validate_repository(repo)
+    info = validate_checkpoint(repo)
     cfg = repo / "audio_scheduler" / "scheduler_config.json"
     cfg.write_text(cfg.read_text().replace("3.0", "4.0"))
     (repo / "tokenizer" / "tokenizer_config.json").unlink()
-    assert repository_changed_files(info) == [
+    assert changed_since(info) == [
         "audio_scheduler/scheduler_config.json",
         "tokenizer/tokenizer_config.json",
     ]

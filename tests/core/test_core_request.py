@@ -1,0 +1,96 @@
+"""H3's request rules: every bad field raises RequestError naming the field and stating the rule; good ones pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import pytest
+
+from ditcore.request import (
+    MAX_FRAMES,
+    MIN_FRAMES,
+    GenerationRequest,
+    RequestError,
+    RequestLimits,
+)
+
+GOOD = GenerationRequest(prompt="a red fox")
+
+
+def test_defaults_are_a_valid_t2va_request() -> None:
+    req = GOOD.validate()
+    assert (req.task, req.num_inference_steps, req.flow_shift, req.audio_flow_shift) == ("t2va", 50, 12.0, 3.0)
+    assert (req.height, req.width, req.num_frames, req.steps) == (32, 32, 124, 49)
+
+
+def test_frame_range_is_five_to_fifteen_seconds_of_17n_plus_5() -> None:
+    assert (MIN_FRAMES, MAX_FRAMES) == (124, 345)
+    for frames in (124, 141, 345):
+        dataclasses.replace(GOOD, num_frames=frames).validate()
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "needle"),
+    [
+        ({"num_frames": 125}, "num_frames", "17n + 5"),
+        ({"num_frames": 107}, "num_frames", "5 to 15 seconds"),
+        ({"num_frames": 362}, "num_frames", "124, 141, ..., 345"),
+        ({"height": 48}, "height", "multiple of 32"),
+        ({"width": 0}, "width", "multiple of 32"),
+        ({"height": 32, "width": 160}, "width", "1:4 and 4:1"),
+        ({"height": 160, "width": 32}, "width", "1:4 and 4:1"),
+        ({"height": 8192}, "height", "[32, 4096]"),
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": "   "}, "prompt", "must not be empty"),
+        ({"prompt": "é" * 8193}, "prompt", "16386 bytes; allowed at most 16384"),
+        ({"num_inference_steps": 1}, "num_inference_steps", "[2, 1000]"),
+        ({"num_inference_steps": 1001}, "num_inference_steps", "[2, 1000]"),
+        ({"flow_shift": 0.0}, "flow_shift", "(0, 1000]"),
+        ({"audio_flow_shift": float("nan")}, "audio_flow_shift", "finite"),
+        ({"flow_shift": float("inf")}, "flow_shift", "finite"),
+        ({"seed": -1}, "seed", "[0, 2^63-1]"),
+        ({"seed": 2**63}, "seed", "[0, 2^63-1]"),
+        ({"task": "t2v"}, "task", "allowed: t2va"),
+        ({"task": "fl2va"}, "task", "media inputs"),
+        ({"request_id": "bad id"}, "request_id", "1-128 characters"),
+        ({"num_frames": "124"}, "num_frames", "wrong type"),
+        ({"flow_shift": True}, "flow_shift", "wrong type"),
+    ],
+)
+def test_bad_field_names_field_and_rule(change: dict[str, Any], field: str, needle: str) -> None:
+    with pytest.raises(RequestError) as info:
+        dataclasses.replace(GOOD, **change).validate()
+    assert info.value.field == field
+    assert needle in str(info.value), str(info.value)
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_operator_limits_are_tighter_and_named() -> None:
+    limits = RequestLimits(max_num_frames=141, max_height=64, max_width=64, max_prompt_bytes=4)
+    dataclasses.replace(GOOD, prompt="fox", num_frames=141, height=64, width=64).validate(limits)
+    for change, field, needle in [
+        ({"num_frames": 158}, "num_frames", "at most 141 on this server"),
+        ({"height": 96}, "height", "[32, 64]"),
+        ({"width": 96}, "width", "[32, 64]"),
+        ({"prompt": "a red fox"}, "prompt", "at most 4 bytes"),
+    ]:
+        with pytest.raises(RequestError, match=re.escape(needle)) as info:
+            dataclasses.replace(GOOD, **{"prompt": "fox", **change}).validate(limits)
+        assert info.value.field == field
+
+
+def test_from_dict_takes_defaults_and_refuses_unknown_keys() -> None:
+    req = GenerationRequest.from_dict({"prompt": "p", "num_frames": 141}, defaults=GOOD)
+    assert (req.prompt, req.num_frames, req.num_inference_steps) == ("p", 141, 50)
+    for gone in ("guidance_scale", "negative_prompt", "steps", "frames", "audio_length"):
+        with pytest.raises(RequestError, match="unknown field") as info:
+            GenerationRequest.from_dict({gone: 1})
+        assert info.value.field == gone
+
+
+def test_pipeline_inputs_are_what_diffusers_blocks_take() -> None:
+    assert GOOD.pipeline_inputs() == {
+        "prompt": "a red fox", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 50,
+    }  # fmt: skip
