@@ -98,18 +98,17 @@ class CacheStats:
 
 class PlanCache:
     def __init__(self, config: CacheConfig, source: RebuildSource, generation: int = 0) -> None:
-        mc = source.config
         self.config = config
         self.generation = generation
         self.device = torch.device(config.device)
         self.memory = SlabMemory(
-            config.gpu_plans, config.plan_width, mc.page_numel, mc.torch_dtype, config.device, config.shm_dir
+            config.gpu_plans, config.plan_width, source.page_numel, source.dtype, config.device, config.shm_dir
         )
         self.slab = self.memory.slab  # (S, W, P)
         self.table = self.memory.table  # (S, ROW_WORDS + W) int64
         self.copier = Copier(self.device)
         self._pages = SlabPages(self.slab, self.copier)
-        self._host = HostMemoryTier.allocate(config, mc, self.device)
+        self._host = HostMemoryTier.allocate(config, source.page_numel, source.dtype, self.device)
         self._rebuild = RebuildTier(source)
         # Asked in order for a group's missing plans; the last one holds every plan.
         self.tiers: list[Tier] = [self._host, self._rebuild]
@@ -212,8 +211,9 @@ class PlanCache:
         locks, before anything changes (the sidecar persists the new generation there);
         if it raises, nothing changes.
         """
-        if source.config.replace(preset=self.source.config.preset) != self.source.config:
-            raise PlanCacheError("retarget: the new checkpoint's config differs from the slab's geometry")
+        mismatch = self.source.geometry_mismatch(source)
+        if mismatch is not None:
+            raise PlanCacheError(f"retarget: the new checkpoint does not fit the slab ({mismatch})")
         with self._prepare_lock, self._state:
             if self._leases:
                 raise CacheBusyError(f"cannot retarget: {len(self._leases)} lease(s) still held")
@@ -247,7 +247,7 @@ class PlanCache:
                 generation=self.generation,
                 num_slots=self.config.gpu_plans,
                 slot_width=self.config.plan_width,
-                page_bytes=self.source.config.page_bytes,
+                page_bytes=self.source.page_bytes,
                 slots_ready=len(self._lru),
                 slots_leased=sum(1 for p in self._pins if p > 0),
                 leases_held=len(self._leases),

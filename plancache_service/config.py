@@ -19,8 +19,9 @@ class CacheConfig:
     """Slots in the slab (`--gpu-plans`): plans resident at once. 128 holds two 50-step
     schedules plus a third's worth of headroom, so two alternating schedules never thrash."""
     plan_width: int = flag(2, "pages per slot (default %(default)s)", low=1, high=16)
-    """Pages per slot (`--plan-width`): the widest plan accepted. t2va with distinct video and
-    audio shifts needs 2; t2v needs 1."""
+    """Pages per slot (`--plan-width`): the widest plan accepted. A MiniMax-H3 t2va step has 2 distinct
+    timesteps (video and text rows at the video one, audio rows at the audio one) unless they coincide
+    (the first step, or equal shifts); ditcore.plans.MAX_PLAN_WIDTH bounds every task."""
     host_cache_bytes: int = flag(
         8 * GB, "host tier cap, 0 = off (default %(default)s)", name="--host-cache-gb", scale=GB, flag_type=float, low=0
     )
@@ -43,8 +44,9 @@ class CacheConfig:
 class SidecarConfig:
     """Everything `ditserve plancache` is started with."""
 
-    checkpoint: Path = field(metadata=flag_metadata("checkpoint directory (the rebuild source)"))
-    """Checkpoint plans are rebuilt from (needs native adaln_proj tensors)."""
+    checkpoint: Path = field(metadata=flag_metadata("MiniMax-H3 repository directory (the rebuild source)"))
+    """The diffusers MiniMax-H3 repository plans are built from; its transformer must hold its native
+    adaln_proj and norm_out.linear tensors (a repository stripped for cached generators is refused)."""
     cache: CacheConfig
     """Slab and host-tier capacity and placement (its flags join `ditserve plancache`'s)."""
     address: str

@@ -2,7 +2,7 @@
 
 This is the one module of the cache that touches device memory and `torch.cuda`.
 
-- Slab: `[num_slots, width, page_numel]` in the model dtype, allocated once, never moved.
+- Slab: `[num_slots, width, page_numel]` in the checkpoint's projection dtype, allocated once, never moved.
   `cpu`: a file in /dev/shm (mode 0600, random name, unlinked on close) mapped shared;
   `cuda`: device memory (exported by CUDA IPC handle, see `export_ipc`).
 - Slot table: int64 `[num_slots, ROW_WORDS + width]` in host shared memory (always a file),
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ditcore.config import DTYPES
+from ditcore.plans import dtype_name
 from ditruntime.slab import ROW_WORDS, SlabDescriptor, device_uuid
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,6 @@ def _unlink_all(paths: list[str]) -> None:
     for p in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 class SlabMemory:
@@ -83,7 +79,7 @@ class SlabMemory:
             table_path=table_path,
             slab_bytes=numel * elem,
             table_bytes=table_numel * 8,
-            dtype=_dtype_name(dtype),
+            dtype=dtype_name(dtype),
             num_slots=num_slots,
             width=width,
             page_numel=page_numel,

@@ -1,5 +1,8 @@
 """Embedded use of the cache core: a ditcore `PlanProvider` backed by an in-process PlanCache.
 
+`ditcore.model.generate(model, request, EmbeddedPlanProvider(cache))` runs a cached H3Model on the cache's pages:
+the slab must live on the model's device, in the checkpoint's projection dtype (the cache's rebuild source decides).
+
 `generate-local --adaln-mode cached` runs through this; the generator service uses the same
 slot-reading rule against the sidecar's slab instead.
 """
@@ -10,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ditcore.plans import StepPlan
+from ditcore.model import PlanLease
+from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
-from ditcore.sampler import PlanLease
 
 from .cache import Lease, PlanCache
 
@@ -42,6 +45,7 @@ class EmbeddedPlanProvider:
         self.cache = cache
         self.owner = owner
 
-    def acquire(self, steps: Sequence[StepPlan]) -> EmbeddedLease:
-        lease = self.cache.prepare(self.cache.generation, [s.key for s in steps], self.owner)
+    def acquire(self, keys: Sequence[PlanKey]) -> EmbeddedLease:
+        """Lease the pages of `keys` (one per step); `pages(i)` is step i's slot, (width, page_numel)."""
+        lease = self.cache.prepare(self.cache.generation, list(keys), self.owner)
         return EmbeddedLease(self.cache, lease)

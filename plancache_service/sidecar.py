@@ -19,14 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ditcore.checkpoint import CheckpointError, validate_checkpoint
+from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.faults import crash_point
 
 from .cache import CacheStats, Lease, PlanCache
 from .errors import CheckpointChangedError, SessionError, UpdateConflictError
-from .rebuild import RebuildSource
+from .rebuild import RebuildSource, open_checkpoint
 from .state import PersistedState, save_state
 
 log = logging.getLogger(__name__)
@@ -152,19 +152,23 @@ class Sidecar:
 
     # ---------------------------------------------------------------- weight updates
     def prepare_update(self, from_generation: int, weights_path: str) -> RebuildSource:
-        """Validate a new rebuild source (native adaln_proj present, same geometry). Serves on."""
+        """Validate a new rebuild source: a MiniMax-H3 repository with native adaln_proj whose transformer config and
+        precision match the served one (`CheckpointInfo.incompatibility`). Changes nothing served."""
         with self._update_lock:
             if from_generation != self.cache.generation:
                 raise GenerationMismatchError(self.cache.generation, from_generation, field="from_generation")
             if self._pending is not None:
                 raise UpdateConflictError(f"an update to {self._pending.path} is already prepared; commit or abort it")
-            info = validate_checkpoint(weights_path, require_adaln=True)
-            current = self.cache.source.config
-            if info.config.replace(preset=current.preset) != current:
-                raise CheckpointError(
-                    f"{weights_path}/config.json: incompatible with the served model (shapes or dtype differ)"
-                )
-            self._pending = RebuildSource(info, self.cache.device, probe=self.cache.source.probe)
+            try:
+                info = open_checkpoint(weights_path)
+                reason = self.cache.source.info.incompatibility(info)
+                if reason is not None:
+                    raise CheckpointError(f"{weights_path}: {reason}")
+                self._pending = RebuildSource(info, self.cache.source.device)
+            except CheckpointError as e:
+                self.update_outcomes.refused += 1
+                log.warning("refused weight update to %s: %s", weights_path, e)
+                raise
             self.update_outcomes.prepared += 1
             log.info("prepared weight update to %s (fingerprint %s)", weights_path, info.fingerprint[:16])
             return self._pending

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ditcore.config import DiTConfig
 from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
 
@@ -63,7 +62,7 @@ class TierFill:
 class SlabPages:
     """The slab as the tiers see it: its pages and the copy engine that writes them."""
 
-    slab: torch.Tensor  # (S, W, P) model dtype
+    slab: torch.Tensor  # (S, W, P) in the checkpoint's projection dtype
     copier: Copier
 
     @property
@@ -124,9 +123,10 @@ class HostMemoryTier(Tier):
         self.pinned = pinned
 
     @classmethod
-    def allocate(cls, config: CacheConfig, model: DiTConfig, device: torch.device) -> HostMemoryTier:
-        pages = host_tier_pages(config, model.page_bytes)
-        buf = allocate_host_pages(pages, model.page_numel, model.torch_dtype, pin=device.type == "cuda")
+    def allocate(cls, config: CacheConfig, page_numel: int, dtype: torch.dtype, device: torch.device) -> HostMemoryTier:
+        """A tier of `page_numel`-element pages in `dtype` (the slab's), as many as the byte cap allows."""
+        pages = host_tier_pages(config, page_numel * dtype.itemsize)
+        buf = allocate_host_pages(pages, page_numel, dtype, pin=device.type == "cuda")
         return cls(HostTier(buf.pages), buf.pinned)
 
     def holds_all(self, keys: Sequence[PlanKey]) -> bool:
@@ -170,7 +170,8 @@ class HostMemoryTier(Tier):
 
 # ---------------------------------------------------------------------------- rebuild
 class RebuildTier(Tier):
-    """The checkpoint: holds every plan; one pass builds a whole group (`RebuildSource.build`)."""
+    """The repository: holds every plan; one streamed pass builds a whole group (`RebuildSource.build`), one GEMM
+    per plan written straight into its slot."""
 
     name = "rebuild"
 

@@ -1,5 +1,5 @@
-"""Fixtures of the plan-cache core tests: one rebuild source and bit-exact reference per test
-module over the tiny checkpoint, and a factory of caches closed at teardown."""
+"""Fixtures of the plan-cache tests: plan keys from the tiny repository's own schedulers, one rebuild source and one
+diffusers oracle per module over `tiny_ckpt` (mixed precision), and a factory of caches closed at teardown."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from plancache_helpers import CPU, MakeCache, Reference, cache_factory
+from plancache_helpers import CPU, DiffusersPages, MakeCache, cache_factory, use_schedulers
 
 from plancache_service.rebuild import RebuildSource
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _schedulers(tiny_ckpt: Path) -> None:
+    """`Sched.plan_keys()` reads the schedulers of `tiny_ckpt` (every tiny repository has H3's)."""
+    use_schedulers(tiny_ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +24,8 @@ def source(tiny_ckpt: Path) -> RebuildSource:
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_ckpt: Path, source: RebuildSource) -> Reference:
-    return Reference(tiny_ckpt, source)
+def ref(tiny_ckpt: Path) -> DiffusersPages:
+    return DiffusersPages(tiny_ckpt)
 
 
 @pytest.fixture

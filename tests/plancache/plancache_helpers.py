@@ -1,55 +1,88 @@
-"""Shared helpers for the plan-cache tests: schedules, cache construction, expected-state checks.
+"""Shared helpers for the plan-cache tests: schedules, cache construction, expected-state checks, and the oracle.
 
-Imported by tests/test_plancache_*.py (pytest puts tests/ on sys.path). Kept separate from
-conftest.py on purpose: these are plain functions, fixtures live in the test modules.
+Imported by tests/plancache/test_plancache_*.py (their conftest puts this directory on sys.path). Kept apart from
+conftest.py on purpose: these are plain functions and classes; fixtures live in conftest.py.
+
+Schedules are real MiniMax-H3 t2va schedules: a `Sched` is a request's step count and shifts, and its plan keys are
+what `H3Model.plan_keys` gives (ditcore.pipeline.ScheduleKeys over the tiny repository's own schedulers). Each step's
+key is the float32 bits of its distinct timesteps: width 1 at the first step (t = 0 for video and audio) and
+wherever the two shifts agree, width 2 elsewhere. The oracle (`DiffusersPages`) is diffusers' own transformer.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ditcore.checkpoint import validate_checkpoint
-from ditcore.config import get_preset
-from ditcore.local_plans import LocalPlanProvider
-from ditcore.plans import PlanKey, ScheduleSpec, StepPlan, distinct_keys
+from ditcore.pipeline import ScheduleKeys
+from ditcore.plans import PageLayout, PlanKey, distinct_keys
+from ditcore.repo import get_preset
+from ditcore.request import GenerationRequest
 from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, EMPTY, READY, ROW_WORDS
 from plancache_service.cache import Lease, PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.rebuild import RebuildSource
 
-TINY = get_preset("tiny")
-PAGE_BYTES = TINY.page_bytes
+_TINY = get_preset("tiny")
+TINY_LAYOUT = PageLayout(_TINY.num_layers, _TINY.hidden_size, _TINY.time_embed_dim)
+PAGE_BYTES = TINY_LAYOUT.page_bytes(torch.bfloat16)
+"""Bytes of one page of the tiny preset in the released mixed precision (`tiny_ckpt`): bfloat16 projections."""
 CPU = torch.device("cpu")
 
-# The seed's headline pair: two 50-step t2va schedules with different video shifts.
-# Each has 50 distinct plans (the first, t=1000, is width 1 and shared; the other 49 are width 2).
-T2VA_A = ScheduleSpec("t2va", 50, 5.0, 3.0)
-T2VA_B = ScheduleSpec("t2va", 50, 7.0, 3.0)
+
+# ---------------------------------------------------------------------------- schedules
+_SCHEDULERS: list[ScheduleKeys] = []
 
 
-def t2v(steps: int, shift: float) -> ScheduleSpec:
-    return ScheduleSpec("t2v", steps, shift, shift)
+def use_schedulers(repo: Path) -> None:
+    """Take plan keys from `repo`'s schedulers (conftest.py does this once per session, with `tiny_ckpt`)."""
+    _SCHEDULERS[:] = [ScheduleKeys(repo)]
 
 
-def t2va(steps: int, shift: float, audio_shift: float) -> ScheduleSpec:
-    return ScheduleSpec("t2va", steps, shift, audio_shift)
+@dataclass(frozen=True)
+class Sched:
+    """A t2va request's schedule: `forwards` transformer steps (num_inference_steps - 1) and the two shifts."""
+
+    forwards: int
+    shift: float
+    audio_shift: float
+
+    def request(self, **fields: Any) -> GenerationRequest:
+        return GenerationRequest(
+            num_inference_steps=self.forwards + 1, flow_shift=self.shift, audio_flow_shift=self.audio_shift, **fields
+        )
+
+    def plan_keys(self) -> list[PlanKey]:
+        assert _SCHEDULERS, "use_schedulers(repo) first (the plancache conftest does)"
+        return _SCHEDULERS[0].keys(self.request())
 
 
-# Three 4-step t2v schedules: 4 width-1 plans each; all three share the first plan (t=1000).
-X, Y, Z = t2v(4, 2.0), t2v(4, 4.0), t2v(4, 8.0)
+def sched(forwards: int, shift: float, audio_shift: float | None = None) -> Sched:
+    """A schedule; `audio_shift` defaults to `shift`, which makes every plan width 1."""
+    return Sched(forwards, shift, shift if audio_shift is None else audio_shift)
 
 
-def keys_of(spec: ScheduleSpec) -> list[PlanKey]:
+# The headline pair: two 20-step t2va schedules with different video shifts (same audio shift). Each has 20 distinct
+# plans: the first (t = 0, width 1) is shared, the other 19 are width 2.
+T2VA_A = sched(20, 5.0, 3.0)
+T2VA_B = sched(20, 7.0, 3.0)
+
+# Three 4-step schedules with equal shifts: 4 width-1 plans each; all three share the first plan (t = 0).
+X, Y, Z = sched(4, 2.0), sched(4, 4.0), sched(4, 8.0)
+
+
+def keys_of(spec: Sched) -> list[PlanKey]:
     return spec.plan_keys()
 
 
-def group_of(spec_or_keys: ScheduleSpec | Sequence[PlanKey]) -> tuple[PlanKey, ...]:
-    keys = spec_or_keys.plan_keys() if isinstance(spec_or_keys, ScheduleSpec) else spec_or_keys
+def group_of(spec_or_keys: Sched | Sequence[PlanKey]) -> tuple[PlanKey, ...]:
+    keys = spec_or_keys.plan_keys() if isinstance(spec_or_keys, Sched) else spec_or_keys
     return tuple(distinct_keys(keys))
 
 
@@ -57,6 +90,7 @@ def pages_needed(keys: Iterable[PlanKey]) -> int:
     return sum(k.width for k in set(keys))
 
 
+# ---------------------------------------------------------------------------- caches
 def make_cache(
     ckpt: Path | str | RebuildSource,
     *,
@@ -66,12 +100,12 @@ def make_cache(
     shm_dir: Path | str,
     generation: int = 0,
 ) -> PlanCache:
-    """A CPU PlanCache over the tiny checkpoint; the host tier holds `host_pages` pages."""
+    """A CPU PlanCache over a repository (or source); the host tier holds `host_pages` pages."""
     source = ckpt if isinstance(ckpt, RebuildSource) else RebuildSource(ckpt, CPU)
     config = CacheConfig(
         gpu_plans=gpu_plans,
         plan_width=plan_width,
-        host_cache_bytes=host_pages * source.config.page_bytes,
+        host_cache_bytes=host_pages * source.page_bytes,
         host_reserve_bytes=0,
         shm_dir=str(shm_dir),
     )
@@ -84,7 +118,7 @@ MakeCache = Callable[..., PlanCache]
 @contextlib.contextmanager
 def cache_factory(source: RebuildSource, shm_dir: Path) -> Iterator[MakeCache]:
     """make(gpu_plans=..., plan_width=2, host_pages=0, generation=0, source=...) -> a cache;
-    every cache made is closed on exit (the `make` fixture of the test_plancache_* modules)."""
+    every cache made is closed on exit (the `make` fixture)."""
     caches: list[PlanCache] = []
 
     def make(*, source: RebuildSource = source, **sizes: int) -> PlanCache:
@@ -99,12 +133,12 @@ def cache_factory(source: RebuildSource, shm_dir: Path) -> Iterator[MakeCache]:
             c.close()
 
 
-def prepare(cache: PlanCache, spec_or_keys: ScheduleSpec | Sequence[PlanKey], owner: str = "test") -> Lease:
-    keys = spec_or_keys.plan_keys() if isinstance(spec_or_keys, ScheduleSpec) else list(spec_or_keys)
+def prepare(cache: PlanCache, spec_or_keys: Sched | Sequence[PlanKey], owner: str = "test") -> Lease:
+    keys = spec_or_keys.plan_keys() if isinstance(spec_or_keys, Sched) else list(spec_or_keys)
     return cache.prepare(cache.generation, keys, owner)
 
 
-def run(cache: PlanCache, spec_or_keys: ScheduleSpec | Sequence[PlanKey], owner: str = "test") -> Lease:
+def run(cache: PlanCache, spec_or_keys: Sched | Sequence[PlanKey], owner: str = "test") -> Lease:
     """prepare + release; returns the lease (its report is what the request saw)."""
     lease = prepare(cache, spec_or_keys, owner)
     cache.release(lease.lease_id)
@@ -234,24 +268,78 @@ def assert_unchanged(cache: PlanCache, before: dict[str, Any]) -> None:
     assert same_bits(after["host_buffer"], before["host_buffer"])
 
 
-# ---------------------------------------------------------------------------- reference pages
-class Reference:
-    """Plan pages built by ditcore's own LocalPlanProvider (no cache involved)."""
+# ---------------------------------------------------------------------------- the oracle
+class DiffusersPages:
+    """A plan's pages as diffusers itself computes them: the reference every cached page is compared with.
 
-    def __init__(self, ckpt: Path | str, source: RebuildSource) -> None:
-        self._provider = LocalPlanProvider(validate_checkpoint(ckpt), source.time_embed)
+    Loads the repository's transformer with diffusers' own `MiniMaxH3Transformer3DModel.from_pretrained` (at the
+    repository's precision: bfloat16 with `_keep_in_fp32_modules` in float32 for mixed, float32 otherwise) and runs
+    its forward with `timestep` = the key's timesteps on a three-row packed sequence (one video, one text, one audio
+    row), hooking the outputs of every block's `adaln_proj.linear` and of `norm_out.linear`. A page row is those
+    outputs' row for one timestep, concatenated in block order: exactly the rows the forward's modulation reads.
+    Nothing of ditcore.plans / ditcore.rebuild is involved.
+    """
+
+    def __init__(self, repo: Path | str) -> None:
+        from diffusers import MiniMaxH3Transformer3DModel
+
+        info = validate_checkpoint(repo)
+        self.dtype = info.projection_dtype
+        self.model = MiniMaxH3Transformer3DModel.from_pretrained(
+            Path(repo) / "transformer", torch_dtype=info.projection_dtype
+        ).eval()
+        self.modules = [b.adaln_proj.linear for b in self.model.transformer_blocks] + [self.model.norm_out.linear]
+        self.forwards = 0
         self._pages: dict[PlanKey, torch.Tensor] = {}
 
+    def _inputs(self, timestep: torch.Tensor) -> dict[str, torch.Tensor]:
+        cfg = self.model.config
+        width = timestep.numel()
+        patch = cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
+        g = torch.Generator().manual_seed(0)
+        return {
+            "hidden_states": torch.randn(1, 1, patch, generator=g),
+            "audio_hidden_states": torch.randn(1, 1, cfg.audio_in_channels, generator=g),
+            "encoder_hidden_states": torch.randn(1, 1, cfg.text_dim, generator=g),
+            "timestep": timestep,
+            # rows: text, video, audio; the audio row reads the last timestep, the others the first
+            "timestep_indices": torch.tensor([0, 0, width - 1]),
+            "token_tags": torch.tensor([1, 0, 2]),
+            "position_ids": torch.zeros(3, 3, dtype=torch.long),
+            "video_indices": torch.tensor([1]),
+            "audio_indices": torch.tensor([2]),
+            "text_indices": torch.tensor([0]),
+        }
+
+    @torch.no_grad()
     def pages(self, key: PlanKey) -> torch.Tensor:
+        """(width, page_numel) in the projection dtype: diffusers' adaln_proj / norm_out.linear output rows."""
         if key not in self._pages:
-            lease = self._provider.acquire([StepPlan(key, 0, key.width - 1)])
-            self._pages[key] = lease.pages(0).clone()
+            captured: dict[int, torch.Tensor] = {}
+            hooks = [
+                m.register_forward_hook(lambda _m, _a, out, i=i: captured.__setitem__(i, out.detach().clone()))
+                for i, m in enumerate(self.modules)
+            ]
+            try:
+                self.model(**self._inputs(key.timesteps()))
+            finally:
+                for h in hooks:
+                    h.remove()
+            self.forwards += 1
+            assert sorted(captured) == list(range(len(self.modules))), "a projection did not run"
+            self._pages[key] = torch.cat([captured[i] for i in range(len(self.modules))], dim=1)
         return self._pages[key]
 
 
-def assert_slots_match_reference(cache: PlanCache, ref: Reference, keys: Iterable[PlanKey] | None = None) -> None:
-    """Every (given or resident) plan's slot pages equal the reference bit for bit."""
+def assert_slots_match_reference(cache: PlanCache, ref: DiffusersPages, keys: Iterable[PlanKey] | None = None) -> None:
+    """Every (given or resident) plan's slot pages equal diffusers' rows (torch.equal: bit for bit)."""
     for k in cache.resident_keys() if keys is None else keys:
         s = cache.slot_of(k)
         assert s is not None, f"{k} is not resident"
-        assert torch.equal(cache.slab[s, : k.width], ref.pages(k)), f"slot {s} of {k} differs from the reference"
+        assert torch.equal(cache.slab[s, : k.width], ref.pages(k)), f"slot {s} of {k} differs from diffusers"
+
+
+def assert_host_matches_reference(cache: PlanCache, ref: DiffusersPages) -> None:
+    """Every plan the host tier holds equals diffusers' rows."""
+    for k in cache.host.plan_keys():
+        assert torch.equal(torch.stack(cache.host.page_rows(k)), ref.pages(k)), f"host pages of {k} differ"

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.checkpoint import CheckpointReader, read_shard_header, write_checkpoint
-from ditcore.plans import PlanKey
+from ditcore.checkpoint import read_shard_header
+from ditcore.plans import PlanKey, is_plan_tensor
+from ditcore.rebuild import PlanBuilder
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.slab import (
     COL_STATE,
@@ -29,12 +30,11 @@ from plancache_service.rebuild import RebuildSource
 
 from plancache_helpers import (  # isort: skip
     CPU,
-    TINY,
     X,
     Y,
     Z,
+    DiffusersPages,
     MakeCache,
-    Reference,
     assert_slots_match_reference,
     assert_unchanged,
     check_invariants,
@@ -43,29 +43,30 @@ from plancache_helpers import (  # isort: skip
     prepare,
     run,
     same_bits,
+    sched,
     snapshot,
-    t2v,
-    t2va,
 )
 
 
 # ============================================================================ 7. failed rebuilds
-def _fail_nth_adaln_read(monkeypatch: pytest.MonkeyPatch, n: int) -> list[str]:
+def _fail_nth_plan_tensor_read(monkeypatch: pytest.MonkeyPatch, n: int) -> list[str]:
+    """The builder's n-th read of a plan tensor (adaln_proj / norm_out.linear) raises an I/O error."""
     calls: list[str] = []
-    real = CheckpointReader.adaln_layer
+    real = PlanBuilder._read
 
-    def flaky(self: CheckpointReader, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(prefix)
-        if len(calls) == n:
-            raise OSError(5, "injected I/O error", prefix)
-        return real(self, prefix)
+    def flaky(self: PlanBuilder, name: str) -> torch.Tensor:
+        if is_plan_tensor(name):
+            calls.append(name)
+            if len(calls) == n:
+                raise OSError(5, "injected I/O error", name)
+        return real(self, name)
 
-    monkeypatch.setattr(CheckpointReader, "adaln_layer", flaky)
+    monkeypatch.setattr(PlanBuilder, "_read", flaky)
     return calls
 
 
 def test_failed_rebuild_leaves_cache_consistent_and_retry_works(
-    make: MakeCache, ref: Reference, tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+    make: MakeCache, ref: DiffusersPages, tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, y = keys_of(X), keys_of(Y)
     for k in set(x) | set(y):
@@ -75,10 +76,10 @@ def test_failed_rebuild_leaves_cache_consistent_and_retry_works(
     x_pages = cache.slab.clone()
 
     with monkeypatch.context() as m:
-        calls = _fail_nth_adaln_read(m, 2)
+        calls = _fail_nth_plan_tensor_read(m, 2)  # block 0's adaln_proj bias, after its weight
         with pytest.raises(RebuildError) as ei:
             prepare(cache, Y)
-        assert len(calls) == 2
+        assert calls == ["transformer_blocks.0.adaln_proj.linear.weight", "transformer_blocks.0.adaln_proj.linear.bias"]
     assert str(tiny_ckpt) in str(ei.value) and "injected I/O error" in str(ei.value)
     assert isinstance(ei.value.__cause__, OSError)
 
@@ -96,17 +97,17 @@ def test_failed_rebuild_leaves_cache_consistent_and_retry_works(
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "overwrite"])
-def test_damaged_shard_fails_prepare_naming_the_file_and_recovers(make: MakeCache, tmp_path: Path, damage: str) -> None:
-    ckpt = write_checkpoint(TINY, tmp_path / "ckpt", seed=0, shards=2)
+def test_damaged_shard_fails_prepare_naming_the_file_and_recovers(
+    make: MakeCache, ref: DiffusersPages, tiny_ckpt: Path, tmp_path: Path, damage: str
+) -> None:
+    ckpt = Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))  # a private copy to damage
     source = RebuildSource(ckpt, CPU)
-    ref = Reference(ckpt, source)
     x, y = keys_of(X), keys_of(Y)
-    for k in set(x) | set(y):
-        ref.pages(k)
     cache = make(gpu_plans=7, source=source)
     run(cache, X)
 
-    shard = ckpt / source.info.weight_map["final_layer.adaln_proj.weight"]
+    tensor = "norm_out.linear.weight"  # the last projection a pass reads
+    shard = ckpt / "transformer" / source.builder.files[tensor]
     saved = tmp_path / "saved.safetensors"
     shutil.copy2(shard, saved)
     if damage == "truncate":
@@ -114,7 +115,7 @@ def test_damaged_shard_fails_prepare_naming_the_file_and_recovers(make: MakeCach
             fh.truncate(shard.stat().st_size - 64)
     elif damage == "overwrite":  # same size and header, different weights at the tensor's start
         hdr = read_shard_header(shard)
-        at = len(hdr.header_bytes) + hdr.tensors["final_layer.adaln_proj.weight"].begin
+        at = len(hdr.header_bytes) + hdr.tensors[tensor].begin
         with open(shard, "r+b") as fh:
             fh.seek(at)
             old = fh.read(16)
@@ -139,33 +140,41 @@ def test_damaged_shard_fails_prepare_naming_the_file_and_recovers(make: MakeCach
 
 
 # ============================================================================ 8. rejections
-def _bad_requests() -> list[tuple[str, list[PlanKey], int, type[Exception], list[str]]]:
+BadCase = tuple[str, int, type[Exception], list[str]]
+# (name, generation asked, error, words its message holds); the keys come from _bad_keys(name) at run time
+_BAD: list[BadCase] = [
+    ("too many plans", 3, PlanCapacityError, ["9 distinct plans", "at most 8", "--gpu-plans"]),
+    ("inf", 3, InvalidPlanRequestError, ["plan_keys[2]", "non-finite"]),
+    ("nan", 3, InvalidPlanRequestError, ["plan_keys[0]", "non-finite"]),
+    ("-inf", 3, InvalidPlanRequestError, ["plan_keys[1]"]),
+    ("empty", 3, InvalidPlanRequestError, ["plan_keys", "at least one"]),
+    ("repeated timestep", 3, InvalidPlanRequestError, ["distinct"]),
+    ("too many keys", 3, InvalidPlanRequestError, [str(MAX_KEYS)]),
+    ("old generation", 2, GenerationMismatchError, ["generation 2", "served generation 3"]),
+    ("new generation", 4, GenerationMismatchError, ["generation 4", "served generation 3"]),
+]
+
+
+def _bad_keys(name: str) -> list[PlanKey]:
     good = keys_of(X)
     inf, nan, ninf = PlanKey((0x7F800000,)), PlanKey((0x7FC00000,)), PlanKey((0xFF800000,))
-    return [
-        (
-            "too many plans",
-            keys_of(t2v(9, 3.0)),
-            3,
-            PlanCapacityError,
-            ["9 distinct plans", "at most 8", "--gpu-plans"],
-        ),
-        ("inf", [*good[:2], inf, good[3]], 3, InvalidPlanRequestError, ["plan_keys[2]", "non-finite"]),
-        ("nan", [nan], 3, InvalidPlanRequestError, ["plan_keys[0]", "non-finite"]),
-        ("-inf", [good[0], ninf], 3, InvalidPlanRequestError, ["plan_keys[1]"]),
-        ("empty", [], 3, InvalidPlanRequestError, ["plan_keys", "at least one"]),
-        ("repeated timestep", [PlanKey((good[1].bits[0], good[1].bits[0]))], 3, InvalidPlanRequestError, ["distinct"]),
-        ("too many keys", [good[0]] * (MAX_KEYS + 1), 3, InvalidPlanRequestError, [str(MAX_KEYS)]),
-        ("old generation", good, 2, GenerationMismatchError, ["generation 2", "served generation 3"]),
-        ("new generation", good, 4, GenerationMismatchError, ["generation 4", "served generation 3"]),
-    ]
+    return {
+        "too many plans": keys_of(sched(9, 3.0)),
+        "inf": [*good[:2], inf, good[3]],
+        "nan": [nan],
+        "-inf": [good[0], ninf],
+        "empty": [],
+        "repeated timestep": [PlanKey((good[1].bits[0], good[1].bits[0]))],
+        "too many keys": [good[0]] * (MAX_KEYS + 1),
+        "old generation": good,
+        "new generation": good,
+    }[name]
 
 
-@pytest.mark.parametrize("case", _bad_requests(), ids=lambda c: c[0])
-def test_rejected_requests_leave_every_plan_in_place(
-    make: MakeCache, case: tuple[str, list[PlanKey], int, type[Exception], list[str]]
-) -> None:
-    _, keys, generation, error, words = case
+@pytest.mark.parametrize("case", _BAD, ids=lambda c: c[0])
+def test_rejected_requests_leave_every_plan_in_place(make: MakeCache, case: BadCase) -> None:
+    name, generation, error, words = case
+    keys = _bad_keys(name)
     cache = make(gpu_plans=8, host_pages=8, generation=3)
     run(cache, X)
     held = prepare(cache, Y)
@@ -190,12 +199,12 @@ def test_plan_wider_than_slot_is_rejected_naming_plan_width(make: MakeCache) -> 
     run(cache, X)
     before = snapshot(cache)
     with pytest.raises(PlanCapacityError) as ei:
-        prepare(cache, t2va(4, 5.0, 3.0))
+        prepare(cache, sched(4, 5.0, 3.0))
     msg = str(ei.value)
     assert "--plan-width" in msg and "plan_keys[1]" in msg and "at most 1" in msg
     assert_unchanged(cache, before)
     # the same task with equal shifts has width-1 plans and is fine
-    assert run(cache, t2va(4, 5.0, 5.0)).report.built_plans == 3
+    assert run(cache, sched(4, 5.0, 5.0)).report.built_plans == 3
 
 
 def test_capacity_counts_distinct_plans_not_steps(make: MakeCache) -> None:

@@ -22,8 +22,8 @@ from plancache_helpers import (  # isort: skip
     X,
     Y,
     Z,
+    DiffusersPages,
     MakeCache,
-    Reference,
     assert_slots_match_reference,
     assert_unchanged,
     check_invariants,
@@ -31,8 +31,8 @@ from plancache_helpers import (  # isort: skip
     keys_of,
     prepare,
     run,
+    sched,
     snapshot,
-    t2va,
 )
 
 
@@ -43,7 +43,7 @@ def test_lru_evicts_least_recently_used_and_pure_hits_touch(make: MakeCache, tou
     cache = make(gpu_plans=7)  # exactly X u Y
     run(cache, X)
     run(cache, Y)
-    # Y's hit on t=1000 moved it to the end before Y's new plans were published
+    # Y's hit on t = 0 moved it to the end before Y's new plans were published
     expect(cache, resident=[*x[1:], x[0], *y[1:]], built_plans=7, slot_hit_plans=1)
 
     if touch_x:
@@ -61,7 +61,7 @@ def test_lru_evicts_least_recently_used_and_pure_hits_touch(make: MakeCache, tou
 
 
 # ============================================================================ 4. leases
-def test_leased_plans_are_never_evicted_with_two_concurrent_leases(make: MakeCache, ref: Reference) -> None:
+def test_leased_plans_are_never_evicted_with_two_concurrent_leases(make: MakeCache, ref: DiffusersPages) -> None:
     x, y = keys_of(X), keys_of(Y)
     cache = make(gpu_plans=8)  # X u Y = 7 plans, one slot free
     la = prepare(cache, X, owner="a")
@@ -130,11 +130,11 @@ def test_release_owner_and_unknown_leases(make: MakeCache) -> None:
     expect(cache, leases=0, slots_leased=0, resident=10)
 
 
-def test_concurrent_prepares_and_releases_keep_the_cache_consistent(make: MakeCache, ref: Reference) -> None:
+def test_concurrent_prepares_and_releases_keep_the_cache_consistent(make: MakeCache, ref: DiffusersPages) -> None:
     import random
     import threading
 
-    specs = [X, Y, Z, t2va(3, 5.0, 3.0), t2va(4, 7.0, 2.0)]
+    specs = [X, Y, Z, sched(3, 5.0, 3.0), sched(4, 7.0, 2.0)]
     cache = make(gpu_plans=10, host_pages=12)
     errors: list[BaseException] = []
     done = {"ok": 0, "busy": 0}

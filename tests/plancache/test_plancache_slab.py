@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.checkpoint import write_checkpoint
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.slab import (
     COL_GENERATION,
@@ -30,10 +29,11 @@ from plancache_service.rebuild import RebuildSource
 
 from plancache_helpers import (  # isort: skip
     CPU,
-    TINY,
     X,
     Y,
+    DiffusersPages,
     MakeCache,
+    assert_slots_match_reference,
     assert_unchanged,
     check_invariants,
     expect,
@@ -42,9 +42,14 @@ from plancache_helpers import (  # isort: skip
     make_cache,
     prepare,
     run,
+    sched,
     snapshot,
-    t2va,
 )
+
+
+@pytest.fixture(scope="module")
+def ref_b(tiny_ckpt_b: Path) -> DiffusersPages:
+    return DiffusersPages(tiny_ckpt_b)
 
 
 # ============================================================================ 6. invalidate
@@ -66,23 +71,26 @@ def test_invalidate_clears_both_tiers_and_refuses_while_leased(make: MakeCache) 
     expect(cache, resident=set(keys_of(X)), host_groups=[group_of(X)], built_plans=4 + 3 + 4)
 
 
-def test_retarget_drops_plans_and_bumps_generation(make: MakeCache, tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_retarget_drops_plans_and_bumps_generation(
+    make: MakeCache, tiny_ckpt_b: Path, tiny_ckpt_f32: Path, ref_b: DiffusersPages
+) -> None:
     cache = make(gpu_plans=8, generation=1)
     run(cache, X)
     lease = prepare(cache, Y)
-    other = RebuildSource(tiny_ckpt, CPU)
+    other = RebuildSource(tiny_ckpt_b, CPU)  # same transformer config and precision, other weights
     with pytest.raises(CacheBusyError):
         cache.retarget(other, 2)
     cache.release(lease.lease_id)
 
-    bad_cfg = TINY.replace(num_layers=3)
-    bad = RebuildSource(write_checkpoint(bad_cfg, tmp_path / "bad", seed=0), CPU)
+    f32 = RebuildSource(tiny_ckpt_f32, CPU)  # float32 pages do not fit a bfloat16 slab
     before = snapshot(cache)
-    with pytest.raises(PlanCacheError, match="config differs"):
-        cache.retarget(bad, 2)
+    with pytest.raises(PlanCacheError, match="does not fit the slab") as ei:
+        cache.retarget(f32, 2)
+    assert "torch.float32" in str(ei.value) and "torch.bfloat16" in str(ei.value)
     assert_unchanged(cache, before)
 
     cache.retarget(other, 2)
+    assert cache.source is other
     expect(cache, resident=[], generation=2)
     with pytest.raises(GenerationMismatchError):
         cache.prepare(1, keys_of(X), "old")
@@ -90,12 +98,13 @@ def test_retarget_drops_plans_and_bumps_generation(make: MakeCache, tiny_ckpt: P
     assert lease.report.built_plans == 4
     assert all(int(cache.table[s, COL_GENERATION]) == 2 for s in lease.slots)
     check_invariants(cache)
+    assert_slots_match_reference(cache, ref_b)  # the new weights' pages, not the old ones
 
 
 # ============================================================================ 9. slot table
 def test_slot_table_rows_describe_leased_plans_and_clear_on_invalidate(make: MakeCache) -> None:
     cache = make(gpu_plans=6, generation=5)
-    spec = t2va(4, 5.0, 3.0)
+    spec = sched(4, 5.0, 3.0)
     lease = prepare(cache, spec)
     assert {k.width for k in lease.keys} == {1, 2}
     for k, s in zip(lease.keys, lease.slots, strict=True):
@@ -141,7 +150,7 @@ def test_map_slab_gives_read_only_views_of_the_live_slab(make: MakeCache) -> Non
     cache = make(gpu_plans=6)
     desc = cache.memory.descriptor
     slab, table, maps = map_slab(desc)
-    run(cache, t2va(4, 5.0, 3.0))  # written after mapping: the views are shared, not copies
+    run(cache, sched(4, 5.0, 3.0))  # written after mapping: the views are shared, not copies
     assert slab.shape == cache.slab.shape and table.shape == cache.table.shape
     assert torch.equal(slab, cache.slab) and torch.equal(table, cache.table)
     assert int(table[:, COL_STATE].eq(READY).sum()) == 4
