@@ -1,11 +1,11 @@
-"""The `ditserve` command line: checkpoints, inspection and local generation.
+"""The `ditserve` command line: MiniMax-H3 repositories, inspection, local generation, services.
 
-    ditserve make-checkpoint --preset small --seed 0 --out ./ckpt
-    ditserve inspect ./ckpt            # or: ditserve inspect --preset h3
-    ditserve generate-local --checkpoint ./ckpt --adaln-mode cached --prompt "a cat"
+    ditserve make-checkpoint --preset tiny --seed 0 --out ./ckpt      # a diffusers repository, released precision
+    ditserve inspect ./ckpt            # or: ditserve inspect --preset h3 (the released figures)
+    ditserve generate-local --checkpoint ./ckpt --adaln-mode cached --prompt "a red fox"
 
-User errors (bad flags, bad request fields, corrupt checkpoints) exit with code 2 and a
-message naming the field or file; nothing is written.
+User errors (bad flags, bad request fields, corrupt repositories) exit with code 2 and a message naming the flag,
+field or file and the rule; nothing is written.
 """
 
 from __future__ import annotations
@@ -15,14 +15,23 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from ditcore import CheckpointError, ConfigError, RequestError
+from ditcore import CheckpointError, PresetError, RequestError
+from ditcore.repo import DTYPES as PRECISIONS
 from ditruntime.flags import add_flags
 from plancache_service.config import CacheConfig
 from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, PlanCapacityError
 
 from . import __version__
 from .bench.runner import add_bench_flags, cmd_bench
-from .commands import LOCAL_CACHE_FLAGS, UsageError, cmd_generate_local, cmd_inspect, cmd_make_checkpoint
+from .commands import (
+    LOCAL_CACHE_FLAGS,
+    MAX_SHARDS,
+    WRITABLE_PRESETS,
+    UsageError,
+    cmd_generate_local,
+    cmd_inspect,
+    cmd_make_checkpoint,
+)
 from .launcher import add_serve_flags, serve
 from .remote import add_client_flags, cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags
@@ -46,30 +55,53 @@ SERVICE_COMMANDS: dict[str, Callable[[list[str]], int]] = {"plancache": _plancac
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ditserve", description="Serve a DiT with an AdaLN plan cache.")
+    p = argparse.ArgumentParser(
+        prog="ditserve", description="Serve MiniMax-H3 with its AdaLN projections in a plan cache."
+    )
     p.add_argument("--version", action="version", version=f"ditserve {__version__}")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default %(default)s)")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        default="WARNING",
+        help="logging level (default %(default)s)",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    mk = sub.add_parser("make-checkpoint", help="write a deterministic random-init checkpoint")
-    mk.add_argument("--preset", required=True, help="tiny, small, bench or h3")
-    mk.add_argument("--seed", type=int, default=0, help="init seed (default %(default)s)")
+    mk = sub.add_parser("make-checkpoint", help="write a MiniMax-H3 diffusers repository with random weights")
+    mk.add_argument("--preset", required=True, help=f"one of {', '.join(WRITABLE_PRESETS)}")
+    mk.add_argument("--seed", type=int, default=0, help="init seed in [0, 2^63-1] (default %(default)s)")
     mk.add_argument("--out", required=True, help="output directory")
-    mk.add_argument("--shards", type=int, default=1, help="number of .safetensors shards (default %(default)s)")
-    mk.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the preset's")
-    mk.add_argument("--force", action="store_true", help="overwrite a non-empty --out directory")
+    mk.add_argument(
+        "--dtype",
+        choices=PRECISIONS,
+        default="mixed",
+        help="mixed: the released precision (bfloat16, float32 keep-modules); float32 throughout (default %(default)s)",
+    )
+    mk.add_argument(
+        "--shards",
+        type=int,
+        default=2,
+        help=f"target number of transformer safetensors shards, in [1, {MAX_SHARDS}] (default %(default)s)",
+    )
+    mk.add_argument("--force", action="store_true", help="overwrite an existing repository at --out")
     mk.set_defaults(func=cmd_make_checkpoint)
 
-    ins = sub.add_parser("inspect", help="config, parameter counts, adaln_proj share, page bytes, fingerprint")
-    ins.add_argument("checkpoint", nargs="?", help="checkpoint directory")
-    ins.add_argument("--preset", help="shape arithmetic for a preset, without a checkpoint")
-    ins.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="with --preset: override dtype")
+    ins = sub.add_parser("inspect", help="parameters, adaln_proj share and bytes, page size, fingerprint")
+    ins.add_argument("checkpoint", nargs="?", help="repository directory")
+    ins.add_argument("--preset", help="a preset's figures without a repository (h3: the released shapes)")
+    ins.add_argument("--dtype", choices=PRECISIONS, default=None, help="with --preset: precision (default mixed)")
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.set_defaults(func=cmd_inspect)
 
     gl = sub.add_parser("generate-local", help="run requests in this process (no services)")
-    gl.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    gl.add_argument("--adaln-mode", choices=("resident", "cached"), default="resident")
+    gl.add_argument("--checkpoint", required=True, help="repository directory")
+    gl.add_argument(
+        "--adaln-mode",
+        choices=("resident", "cached"),
+        default="resident",
+        help="cached: plans from an embedded plan cache (default %(default)s)",
+    )
     add_flags(gl, CacheConfig, only=LOCAL_CACHE_FLAGS, group="plan cache (cached mode)")
     add_request_flags(gl)
     gl.set_defaults(func=cmd_generate_local)
@@ -81,9 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     add_client_flags(gr)
     gr.set_defaults(func=cmd_generate)
 
-    uw = sub.add_parser("update-weights", help="swap the served checkpoint (admin token required)")
+    uw = sub.add_parser("update-weights", help="swap the served repository (admin token required)")
     uw.add_argument("--target", required=True, help="generator address HOST:PORT")
-    uw.add_argument("--path", required=True, help="checkpoint directory inside the server's --weights-root")
+    uw.add_argument("--path", required=True, help="repository directory inside the server's --weights-root")
     uw.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN)")
     uw.add_argument("--expected-generation", type=int, default=None, help="refuse unless this generation serves")
     uw.add_argument("--request-id", default=None)
@@ -105,16 +137,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+USAGE_ERRORS = (
+    RequestError,
+    CheckpointError,
+    PresetError,
+    UsageError,
+    PlanCapacityError,
+    InvalidPlanRequestError,
+)
+"""Errors in what the user gave (flags, request fields, a repository): exit code 2."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SERVICE_COMMANDS:
         return SERVICE_COMMANDS[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (RequestError, CheckpointError, ConfigError, UsageError, PlanCapacityError, InvalidPlanRequestError) as e:
+    except USAGE_ERRORS as e:
         print(f"ditserve {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except PlanCacheError as e:

@@ -2,8 +2,8 @@
 
     from ditserve.client import GeneratorClient
     with GeneratorClient("127.0.0.1:50051") as client:
-        result = client.generate({"prompt": "a cat", "task": "t2va", "steps": 20})
-        print(result.sha256, result.video.shape, result.cache)
+        result = client.generate({"prompt": "a red fox", "num_inference_steps": 20})
+        print(result.sha256, result.video.shape, result.audio.shape, result.cache)
 
 `generate` uses GenerateStream (progress events, result in chunks) and checks the sha256 of
 the latents it received against the server's.
@@ -19,17 +19,16 @@ from typing import Any
 import grpc
 import torch
 
-from ditcore import GenerationRequest
+from ditcore import GenerationRequest, RequestError, latents_sha256
+from ditcore.plans import DTYPES
 from ditcore.report import CacheReport
-from ditcore.sampler import latents_sha256
 from ditruntime.convert import from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-_TASKS = {"t2v": pb.TASK_T2V, "t2va": pb.TASK_T2VA}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TASKS = {"t2va": pb.TASK_T2VA}
 ProgressCallback = Callable[[str, Any], None]
-"""Called with ("queued", position), ("plans_ready", cache_dict), ("step", (i, n))."""
+"""Called with ("queued", position), ("plans_ready", CacheReport), ("step", (i, n))."""
 
 
 class IntegrityError(RuntimeError):
@@ -42,7 +41,9 @@ class ClientResult:
     generation: int
     sha256: str
     video: torch.Tensor
-    audio: torch.Tensor | None
+    """Final video latents (1, 24, F_latent, H/16, W/16) float32, as diffusers returns them."""
+    audio: torch.Tensor
+    """Final audio latents (2, 32, N) float32."""
     cache: CacheReport
     timings_ms: dict[str, float]
     adaln_mode: str = ""
@@ -52,16 +53,20 @@ class ClientResult:
 def request_to_proto(
     request: GenerationRequest | Mapping[str, Any], expected_generation: int | None = None
 ) -> pb.GenerateRequest:
-    """Proto of a request; only fields that differ from the defaults are set."""
+    """Proto of a request, every optional field set (the server validates; a task with no proto value raises
+    RequestError here, since no message could carry it)."""
     req = request if isinstance(request, GenerationRequest) else GenerationRequest.from_dict(dict(request))
-    msg = pb.GenerateRequest(request_id=req.request_id, prompt=req.prompt, negative_prompt=req.negative_prompt)
-    msg.task = _TASKS.get(req.task, pb.TASK_UNSPECIFIED)
+    if req.task not in _TASKS:
+        raise RequestError("task", f"unknown task {req.task!r}; the protocol carries {', '.join(_TASKS)}")
+    msg = pb.GenerateRequest(request_id=req.request_id, prompt=req.prompt, task=_TASKS[req.task])
     for f in dataclasses.fields(GenerationRequest):
-        if f.name in ("request_id", "task", "prompt", "negative_prompt"):
+        if f.name in ("request_id", "task", "prompt"):
             continue
         value = getattr(req, f.name)
-        if value is not None:
+        try:
             setattr(msg, f.name, value)
+        except (TypeError, ValueError) as e:  # out of the field's integer range, or the wrong type
+            raise RequestError(f.name, f"{value!r} does not fit the GenerateRequest field ({e})") from e
     if expected_generation is not None:
         msg.expected_generation = expected_generation
     return msg
@@ -72,11 +77,10 @@ SCHEDULE_HEADER = "x-ditserve-schedule"
 
 
 def schedule_affinity_key(request: GenerationRequest | Mapping[str, Any]) -> str:
-    """task/steps/flow_shift/audio_flow_shift: requests with equal keys share every plan."""
+    """task/num_inference_steps/flow_shift/audio_flow_shift, e.g. `t2va/50/12/3`: a request's plan keys depend on
+    these alone, so requests with equal keys share every plan on one checkpoint."""
     req = request if isinstance(request, GenerationRequest) else GenerationRequest.from_dict(dict(request))
-    s = req.schedule_spec()
-    audio = s.audio_flow_shift if s.task == "t2va" else ""
-    return f"{s.task}/{s.steps}/{s.flow_shift:g}/{audio if audio == '' else format(audio, 'g')}"
+    return f"{req.task}/{req.num_inference_steps}/{req.flow_shift:g}/{req.audio_flow_shift:g}"
 
 
 def _timings(t: pb.StageTimings) -> dict[str, float]:
@@ -84,18 +88,23 @@ def _timings(t: pb.StageTimings) -> dict[str, float]:
 
 
 def _tensor(t: pb.Tensor, data: bytes) -> torch.Tensor:
-    dtype = _DTYPES[t.dtype]
+    if t.dtype not in DTYPES:
+        raise IntegrityError(f"tensor {t.name!r} has dtype {t.dtype!r}; expected one of {sorted(DTYPES)}")
+    dtype = DTYPES[t.dtype]
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(tuple(t.shape)).clone()
 
 
 def result_from_response(resp: pb.GenerateResponse, data: Mapping[str, bytes] | None = None) -> ClientResult:
     tensors = {t.name: _tensor(t, data[t.name] if data is not None else t.data) for t in resp.tensors}
+    missing = sorted({"video", "audio"} - set(tensors))
+    if missing:
+        raise IntegrityError(f"request {resp.request_id}: the result carries no {' or '.join(missing)} tensor")
     result = ClientResult(
         request_id=resp.request_id,
         generation=resp.generation,
         sha256=resp.sha256,
         video=tensors["video"],
-        audio=tensors.get("audio"),
+        audio=tensors["audio"],
         cache=from_proto(resp.cache, CacheReport),
         timings_ms=_timings(resp.timings),
         adaln_mode=pb.AdalnMode.Name(resp.adaln_mode),

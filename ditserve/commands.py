@@ -1,4 +1,5 @@
-"""Implementations of the local `ditserve` subcommands (no services involved)."""
+"""Implementations of the local `ditserve` subcommands (no services involved): make-checkpoint, inspect,
+generate-local."""
 
 from __future__ import annotations
 
@@ -11,85 +12,165 @@ from typing import Any
 import torch
 
 from ditcore import (
-    DiT,
+    CheckpointInfo,
     GenerationRequest,
+    H3Model,
     PlanProvider,
+    figures,
     generate,
     get_preset,
     load_model,
-    param_counts,
     validate_checkpoint,
-    write_checkpoint,
+    write_repository,
 )
-from ditcore.checkpoint import is_checkpoint_dir
+from ditcore.checkpoint import is_repository_dir
+from ditcore.plans import dtype_name
+from ditcore.repo import PRESETS
 from ditruntime.flags import from_args
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.embedded import EmbeddedPlanProvider
+from plancache_service.errors import PlanCapacityError
 from plancache_service.rebuild import RebuildSource
 
 from .requests_io import requests_from_args, result_line, validate_all, write_result
 
 GIB = 1024**3
 MIB = 1024**2
+MAX_SHARDS = 1000
+MAX_SEED = 2**63 - 1
 LOCAL_CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
 """The CacheConfig flags of `generate-local` (its slab is always in host memory)."""
+WRITABLE_PRESETS = tuple(name for name, p in PRESETS.items() if p.writable)
+_BYTES = {"mixed": 2, "float32": 4}  # bytes per element of the projections (mixed keeps them in bfloat16)
 
 
 class UsageError(Exception):
     """A command-line value is invalid (exit code 2)."""
 
 
+def quiet_model_libraries() -> None:
+    """Turn off diffusers' and transformers' progress bars (shard writing and loading): the commands print one JSON
+    line per result on stdout and errors on stderr, nothing else."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------------------- make-checkpoint
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    config = get_preset(args.preset)
-    if args.dtype:
-        config = config.replace(dtype=args.dtype)
-    if args.shards < 1 or args.shards > 1000:
-        raise UsageError(f"--shards must be in [1, 1000], got {args.shards}")
-    if not 0 <= args.seed < 2**63:
+    """Write a MiniMax-H3 diffusers repository; print one JSON line (checkpoint, preset, precision, fingerprint)."""
+    if args.preset not in WRITABLE_PRESETS:
+        if args.preset in PRESETS:
+            raise UsageError(
+                f"--preset {args.preset} is the released shapes, for arithmetic only (`ditserve inspect --preset "
+                f"{args.preset}`); write one of {', '.join(WRITABLE_PRESETS)}"
+            )
+        raise UsageError(f"--preset must be one of {', '.join(WRITABLE_PRESETS)}, got {args.preset!r}")
+    if not 1 <= args.shards <= MAX_SHARDS:
+        raise UsageError(f"--shards must be in [1, {MAX_SHARDS}], got {args.shards}")
+    if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be in [0, 2^63-1], got {args.seed}")
-    if args.preset == "h3":
-        raise UsageError("--preset h3 is for shape arithmetic and GPU runs; it is not materialized here")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         if not args.force:
             raise UsageError(f"--out {out} is not empty; pass --force to overwrite it")
-        if not is_checkpoint_dir(out):
-            raise UsageError(f"--out {out} is not a checkpoint directory; refusing to overwrite it")
+        if not is_repository_dir(out):
+            raise UsageError(
+                f"--out {out} is not a checkpoint directory (no model_index.json); refusing to overwrite it"
+            )
         shutil.rmtree(out)
-    write_checkpoint(config, out, seed=args.seed, shards=args.shards)
+    quiet_model_libraries()
+    write_repository(out, preset=args.preset, seed=args.seed, dtype=args.dtype, shards=args.shards)
     info = validate_checkpoint(out)
-    print(json.dumps({"checkpoint": str(out), "preset": config.preset, "fingerprint": info.fingerprint}))
+    line = {
+        "checkpoint": str(out),
+        "preset": info.preset,
+        "precision": info.precision,
+        "seed": args.seed,
+        "fingerprint": info.fingerprint,
+    }
+    print(json.dumps(line))
     return 0
 
 
+# ---------------------------------------------------------------------------- inspect
+def _transformer_params(config: dict[str, Any]) -> tuple[int, int]:
+    """(all parameters, adaln_proj parameters) of the transformer `config` describes, counted on meta."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel.from_config(config)
+    params = sum(t.numel() for t in model.parameters())
+    adaln = sum(t.numel() for n, t in model.named_parameters() if ".adaln_proj." in n)
+    return params, adaln
+
+
+def _figures_row(params: int, adaln: int, page_numel: int, precision: str) -> dict[str, Any]:
+    size = _BYTES[precision]
+    return {
+        "params": {"total": params, "adaln_proj": adaln, "other": params - adaln},
+        "adaln_share": round(adaln / params, 4),
+        "adaln_bytes": adaln * size,
+        "adaln_gib": round(adaln * size / GIB, 4),
+        "page_numel": page_numel,
+        "page_bytes": page_numel * size,
+        "page_mib": round(page_numel * size / MIB, 4),
+    }
+
+
+def _shape(config: dict[str, Any]) -> dict[str, Any]:
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "attention_head_dim", "time_embed_dim", "ffn_dim")
+    return {k: config.get(k) for k in keys}
+
+
 def inspect_data(args: argparse.Namespace) -> dict[str, Any]:
+    """What `inspect` prints: a preset's figures (no repository), or a repository's with its fingerprint."""
     if bool(args.checkpoint) == bool(args.preset):
         raise UsageError("give exactly one of a checkpoint DIR or --preset NAME")
-    fp = None
     if args.preset:
-        config = get_preset(args.preset)
-        if args.dtype:
-            config = config.replace(dtype=args.dtype)
-    else:
-        info = validate_checkpoint(args.checkpoint, require_adaln=False)
-        config, fp = info.config, info.fingerprint
-    pc = param_counts(config)
+        if args.preset not in PRESETS:
+            raise UsageError(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
+        precision = args.dtype or "mixed"
+        preset = get_preset(args.preset)
+        f = figures(preset)
+        config = preset.transformer_kwargs()
+        return {
+            "source": f"preset:{args.preset}",
+            "preset": args.preset,
+            "precision": precision,
+            "projection_dtype": "bfloat16" if precision == "mixed" else "float32",
+            "transformer": _shape(config),
+            **_figures_row(f.params, f.adaln_params, f.page_numel, precision),
+            "has_adaln": None,
+            "fingerprint": None,
+        }
+    if args.dtype:
+        raise UsageError("--dtype goes with --preset; a repository's precision is what its files store")
+    info: CheckpointInfo = validate_checkpoint(args.checkpoint, require_adaln=False)
+    params, adaln = _transformer_params(info.transformer_config)
     return {
-        "source": args.checkpoint or f"preset:{args.preset}",
-        "preset": config.preset,
-        "config": config.to_dict(),
-        "dtype": config.dtype,
-        "params": {"total": pc.total, "adaln_proj": pc.adaln_proj, "resident": pc.resident},
-        "adaln_share": round(pc.adaln_share, 4),
-        "adaln_bytes": pc.adaln_bytes,
-        "adaln_gib": round(pc.adaln_bytes / GIB, 3),
-        "total_bytes": pc.total_bytes,
-        "page_numel": config.page_numel,
-        "page_bytes": config.page_bytes,
-        "page_mib": round(config.page_bytes / MIB, 3),
-        "fingerprint": fp,
+        "source": str(args.checkpoint),
+        "preset": info.preset,
+        "precision": info.precision,
+        "projection_dtype": dtype_name(info.projection_dtype),
+        "transformer": _shape(info.transformer_config),
+        **_figures_row(params, adaln, info.layout.page_numel, info.precision),
+        "has_adaln": info.has_adaln,
+        "fingerprint": info.fingerprint,
     }
+
+
+def human_bytes(n: int) -> str:
+    """`n` bytes in the largest binary unit that keeps the number >= 1 (24.23 GiB, 9.25 MiB, 7.00 KiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -97,48 +178,56 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    c = data["config"]
+    t, p = data["transformer"], data["params"]
     rows = [
         ("source", data["source"]),
         ("preset", data["preset"]),
-        ("dtype", data["dtype"]),
-        ("layers x hidden", f"{c['num_layers']} x {c['hidden_size']} (heads {c['num_heads']})"),
-        ("time_embed_dim", c["time_embed_dim"]),
-        ("params total", f"{data['params']['total']:,}"),
-        ("params adaln_proj", f"{data['params']['adaln_proj']:,}"),
-        ("params resident", f"{data['params']['resident']:,}"),
+        ("precision", f"{data['precision']} (adaln_proj and pages in {data['projection_dtype']})"),
+        ("layers x hidden", f"{t['num_layers']} x {t['hidden_size']} (heads {t['num_attention_heads']})"),
+        ("time_embed_dim", t["time_embed_dim"]),
+        ("params total", f"{p['total']:,}"),
+        ("params adaln_proj", f"{p['adaln_proj']:,}"),
+        ("params other", f"{p['other']:,}"),
         ("adaln_proj share", f"{100 * data['adaln_share']:.1f}%"),
-        ("adaln_proj bytes", f"{data['adaln_bytes']:,} ({data['adaln_bytes'] / GIB:.2f} GiB)"),
+        ("adaln_proj bytes", f"{data['adaln_bytes']:,} ({human_bytes(data['adaln_bytes'])})"),
         ("page elements", f"{data['page_numel']:,}"),
-        ("page bytes", f"{data['page_bytes']:,} ({data['page_bytes'] / MIB:.2f} MiB)"),
-        ("fingerprint", data["fingerprint"] or "-"),
+        ("page bytes", f"{data['page_bytes']:,} ({human_bytes(data['page_bytes'])})"),
     ]
+    if data["has_adaln"] is not None:
+        rows.append(("native adaln_proj", "yes" if data["has_adaln"] else "no (cached serving only)"))
+    rows.append(("fingerprint", data["fingerprint"] or "-"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
 
 
+# ---------------------------------------------------------------------------- generate-local
 def cmd_generate_local(args: argparse.Namespace) -> int:
     requests = requests_from_args(args)
+    validate_all(requests)
+    quiet_model_libraries()
     info = validate_checkpoint(args.checkpoint, require_adaln=True)
-    validate_all(requests, info.config)
     if args.adaln_mode == "resident":
         _run_local(load_model(info, "resident"), None, requests, args)
         return 0
     cache_config = from_args(CacheConfig, args, only=LOCAL_CACHE_FLAGS)  # bounds were checked while parsing
     cache = PlanCache(cache_config, RebuildSource(info, torch.device("cpu")))
     try:
+        model = load_model(info, "cached")
         for req in requests:  # every request must fit this slab before any runs
-            cache.check_request(req.schedule_spec().plan_keys())
-        _run_local(load_model(info, "cached"), EmbeddedPlanProvider(cache, owner="generate-local"), requests, args)
+            try:
+                cache.check_request(model.plan_keys(req))
+            except PlanCapacityError as e:
+                raise UsageError(f"request {req.request_id!r}: {e}") from e
+        _run_local(model, EmbeddedPlanProvider(cache, owner="generate-local"), requests, args)
     finally:
         cache.close()
     return 0
 
 
 def _run_local(
-    model: DiT, provider: PlanProvider | None, requests: list[GenerationRequest], args: argparse.Namespace
+    model: H3Model, provider: PlanProvider | None, requests: list[GenerationRequest], args: argparse.Namespace
 ) -> None:
     for req in requests:
         result = generate(model, req, provider)

@@ -2,7 +2,8 @@
 Its flags are the children's config declarations (GeneratorConfig, CacheConfig, SidecarConfig);
 each child gets its config rendered back to flags (ditruntime.flags.to_argv).
 
-Creates the demo checkpoint (preset `small`) in the run dir when no --checkpoint is given.
+Creates the demo checkpoint (a MiniMax-H3 repository of preset `tiny`, released mixed precision, seed 0) in the run
+dir when no --checkpoint is given.
 SIGINT / SIGTERM stop the generator, then the sidecar (which removes its /dev/shm files);
 children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned. A
 child that crashes is restarted (the generator reattaches by itself).
@@ -14,6 +15,7 @@ import argparse
 import contextlib
 import ctypes
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,17 +28,18 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ditcore import get_preset, validate_checkpoint, write_checkpoint
-from ditcore.checkpoint import is_checkpoint_dir
+from ditcore import validate_checkpoint, write_repository
+from ditcore.checkpoint import is_repository_dir
 from ditruntime.flags import LaunchOptions, add_flags, from_args, to_argv
 from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir
 from generator_service.config import GeneratorConfig
 from plancache_service.config import CacheConfig, SidecarConfig
 
-from .commands import UsageError
+from .commands import UsageError, quiet_model_libraries
 
 log = logging.getLogger("ditserve.serve")
-DEMO_PRESET = "small"
+DEMO_PRESET = "tiny"
+DEMO_PRECISION = "mixed"
 MAX_RESTARTS_PER_MIN = 5
 
 
@@ -85,15 +88,19 @@ def terminate(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> int | None:
 
 
 def demo_path(run_dir: Path) -> Path:
-    return run_dir / f"demo-checkpoint-{DEMO_PRESET}"
+    return run_dir / f"demo-h3-{DEMO_PRESET}-{DEMO_PRECISION}"
 
 
 def demo_checkpoint(run_dir: Path) -> Path:
-    """The demo checkpoint, written on first use."""
+    """The demo repository, written on first use. model_index.json is the last file a write lays down, so a
+    directory without it is an interrupted write: it is removed and written again."""
     path = demo_path(run_dir)
-    if not is_checkpoint_dir(path):
-        print(f"creating the demo checkpoint (preset {DEMO_PRESET}) in {path}", flush=True)
-        write_checkpoint(get_preset(DEMO_PRESET), path, seed=0)
+    if is_repository_dir(path):
+        return path
+    print(f"creating the demo checkpoint (MiniMax-H3 preset {DEMO_PRESET}, {DEMO_PRECISION}) in {path}", flush=True)
+    shutil.rmtree(path, ignore_errors=True)
+    quiet_model_libraries()
+    write_repository(path, preset=DEMO_PRESET, seed=0, dtype=DEMO_PRECISION)
     return path
 
 
@@ -241,7 +248,7 @@ def serve(args: argparse.Namespace) -> int:
                 if args.metrics_port is not None and args.adaln_mode == "cached"
                 else ""
             )
-            + f'  try: grpcurl -plaintext -d \'{{"prompt": "a cat"}}\' 127.0.0.1:{args.port} '
+            + f'  try: grpcurl -plaintext -d \'{{"prompt": "a red fox"}}\' 127.0.0.1:{args.port} '
             "ditserve.generator.v1.Generator/Generate",
             flush=True,
         )
@@ -272,7 +279,9 @@ def _restart(child: Child, stop: threading.Event) -> None:
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """serve's own options, then the children's flags from their config declarations."""
-    p.add_argument("--checkpoint", default=None, help="checkpoint dir (default: a generated demo checkpoint)")
+    p.add_argument(
+        "--checkpoint", default=None, help="MiniMax-H3 repository (default: a generated tiny demo repository)"
+    )
     p.add_argument("--port", type=int, default=50051, help="generator port (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="generator bind address (default %(default)s)")
     p.add_argument(

@@ -1,12 +1,14 @@
-"""`ditserve generate --target HOST:PORT`: run requests against a generator service.
+"""`ditserve generate --target HOST:PORT` and `ditserve update-weights`: the command line's gRPC clients.
 
-Prints the same JSON line per request as `generate-local` (plus `generation`), with a
-progress bar over GenerateStream when stderr is a terminal.
+`generate` prints the same JSON line per request as `generate-local` (plus `generation`), with a progress bar over
+GenerateStream when stderr is a terminal. The server validates each request (its operator limits may be tighter
+than MiniMax-H3's); INVALID_ARGUMENT exits 2, other failures 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import grpc
 from ditcore import GenerationRequest, GenerationResult
 
 from .client import ClientResult, GeneratorClient
+from .commands import UsageError
 from .requests_io import requests_from_args, result_line, write_result
 
 
@@ -43,7 +46,7 @@ def run_one(client: GeneratorClient, req: GenerationRequest, expected_generation
             return
         if kind == "plans_ready":
             bar.set_postfix_str(
-                f"built {payload['built_plans']} host {payload['host_hit_plans']} hit {payload['gpu_hit_plans']}"
+                f"built {payload.built_plans} host {payload.host_hit_plans} hit {payload.gpu_hit_plans}"
             )
         elif kind == "step":
             bar.total = payload[1]
@@ -75,7 +78,17 @@ def client_from_args(args: argparse.Namespace) -> GeneratorClient:
     return GeneratorClient(args.target, credentials=creds)
 
 
+def check_client_args(args: argparse.Namespace) -> None:
+    """The values a proto field or a deadline could not carry: exit 2 before any call."""
+    if args.expected_generation is not None and args.expected_generation < 0:
+        raise UsageError(f"--expected-generation must be >= 0, got {args.expected_generation}")
+    timeout = getattr(args, "timeout_s", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"--timeout-s must be finite and > 0, got {timeout}")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_client_args(args)
     requests = requests_from_args(args)
     with client_from_args(args) as client:
         for req in requests:
@@ -98,6 +111,7 @@ def cmd_update_weights(args: argparse.Namespace) -> int:
 
     from protos.ditserve.generator.v1 import generator_pb2 as pb
 
+    check_client_args(args)
     token = args.token or os.environ.get("DITSERVE_ADMIN_TOKEN", "")
     metadata = [("authorization", f"Bearer {token}")] if token else []
     req = pb.UpdateWeightsRequest(weights_path=args.path, request_id=args.request_id or "")

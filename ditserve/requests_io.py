@@ -1,7 +1,8 @@
 """Request input/output shared by `generate-local` and `generate`: flags, JSONL, result files.
 
-The JSONL keys are the request flag names with underscores; omitted keys take the flag
-defaults. Every request is validated before any runs, so bad input writes nothing.
+The request flags and the JSONL keys are `ditcore.GenerationRequest`'s fields (`--num-inference-steps` is the key
+`num_inference_steps`); omitted keys take the flag values, whose defaults are GenerationRequest's. Every request is
+validated against MiniMax-H3's rules before any runs, so bad input writes nothing.
 """
 
 from __future__ import annotations
@@ -14,50 +15,66 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from ditcore import DiTConfig, GenerationRequest, GenerationResult, RequestError
+from ditcore import H3_LIMITS, GenerationRequest, GenerationResult, RequestError, RequestLimits
+from ditcore.request import MAX_FRAMES, MAX_STEPS, MIN_FRAMES, MIN_STEPS, TASKS
 
 _DEFAULTS = GenerationRequest()
+REQUEST_FIELDS = (
+    "task",
+    "prompt",
+    "num_inference_steps",
+    "flow_shift",
+    "audio_flow_shift",
+    "seed",
+    "height",
+    "width",
+    "num_frames",
+)
+"""GenerationRequest fields that have a flag of the same name (request_id has its own default rule)."""
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
     """Single-request flags; their defaults are GenerationRequest's."""
-    g = p.add_argument_group("request (ignored with --requests, where they become per-line defaults)")
+    g = p.add_argument_group("request (with --requests, the defaults of every line)")
     g.add_argument("--requests", metavar="FILE.jsonl", help="run every request of a JSONL file, in order")
     g.add_argument("--request-id", default=None, help="request id (default req-<index>)")
-    g.add_argument("--task", default=_DEFAULTS.task, help="t2v or t2va (default %(default)s)")
-    g.add_argument("--prompt", default=_DEFAULTS.prompt)
-    g.add_argument("--negative-prompt", default=_DEFAULTS.negative_prompt)
-    g.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="[1, 1000] (default %(default)s)")
-    g.add_argument("--flow-shift", type=float, default=_DEFAULTS.flow_shift, help="(default %(default)s)")
-    g.add_argument("--audio-flow-shift", type=float, default=None, help="t2va audio shift (default: --flow-shift)")
-    g.add_argument("--guidance-scale", type=float, default=_DEFAULTS.guidance_scale, help="<=1 disables CFG")
-    g.add_argument("--seed", type=int, default=_DEFAULTS.seed)
-    g.add_argument("--frames", type=int, default=_DEFAULTS.frames, help="4k+1 pixel frames")
-    g.add_argument("--height", type=int, default=_DEFAULTS.height, help="pixels, multiple of 16")
-    g.add_argument("--width", type=int, default=_DEFAULTS.width, help="pixels, multiple of 16")
-    g.add_argument("--audio-length", type=int, default=_DEFAULTS.audio_length, help="audio latent frames (t2va)")
+    g.add_argument("--task", default=_DEFAULTS.task, help=f"one of {', '.join(TASKS)} (default %(default)s)")
+    g.add_argument("--prompt", default=_DEFAULTS.prompt, help="the text, non-empty, presented verbatim")
+    g.add_argument(
+        "--num-inference-steps",
+        type=int,
+        default=_DEFAULTS.num_inference_steps,
+        help=f"schedule grid points in [{MIN_STEPS}, {MAX_STEPS}]; N points run N - 1 forwards (default %(default)s)",
+    )
+    g.add_argument(
+        "--flow-shift", type=float, default=_DEFAULTS.flow_shift, help="video schedule shift (default %(default)s)"
+    )
+    g.add_argument(
+        "--audio-flow-shift",
+        type=float,
+        default=_DEFAULTS.audio_flow_shift,
+        help="audio schedule shift (default %(default)s)",
+    )
+    g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="noise seed (default %(default)s)")
+    g.add_argument(
+        "--height", type=int, default=_DEFAULTS.height, help="pixels, a multiple of 32 (default %(default)s)"
+    )
+    g.add_argument("--width", type=int, default=_DEFAULTS.width, help="pixels, a multiple of 32 (default %(default)s)")
+    g.add_argument(
+        "--num-frames",
+        type=int,
+        default=_DEFAULTS.num_frames,
+        help=f"frames at 24 fps, 17n + 5 in [{MIN_FRAMES}, {MAX_FRAMES}] (default %(default)s)",
+    )
     g.add_argument("--out", default=None, help="write each result as OUT/<request_id>.safetensors")
 
 
 def _defaults_from_args(args: argparse.Namespace) -> GenerationRequest:
-    return GenerationRequest(
-        task=args.task,
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        steps=args.steps,
-        flow_shift=args.flow_shift,
-        audio_flow_shift=args.audio_flow_shift,
-        guidance_scale=args.guidance_scale,
-        seed=args.seed,
-        frames=args.frames,
-        height=args.height,
-        width=args.width,
-        audio_length=args.audio_length,
-    )
+    return GenerationRequest(**{name: getattr(args, name) for name in REQUEST_FIELDS})
 
 
 def requests_from_args(args: argparse.Namespace) -> list[GenerationRequest]:
-    """The requests a command will run (not yet validated against a model config)."""
+    """The requests a command will run (not yet validated)."""
     defaults = _defaults_from_args(args)
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise RequestError("out", f"--out {args.out} exists and is not a directory")
@@ -68,6 +85,8 @@ def requests_from_args(args: argparse.Namespace) -> list[GenerationRequest]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise RequestError("requests", f"cannot read {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise RequestError("requests", f"{path} is not UTF-8 text ({e.reason})") from e
     out: list[GenerationRequest] = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
@@ -88,11 +107,11 @@ def requests_from_args(args: argparse.Namespace) -> list[GenerationRequest]:
     return out
 
 
-def validate_all(requests: Sequence[GenerationRequest], config: DiTConfig) -> None:
+def validate_all(requests: Sequence[GenerationRequest], limits: RequestLimits = H3_LIMITS) -> None:
     """Validate every request and the uniqueness of their ids before anything runs."""
     seen: set[str] = set()
     for r in requests:
-        r.validate(config)
+        r.validate(limits)
         if r.request_id in seen:
             raise RequestError("request_id", f"duplicate request_id {r.request_id!r}; ids must be unique")
         seen.add(r.request_id)
@@ -103,10 +122,10 @@ def result_line(result: GenerationResult, request: GenerationRequest, **extra: A
     line: dict[str, Any] = {
         "request_id": result.request_id,
         "task": request.task,
-        "steps": request.steps,
+        "num_inference_steps": request.num_inference_steps,
         "sha256": result.sha256,
         "video_shape": list(result.video.shape),
-        "audio_shape": list(result.audio.shape) if result.audio is not None else None,
+        "audio_shape": list(result.audio.shape),
         "timings_ms": result.timings_ms,
     }
     line.update(extra)
@@ -116,11 +135,9 @@ def result_line(result: GenerationResult, request: GenerationRequest, **extra: A
 
 
 def write_result(out_dir: Path, result: GenerationResult, request: GenerationRequest) -> Path:
-    """OUT/<request_id>.safetensors with tensors `video` (and `audio`); metadata = the request."""
+    """OUT/<request_id>.safetensors with tensors `video` and `audio`; metadata = the request (JSON values) + sha256."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {"video": result.video.contiguous()}
-    if result.audio is not None:
-        tensors["audio"] = result.audio.contiguous()
+    tensors = {"video": result.video.contiguous(), "audio": result.audio.contiguous()}
     meta = {k: json.dumps(v) for k, v in request.to_dict().items()}
     meta["sha256"] = result.sha256
     path = out_dir / f"{result.request_id}.safetensors"

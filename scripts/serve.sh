@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Quick start: install (into .venv, once) and start both services on a generated demo
-# checkpoint. Extra arguments go to `ditserve serve` (e.g. --port 50052 --checkpoint DIR).
+# repository (MiniMax-H3 preset tiny, released mixed precision, random weights; written to
+# <run-dir>/demo-h3-tiny-mixed on first start). Extra arguments go to `ditserve serve`
+# (e.g. --port 50052 --checkpoint DIR, DIR a MiniMax-H3 diffusers repository).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

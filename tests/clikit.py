@@ -10,10 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from servicekit import REPO_ROOT
 
@@ -38,10 +38,22 @@ class CliResult:
         return [json.loads(line) for line in self.out.splitlines() if line.strip()]
 
 
-def run_cli_inprocess(argv: Sequence[str]) -> CliResult:
-    """`ditserve.cli.main(argv)` in this process, capturing stdout/stderr and the exit code."""
+@contextlib.contextmanager
+def _chdir(path: Path | None) -> Iterator[None]:
+    """contextlib.chdir (Python 3.11+) for 3.10 too; None stays put."""
+    before = Path.cwd()
+    if path is not None:
+        os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def run_cli_inprocess(argv: Sequence[Any], cwd: Path | None = None) -> CliResult:
+    """`ditserve.cli.main(argv)` in this process (in `cwd` if given), capturing stdout/stderr and the exit code."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with _chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = cli_main([str(a) for a in argv])
         except SystemExit as e:  # argparse errors and --help/--version
@@ -49,7 +61,7 @@ def run_cli_inprocess(argv: Sequence[str]) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
-def run_cli_subprocess(argv: Sequence[str], cwd: Path | None = None, timeout: float = 120) -> CliResult:
+def run_cli_subprocess(argv: Sequence[Any], cwd: Path | None = None, timeout: float = 120) -> CliResult:
     """`python -m ditserve ARGV` in a fresh interpreter."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -65,4 +77,7 @@ def run_cli_subprocess(argv: Sequence[str], cwd: Path | None = None, timeout: fl
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
-CliRunner = Callable[[Sequence[str]], CliResult]
+class CliRunner(Protocol):
+    """`run_cli(argv, cwd=None)`: the `ditserve` command line with `argv` (any values; str() is applied)."""
+
+    def __call__(self, argv: Sequence[Any], cwd: Path | None = None) -> CliResult: ...

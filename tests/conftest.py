@@ -67,7 +67,9 @@ def run_cli_proc() -> CliRunner:
 @pytest.fixture(scope="session")
 def svc_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset (mixed precision), seed 0, one transformer shard, for the service tests (read-only)."""
-    return write_repository(tmp_path_factory.mktemp("svc_ckpt") / "tiny-ckpt-0", "tiny", seed=0, dtype="mixed", shards=1)
+    return write_repository(
+        tmp_path_factory.mktemp("svc_ckpt") / "tiny-ckpt-0", "tiny", seed=0, dtype="mixed", shards=1
+    )
 
 
 @pytest.fixture(scope="session")

@@ -130,6 +130,29 @@ def test_compose_shares_ipc_and_pid_and_waits_for_a_healthy_sidecar(compose: dic
         assert any(str(v).endswith(":/run/ditserve") for v in svc["volumes"])
 
 
+def test_compose_demo_checkpoint_writes_a_tiny_released_precision_repository(compose: dict[str, Any]) -> None:
+    """The one-shot demo service is a valid `ditserve make-checkpoint` call, on a writable H3 preset."""
+    from ditserve.cli import _parser
+    from ditserve.commands import WRITABLE_PRESETS, cmd_make_checkpoint
+
+    demo = compose["services"]["demo-checkpoint"]
+    argv = [a.replace("${DITSERVE_CHECKPOINT:-demo}", "demo") for a in demo["command"]]
+    args = _parser().parse_args(argv)
+    assert args.func is cmd_make_checkpoint
+    assert (args.preset, args.dtype, args.out) == ("tiny", "mixed", "/models/demo")
+    assert args.preset in WRITABLE_PRESETS
+    # the services' default checkpoint is what the demo service writes
+    side, gen = compose["services"]["plancache"], compose["services"]["generator"]
+    assert _flag(side["command"], "--checkpoint") == "/models/${DITSERVE_CHECKPOINT:-demo}"
+    assert _flag(gen["command"], "--weights-root") == "/models"
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_images_never_reach_for_the_hub(dockerfile: str) -> None:
+    text = (DOCKER / dockerfile).read_text()
+    assert re.search(r"^\s+HF_HUB_OFFLINE=1$", text, re.M), "the runtime ENV sets HF_HUB_OFFLINE=1"
+
+
 def test_cpu_image_pins_the_torch_of_requirements_cpu() -> None:
     [pin] = [ln for ln in (REPO / "requirements-cpu.txt").read_text().splitlines() if ln.startswith("torch==")]
     match = re.search(r"^ARG TORCH_VERSION=(\S+)$", (DOCKER / "Dockerfile.cpu").read_text(), re.M)

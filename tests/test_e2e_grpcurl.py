@@ -1,9 +1,10 @@
-"""End-to-end: the sidecar and the generator as real processes, driven by the real grpcurl.
+"""End-to-end: the sidecar and the generator as real processes serving a tiny MiniMax-H3 repository, driven by the
+real grpcurl.
 
-grpcurl (installed by the dev extra) discovers both services by reflection, so these tests
-check what a user with only grpcurl sees: service listings, descriptions, health, results
-that hash like `ditserve generate-local --adaln-mode resident`, and error codes. grpcurl
-exits with 64 + the gRPC status code on an RPC error and prints `Code: <Name>`.
+grpcurl (installed by the dev extra) discovers both services by reflection, so these tests check what a user with
+only grpcurl sees: service listings, descriptions, health, results that hash like `ditserve generate-local
+--adaln-mode resident` (diffusers' own loop), status with the memory the cached generator saves, and error codes.
+grpcurl exits with 64 + the gRPC status code on an RPC error and prints `Code: <Name>`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any
 import grpc
 import pytest
 from servicekit import (
+    FOX_REQUEST,
     GENERATOR_SERVICE,
     PLANCACHE_SERVICE,
+    RAIN_REQUEST,
     REPO_ROOT,
-    T2V_REQUEST,
-    T2VA_REQUEST,
-    TINY,
+    distinct_plans,
     process_group,
     service_env,
 )
@@ -108,21 +109,19 @@ def services(request: pytest.FixtureRequest, svc_ckpt: Path) -> Iterator[Service
 
 
 def _proto_json(req: dict[str, Any]) -> dict[str, Any]:
-    """A request dict (GenerationRequest field names) as GenerateRequest JSON for grpcurl."""
-    out = dict(req)
-    out["task"] = {"t2v": "TASK_T2V", "t2va": "TASK_T2VA"}[req.get("task", "t2v")]
-    return out
+    """A request dict (GenerationRequest field names, which are GenerateRequest's) as grpcurl JSON."""
+    return {**req, "task": {"t2va": "TASK_T2VA"}[req.get("task", "t2va")]}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, svc_ckpt: Path) -> dict[str, dict[str, Any]]:
-    """`ditserve generate-local --adaln-mode resident` on T2V_REQUEST and T2VA_REQUEST: request_id -> line."""
+    """`ditserve generate-local --adaln-mode resident` on FOX_REQUEST and RAIN_REQUEST: request_id -> line."""
     d = tmp_path_factory.mktemp("reference")
     reqs = d / "requests.jsonl"
-    reqs.write_text("".join(json.dumps(r) + "\n" for r in (T2V_REQUEST, T2VA_REQUEST)))
+    reqs.write_text("".join(json.dumps(r) + "\n" for r in (FOX_REQUEST, RAIN_REQUEST)))
     argv = [sys.executable, "-m", "ditserve", "generate-local", "--checkpoint", str(svc_ckpt)]
     argv += ["--adaln-mode", "resident", "--requests", str(reqs)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=service_env(), cwd=REPO_ROOT, timeout=120)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=service_env(), cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     return {line["request_id"]: line for line in lines}
@@ -156,7 +155,18 @@ def test_describe_generator(services: Services) -> None:
     assert f"rpc UpdateWeights ( {p}UpdateWeightsRequest ) returns ( {p}UpdateWeightsResponse );" in r.out
     r = run_grpcurl(["-plaintext", services.target, "describe", "ditserve.generator.v1.GenerateRequest"])
     assert r.code == 0, r.text
-    assert "optional int32 steps = 5;" in r.out and "optional uint64 expected_generation = 14;" in r.out
+    for field in ("int32 num_inference_steps = 5;", "double flow_shift = 6;", "double audio_flow_shift = 7;"):
+        assert f"optional {field}" in r.out, field
+    for field in ("int32 num_frames = 10;", "int32 height = 11;", "uint64 expected_generation = 14;"):
+        assert f"optional {field}" in r.out, field
+    # the fields MiniMax-H3 has no use for are reserved, never declared
+    declared = [line for line in r.out.splitlines() if "reserved" not in line]
+    for gone in ("guidance_scale", "negative_prompt", "audio_length", " steps = ", " frames = "):
+        assert not any(gone in line for line in declared), gone
+    assert any("reserved" in line and "guidance_scale" in line for line in r.out.splitlines())
+    r = run_grpcurl(["-plaintext", services.target, "describe", "ditserve.generator.v1.Task"])
+    assert r.code == 0, r.text
+    assert "TASK_T2VA = 2;" in r.out and "TASK_T2V =" not in r.out
 
 
 def test_health_via_grpcurl(services: Services) -> None:
@@ -178,9 +188,9 @@ def _hash_tensors(tensors: list[dict[str, Any]]) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("req", [T2V_REQUEST, T2VA_REQUEST], ids=["t2v", "t2va"])
+@pytest.mark.parametrize("req", [FOX_REQUEST, RAIN_REQUEST], ids=["fox", "rain"])
 def test_generate_via_grpcurl_matches_generate_local(
-    services: Services, reference: dict[str, dict[str, Any]], req: dict[str, Any]
+    services: Services, svc_ckpt: Path, reference: dict[str, dict[str, Any]], req: dict[str, Any]
 ) -> None:
     r = services.gen(f"{GENERATOR_SERVICE}/Generate", data=_proto_json(req))
     assert r.code == 0, r.text
@@ -190,30 +200,41 @@ def test_generate_via_grpcurl_matches_generate_local(
     assert out["request_id"] == req["request_id"]
     assert out["generation"] == "1"  # uint64 is a JSON string
     assert out["adaln_mode"] == "ADALN_MODE_CACHED"
-    names = [t["name"] for t in out["tensors"]]
-    assert names == (["video", "audio"] if req["task"] == "t2va" else ["video"])
+    assert [t["name"] for t in out["tensors"]] == ["video", "audio"]
     assert [int(x) for x in out["tensors"][0]["shape"]] == ref["video_shape"]
-    if req["task"] == "t2va":
-        assert [int(x) for x in out["tensors"][1]["shape"]] == ref["audio_shape"]
+    assert [int(x) for x in out["tensors"][1]["shape"]] == ref["audio_shape"]
+    assert ref["video_shape"][:2] == [1, 24] and ref["audio_shape"][:2] == [2, 32]  # diffusers' latent layouts
     assert all(t["dtype"] == "float32" for t in out["tensors"])
     assert _hash_tensors(out["tensors"]) == ref["sha256"], "the bytes grpcurl received hash to the reference"
     cache = out["cache"]
-    assert cache["gpu_hit_plans"] + cache["host_hit_plans"] + cache["built_plans"] == req["steps"]
+    plans = distinct_plans(svc_ckpt, req)
+    assert cache["gpu_hit_plans"] + cache["host_hit_plans"] + cache["built_plans"] == plans
+    assert {"queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms"} == set(out["timings"])
+
+
+def test_generate_with_only_a_prompt_takes_h3_defaults(services: Services) -> None:
+    """The README's first grpcurl call: every other field at its default (t2va, 50 grid points, shifts 12 / 3)."""
+    r = services.gen(f"{GENERATOR_SERVICE}/Generate", data={"prompt": "a red fox"}, timeout=300)
+    assert r.code == 0, r.text
+    out = r.json()
+    assert out["request_id"]  # assigned by the server
+    assert len(out["sha256"]) == 64 and _hash_tensors(out["tensors"]) == out["sha256"]
+    assert [int(x) for x in out["tensors"][0]["shape"]][:2] == [1, 24]
 
 
 def test_generate_stream_via_grpcurl(services: Services, reference: dict[str, dict[str, Any]]) -> None:
-    req = {**_proto_json(T2VA_REQUEST), "request_id": "grpcurl-stream"}
+    req = {**_proto_json(RAIN_REQUEST), "request_id": "grpcurl-stream"}
     r = services.gen(f"{GENERATOR_SERVICE}/GenerateStream", data={"request": req})
     assert r.code == 0, r.text
     events = r.json_stream()
     kinds = [next(iter(e)) for e in events]
-    n = T2VA_REQUEST["steps"]
+    n = RAIN_REQUEST["num_inference_steps"] - 1  # transformer forwards
     assert kinds[:2] == ["queued", "plans_ready"], kinds
     assert kinds[2 : 2 + n] == ["step"] * n and kinds[2 + n] == "result", kinds
     assert set(kinds[3 + n :]) == {"chunk"}, kinds
     assert [(e["step"]["step"], e["step"]["total"]) for e in events[2 : 2 + n]] == [(i, n) for i in range(1, n + 1)]
     result = events[2 + n]["result"]
-    assert result["sha256"] == reference[T2VA_REQUEST["request_id"]]["sha256"]
+    assert result["sha256"] == reference[RAIN_REQUEST["request_id"]]["sha256"]
     data: dict[str, bytes] = {t["name"]: b"" for t in result["tensors"]}
     for e in events[3 + n :]:
         c = e["chunk"]
@@ -226,36 +247,56 @@ def test_ditserve_generate_client_matches_generate_local(
     services: Services, reference: dict[str, dict[str, Any]]
 ) -> None:
     argv = [sys.executable, "-m", "ditserve", "generate", "--target", services.target]
-    req = T2VA_REQUEST
+    req = FOX_REQUEST
     flags = ["--request-id", req["request_id"], "--task", req["task"], "--prompt", req["prompt"]]
-    for k in ("steps", "flow_shift", "audio_flow_shift", "guidance_scale", "seed", "frames", "height", "width"):
+    for k in ("num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width"):
         flags += [f"--{k.replace('_', '-')}", str(req[k])]
-    flags += ["--audio-length", str(req["audio_length"])]
     proc = subprocess.run(
-        argv + flags, capture_output=True, text=True, env=service_env(), cwd=REPO_ROOT, timeout=120, check=False
+        argv + flags, capture_output=True, text=True, env=service_env(), cwd=REPO_ROOT, timeout=300, check=False
     )
     assert proc.returncode == 0, proc.stderr
     (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
     assert line["sha256"] == reference[req["request_id"]]["sha256"]
     assert line["generation"] == 1 and line["adaln_mode"] == "ADALN_MODE_CACHED"
+    assert line["video_shape"] == reference[req["request_id"]]["video_shape"]
+
+
+def test_ditserve_generate_client_bad_request_exits_2(services: Services) -> None:
+    argv = [sys.executable, "-m", "ditserve", "generate", "--target", services.target, "--prompt", "a fox"]
+    proc = subprocess.run(
+        [*argv, "--num-frames", "125"], capture_output=True, text=True, env=service_env(), cwd=REPO_ROOT, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "INVALID_ARGUMENT" in proc.stderr and "num_frames" in proc.stderr and "17n + 5" in proc.stderr
+    assert proc.stdout == ""
 
 
 # ----------------------------------------------------------------------------- errors
+FOX = {"prompt": "a red fox", "num_inference_steps": 2}  # one forward: the cheapest valid request
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 ERROR_CASES: list[tuple[str, str, dict[str, Any], grpc.StatusCode, str]] = [
-    ("steps-0", "Generate", {"steps": 0}, grpc.StatusCode.INVALID_ARGUMENT, '"field":"steps"'),
-    ("steps-1001", "Generate", {"steps": 1001}, grpc.StatusCode.INVALID_ARGUMENT, '"field":"steps"'),
-    ("height-17", "Generate", {"steps": 2, "height": 17}, grpc.StatusCode.INVALID_ARGUMENT, '"field":"height"'),
-    ("shift-nan", "Generate", {"steps": 2, "flow_shift": "NaN"}, grpc.StatusCode.INVALID_ARGUMENT, "flow_shift"),
-    ("frames-4", "Generate", {"steps": 2, "frames": 4}, grpc.StatusCode.INVALID_ARGUMENT, '"field":"frames"'),
-    ("stream-steps-0", "GenerateStream", {"request": {"steps": 0}}, grpc.StatusCode.INVALID_ARGUMENT, "steps"),
-    ("too-many-plans", "Generate", {"steps": GPU_PLANS + 1}, grpc.StatusCode.FAILED_PRECONDITION, "--gpu-plans"),
+    ("steps-1", "Generate", {**FOX, "num_inference_steps": 1}, INVALID, '"field":"num_inference_steps"'),
+    ("steps-1001", "Generate", {**FOX, "num_inference_steps": 1001}, INVALID, '"field":"num_inference_steps"'),
+    ("height-40", "Generate", {**FOX, "height": 40}, INVALID, '"field":"height"'),
+    ("aspect-5:1", "Generate", {**FOX, "width": 160}, INVALID, "1:4 and 4:1"),
+    ("frames-125", "Generate", {**FOX, "num_frames": 125}, INVALID, '"field":"num_frames"'),
+    ("shift-nan", "Generate", {**FOX, "flow_shift": "NaN"}, INVALID, '"field":"flow_shift"'),
+    ("prompt-empty", "Generate", {"num_inference_steps": 2}, INVALID, '"field":"prompt"'),
     (
-        "generation",
-        "Generate",
-        {"steps": 2, "expected_generation": 5},
-        grpc.StatusCode.ABORTED,
-        '"current_generation":"1"',
+        "stream-steps-1",
+        "GenerateStream",
+        {"request": {**FOX, "num_inference_steps": 1}},
+        INVALID,
+        "num_inference_steps",
     ),
+    (
+        "too-many-plans",
+        "Generate",
+        {**FOX, "num_inference_steps": GPU_PLANS + 2},
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "--gpu-plans",
+    ),
+    ("generation", "Generate", {**FOX, "expected_generation": 5}, grpc.StatusCode.ABORTED, '"current_generation":"1"'),
     ("updates-off", "UpdateWeights", {"weights_path": "x"}, grpc.StatusCode.PERMISSION_DENIED, "UPDATES_DISABLED"),
 ]
 
@@ -274,9 +315,11 @@ def test_errors_via_grpcurl(
     assert needle in r.text
 
 
-def test_unknown_json_field_is_a_grpcurl_usage_error(services: Services) -> None:
-    r = services.gen(f"{GENERATOR_SERVICE}/Generate", data={"bogus": 1})
-    assert r.code == 1 and "bogus" in r.text  # rejected by grpcurl before any RPC
+@pytest.mark.parametrize("field", ["bogus", "guidance_scale", "negative_prompt", "steps"])
+def test_unknown_json_field_is_a_grpcurl_usage_error(services: Services, field: str) -> None:
+    """Removed fields are gone from the schema: grpcurl refuses them before any RPC."""
+    r = services.gen(f"{GENERATOR_SERVICE}/Generate", data={**FOX, field: 1})
+    assert r.code == 1 and field in r.text
 
 
 # ----------------------------------------------------------------------------- status
@@ -284,21 +327,31 @@ def test_get_status_via_grpcurl(services: Services, svc_ckpt: Path) -> None:
     r = services.gen(f"{GENERATOR_SERVICE}/GetStatus", data={})
     assert r.code == 0, r.text
     st = r.json()
+    info = validate_checkpoint(svc_ckpt)
     assert st["generation"] == "1"
     assert st["adaln_mode"] == "ADALN_MODE_CACHED"
     assert st["sidecar_connected"] is True and st["serving"] is True
     assert st["sidecar_target"] == f"unix:{services.socket_path}"
     assert Path(st["weights_path"]).resolve() == svc_ckpt.resolve()
-    assert st["fingerprint"] == validate_checkpoint(svc_ckpt).fingerprint
-    assert st["model_preset"] == "tiny"
+    assert st["fingerprint"] == info.fingerprint
+    assert (st["model_preset"], st["precision"]) == ("tiny", "mixed")
     assert st["queue_depth"] == 0 and st["max_queue_depth"] == 8
     slab = st["slab"]
     assert (slab["num_slots"], slab["width"], slab["transport"], slab["device"]) == (GPU_PLANS, 2, "shm", "cpu")
-    assert int(slab["page_numel"]) == TINY.page_numel and int(slab["page_bytes"]) == TINY.page_bytes
+    assert slab["dtype"] == "bfloat16"  # the released precision's projection dtype
+    assert int(slab["page_numel"]) == info.layout.page_numel
+    assert int(slab["page_bytes"]) == info.layout.page_bytes(info.projection_dtype)
+    # the cached generator holds none of the checkpoint's adaln_proj / norm_out.linear bytes
+    mem = st["memory"]
+    plan_bytes = info.layout.plan_tensor_bytes(info.projection_dtype)
+    assert int(mem["plan_tensor_bytes"]) == plan_bytes
+    assert int(mem["held_plan_bytes"]) == 0 and int(mem["saved_bytes"]) == plan_bytes
+    assert mem["saved_fraction"] == 1.0
+    assert int(mem["transformer_bytes"]) > 0
 
 
 def test_sidecar_get_state_via_grpcurl(services: Services, svc_ckpt: Path) -> None:
-    gen = services.gen(f"{GENERATOR_SERVICE}/Generate", data=_proto_json({**T2V_REQUEST, "request_id": "state"}))
+    gen = services.gen(f"{GENERATOR_SERVICE}/Generate", data=_proto_json({**FOX_REQUEST, "request_id": "state"}))
     assert gen.code == 0, gen.text
     r = services.side(f"{PLANCACHE_SERVICE}/GetState", data={})
     assert r.code == 0, r.text
@@ -309,4 +362,4 @@ def test_sidecar_get_state_via_grpcurl(services: Services, svc_ckpt: Path) -> No
     assert Path(st["weights_path"]).resolve() == svc_ckpt.resolve()
     assert st["fingerprint"] == validate_checkpoint(svc_ckpt).fingerprint
     assert st["stats"]["num_slots"] == GPU_PLANS
-    assert int(st["stats"]["prepares"]) >= 1 and st["stats"]["slots_ready"] >= T2V_REQUEST["steps"]
+    assert int(st["stats"]["prepares"]) >= 1 and st["stats"]["slots_ready"] >= distinct_plans(svc_ckpt, FOX_REQUEST)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from clikit import CliRunner
 
+from ditcore import validate_checkpoint
 from ditruntime.flags import LaunchOptions, add_flags, check_bounds, flag, from_args, to_argv
 from ditserve import cli as ditserve_cli
-from ditserve.launcher import build_children, child_configs
+from ditserve.launcher import build_children, child_configs, demo_path, prepare
 from generator_service import cli as generator_cli
 from generator_service.config import TOKEN_ENV, GeneratorConfig
 from plancache_service import cli as plancache_cli
@@ -69,10 +70,9 @@ def test_sidecar_round_trip(tmp_path: Path) -> None:
             weights_root=Path("/weights"),
             drain_timeout_s=2.5,
             metrics_port=9,
-            max_steps=7,
-            max_frames=9,
+            max_num_frames=141,
             max_height=64,
-            max_width=48,
+            max_width=96,
             max_prompt_bytes=100,
             tls_cert=Path("/c.pem"),
             tls_key=Path("/k.pem"),
@@ -141,7 +141,7 @@ def test_to_argv_refuses_a_value_without_a_flag() -> None:
 @pytest.mark.parametrize("mode", ["cached", "resident"])
 def test_serve_children_parse_back_to_the_configs(tmp_path: Path, mode: str) -> None:
     argv = ["--run-dir", str(tmp_path), "--checkpoint", str(tmp_path / "ck"), "--adaln-mode", mode]
-    argv += ["--gpu-plans", "32", "--host-cache-gb", "0.01", "--max-steps", "9", "--device", "cpu"]
+    argv += ["--gpu-plans", "32", "--host-cache-gb", "0.01", "--max-num-frames", "158", "--device", "cpu"]
     argv += ["--log-format", "json", "--log-level", "DEBUG", "--port", "50071", "--max-queue-depth", "4"]
     args = _serve_parser().parse_args(argv)
     gen, side = child_configs(args, tmp_path, tmp_path / "ck")
@@ -149,7 +149,7 @@ def test_serve_children_parse_back_to_the_configs(tmp_path: Path, mode: str) -> 
     assert [c.name for c in children] == (["plancache sidecar", "generator"] if mode == "cached" else ["generator"])
     gen_args = generator_cli.build_parser().parse_args(children[-1].argv[3:])
     assert generator_cli.config_from_args(gen_args) == gen
-    assert (gen.listen, gen.max_steps, gen.max_queue_depth, gen.metrics_port) == ("127.0.0.1:50071", 9, 4, 9400)
+    assert (gen.listen, gen.max_num_frames, gen.max_queue_depth, gen.metrics_port) == ("127.0.0.1:50071", 158, 4, 9400)
     for child in children:
         child_args = (
             (plancache_cli if "plancache" in child.name else generator_cli).build_parser().parse_args(child.argv[3:])
@@ -166,6 +166,27 @@ def test_serve_children_parse_back_to_the_configs(tmp_path: Path, mode: str) -> 
     assert gen.sidecar == side.address == f"unix:{tmp_path / 'plancache.sock'}"
 
 
+# ----------------------------------------------------------------------------- serve's demo repository
+def test_serve_without_checkpoint_writes_the_tiny_demo_repository_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    demo = demo_path(run_dir)
+    run_dir.mkdir(mode=0o700)
+    demo.mkdir()
+    (demo / "half-written.safetensors").write_bytes(b"x")  # an interrupted write: no model_index.json
+    args = _serve_parser().parse_args(["--run-dir", str(run_dir), "--no-metrics"])
+    _, checkpoint, children = prepare(args)
+    assert checkpoint == demo
+    assert not (demo / "half-written.safetensors").exists()
+    info = validate_checkpoint(demo)
+    assert (info.preset, info.precision, info.has_adaln) == ("tiny", "mixed", True)
+    [sidecar, _generator] = children
+    assert f"--checkpoint={demo}" in sidecar.argv
+    # a second start reuses it, untouched
+    stamp = (demo / "model_index.json").stat().st_mtime_ns
+    assert prepare(args)[1] == demo
+    assert (demo / "model_index.json").stat().st_mtime_ns == stamp
+
+
 # ----------------------------------------------------------------------------- bad values
 CKPT = ["--checkpoint", "/nonexistent"]
 BAD_FLAGS: list[tuple[list[str], list[str]]] = [
@@ -177,12 +198,14 @@ BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["plancache", *CKPT, "--threads", "0"], ["--threads", ">= 1"]),
     (["plancache", *CKPT, "--log-format", "xml"], ["--log-format", "invalid choice"]),
     (["generator", "--max-queue-depth", "0"], ["--max-queue-depth", "[1, 100000]"]),
-    (["generator", "--max-steps", "0"], ["--max-steps", ">= 1"]),
+    (["generator", "--max-num-frames", "107"], ["--max-num-frames", "[124, 345]", "got 107"]),
+    (["generator", "--max-prompt-bytes", "0"], ["--max-prompt-bytes", "[1, 16384]"]),
     (["generator", "--max-message-mb", "big"], ["--max-message-mb", "invalid int value"]),
     (["generator", "--adaln-mode", "sideways"], ["--adaln-mode", "invalid choice"]),
     (["serve", "--gpu-plans", "0"], ["--gpu-plans", "[1, 1000000]"]),
     (["serve", "--host-cache-gb", "inf"], ["--host-cache-gb", "finite"]),
-    (["serve", "--max-frames", "0"], ["--max-frames", ">= 1"]),
+    (["serve", "--max-height", "16"], ["--max-height", "[32, 4096]", "got 16"]),
+    (["serve", "--max-width", "8192"], ["--max-width", "[32, 4096]"]),
     (["generate-local", *CKPT, "--gpu-plans", "1000001"], ["--gpu-plans", "[1, 1000000]"]),
     (["generate-local", *CKPT, "--host-cache-gb", "-0.5"], ["--host-cache-gb", ">= 0"]),
 ]
@@ -211,7 +234,10 @@ def test_serve_flag_combination_error_exits_2_before_writing(run_cli: CliRunner,
         (lambda: CacheConfig(host_cache_bytes=-1), r"host_cache_bytes \(--host-cache-gb\) must be >= 0"),
         (lambda: CacheConfig(device="tpu"), r"--device"),
         (lambda: SidecarConfig(Path("c"), CacheConfig(), "unix:/s", heartbeat_s=0.0), r"--heartbeat-s.*\[0.05, 60\]"),
-        (lambda: GeneratorConfig(sidecar="unix:/s", max_steps=0), r"max_steps \(--max-steps\) must be >= 1"),
+        (
+            lambda: GeneratorConfig(sidecar="unix:/s", max_prompt_bytes=0),
+            r"max_prompt_bytes \(--max-prompt-bytes\) must be in \[1, 16384\], got 0",
+        ),
         (lambda: GeneratorConfig(sidecar="unix:/s", max_queue_depth=10**6), r"--max-queue-depth.*\[1, 100000\]"),
         (lambda: LaunchOptions(threads=0), r"--threads"),
     ],
@@ -257,7 +283,11 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
     serve = _options(_serve_parser())
     own = {"-h", "--help", "--checkpoint", "--metrics-port", "--port"}  # serve's own meaning
     cases = [
-        (generator_cli.build_parser(), own, {"--max-steps", "--admin-token", "--device", "--log-format", "--run-dir"}),
+        (
+            generator_cli.build_parser(),
+            own,
+            {"--max-num-frames", "--max-prompt-bytes", "--admin-token", "--device", "--log-format", "--run-dir"},
+        ),
         # serve's --device is the generator's declaration (one device for both processes)
         (plancache_cli.build_parser(), own | {"--device"}, {"--gpu-plans", "--plan-width", "--host-cache-gb"}),
     ]

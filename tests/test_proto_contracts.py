@@ -1,7 +1,8 @@
 """The dataclasses that cross a process boundary and their proto messages: every field by name.
 
-The one `CacheReport` reaches the client through the generator's proto too, and the slab
-descriptor travels in Attach; a field added on one side only must fail here, not vanish.
+The one `CacheReport` reaches the client through the generator's proto too, the slab descriptor travels in Attach,
+a `GenerationRequest` is a `GenerateRequest` and `ModelMemory` reaches GetStatus; a field added on one side only
+must fail here, not vanish.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ import dataclasses
 
 import pytest
 
+from ditcore import GenerationRequest, ModelMemory, RequestError
 from ditcore.report import CacheReport
+from ditcore.request import TASKS
 from ditruntime.convert import FieldMismatchError, from_proto, to_proto
 from ditruntime.slab import ROW_WORDS, SlabDescriptor, descriptor_from_proto, descriptor_to_proto
+from ditserve.client import request_to_proto
+from generator_service.server import request_from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
 
@@ -45,3 +50,43 @@ def test_slab_descriptor_round_trips_through_attach(transport: str) -> None:
     assert descriptor_from_proto(msg) == d
     carried = set(cache_pb.SlabDescriptor.DESCRIPTOR.fields_by_name) - {"table_row_words"}
     assert carried == {f.name for f in dataclasses.fields(SlabDescriptor)}
+
+
+def test_generate_request_carries_every_generation_request_field() -> None:
+    names = {f.name for f in dataclasses.fields(GenerationRequest)}
+    fields = gen_pb.GenerateRequest.DESCRIPTOR.fields_by_name
+    assert set(fields) == names | {"expected_generation"}
+    # explicit presence on everything with a default: an unset field is GenerationRequest's default, not zero
+    for name in names - {"request_id", "task", "prompt"}:
+        assert fields[name].has_presence, name
+    # every served task has an enum value, and the client maps onto it
+    assert {gen_pb.Task.Name(v).removeprefix("TASK_").lower() for v in gen_pb.Task.values()} - {"unspecified"} == set(
+        TASKS
+    )
+
+
+EVERYTHING = GenerationRequest(
+    request_id="r.1", prompt="a red fox", num_inference_steps=7, flow_shift=5.5, audio_flow_shift=2.25,
+    seed=2**63 - 1, height=64, width=256, num_frames=345,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("req", [GenerationRequest(), EVERYTHING], ids=["defaults", "everything"])
+def test_request_round_trips_client_to_server(req: GenerationRequest) -> None:
+    got, expected = request_from_proto(request_to_proto(req, expected_generation=3))
+    assert (got, expected) == (req, 3)
+    # a bare message (grpcurl with only a prompt) takes GenerationRequest's defaults
+    bare, none = request_from_proto(gen_pb.GenerateRequest(request_id="x", prompt="p"))
+    assert bare == GenerationRequest(request_id="x", prompt="p") and none is None
+
+
+def test_client_refuses_a_task_the_protocol_cannot_carry() -> None:
+    with pytest.raises(RequestError, match="task"):
+        request_to_proto({"task": "t2v", "prompt": "a fox"})
+
+
+def test_model_memory_matches_the_status_proto() -> None:
+    mem = ModelMemory(transformer_bytes=1000, plan_tensor_bytes=600, held_plan_bytes=0)
+    assert set(gen_pb.ModelMemory.DESCRIPTOR.fields_by_name) == set(mem.to_dict())
+    msg = gen_pb.ModelMemory(**mem.to_dict())
+    assert (msg.saved_bytes, msg.saved_fraction) == (600, 1.0)
