@@ -144,7 +144,7 @@ class Child:
 SERVE_GENERATOR_EXCLUDE = ("checkpoint", "sidecar", "listen", "metrics_port", "max_message_bytes", "prefetch")
 """GeneratorConfig fields that are not `serve` flags: derived from serve's own options, or left at default."""
 SERVE_CACHE_EXCLUDE = ("device",)
-"""One --device (GeneratorConfig's) places both the DiT and the slab."""
+"""One --device (GeneratorConfig's) places both the transformer and the slab."""
 SERVE_SIDECAR_ONLY = ("state_dir",)
 """The SidecarConfig flags of `serve` besides the cache's (the rest derive from serve's options)."""
 SERVE_LAUNCH_EXCLUDE = ("threads",)
