@@ -34,7 +34,7 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
         backend = CachedBackend(link, weights)
         prefetch = cfg.prefetch
     metrics = GeneratorMetrics()
-    executor = Executor(backend, cfg.max_queue_depth, prefetch, on_finish=metrics.on_finish)
+    executor = Executor(backend, cfg.max_queue_depth, prefetch, on_finish=metrics.on_finish, limits=cfg.limits)
     register_state_gauges(metrics.registry, backend, executor)
     updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
     return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher)

@@ -1,6 +1,7 @@
-"""The one interface the executor, the update coordinator and the server use to reach the model,
-its generation, its plans and the weight-update steps. `resident.ResidentBackend` implements it
-in process; `cached.CachedBackend` through the sidecar session. No grpc here.
+"""The one interface the executor, the update coordinator and the server use to reach the model
+(a `ditcore.H3Model`: diffusers' MiniMax-H3 pipeline), its generation, its plans and the
+weight-update steps. `resident.ResidentBackend` implements it in process; `cached.CachedBackend`
+through the sidecar session. No grpc here.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from ditcore import CheckpointError, CheckpointInfo, DiT, DiTConfig, GenerationRequest, validate_checkpoint
-from ditcore.sampler import PlanLease
+from ditcore import CheckpointError, CheckpointInfo, GenerationRequest, H3Model, PlanKey, PlanLease, validate_checkpoint
 from ditruntime.slab import SlabDescriptor
 
 
 class ServedLease(PlanLease, Protocol):
-    """A plan lease as the executor holds it (ditcore.sampler.PlanLease plus what serving needs)."""
+    """A plan lease as the executor holds it (ditcore.model.PlanLease plus what serving needs)."""
 
     generation: int  # the weight generation its plans were built for
+    keys: list[PlanKey]  # one per step, as leased
 
     def alive(self) -> bool:
         """False once the session that granted it has ended."""
@@ -49,7 +50,7 @@ class BackendStatus:
 class StagedWeights:
     """A loaded model ready to swap in, and the weights it is."""
 
-    model: DiT
+    model: H3Model
     info: CheckpointInfo
     fingerprint: str  # the checkpoint's, or "tensors:<sha256>" for pushed tensors
 
@@ -77,10 +78,12 @@ class Backend(ABC):
 
     # ---------------------------------------------------------------- serving
     @abstractmethod
-    def model(self) -> DiT: ...
+    def model(self) -> H3Model:
+        """The served model (cached: SidecarUnavailableError before the first attachment)."""
 
-    def model_config(self) -> DiTConfig:
-        return self.model().config
+    @abstractmethod
+    def loaded(self) -> H3Model | None:
+        """The served model, or None while none is loaded (never raises)."""
 
     @abstractmethod
     def generation(self) -> int:
@@ -135,12 +138,11 @@ class Backend(ABC):
         """Undo a prepared update that will not commit (best effort)."""
 
 
-def validate_compatible(path: Path, current: DiTConfig, require_adaln: bool) -> CheckpointInfo:
-    """A valid checkpoint at `path` whose config matches the running model's (preset aside)."""
+def validate_compatible(path: Path, current: CheckpointInfo, require_adaln: bool) -> CheckpointInfo:
+    """A valid MiniMax-H3 repository at `path` that can replace `current` under a running server: same transformer
+    config (plan layout and shapes) and the same stored precision."""
     info = validate_checkpoint(path, require_adaln=require_adaln)
-    new = info.config.replace(preset=current.preset)
-    if new != current:
-        a, b = current.to_dict(), new.to_dict()
-        diff = ", ".join(f"{k}: {a[k]} -> {b[k]}" for k in a if a[k] != b[k])
-        raise CheckpointError(f"{info.path}/config.json: incompatible with the running model ({diff})")
+    why = current.incompatibility(info)
+    if why is not None:
+        raise CheckpointError(f"{info.path}: {why}")
     return info

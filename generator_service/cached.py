@@ -1,9 +1,11 @@
-"""Cached mode: the DiT without adaln_proj; plans are leased from the sidecar's slab over the
-injected `SidecarSession`, and the weight-update steps go through the sidecar. No grpc here.
+"""Cached mode: diffusers' MiniMax-H3 transformer loaded without its plan tensors (every
+`adaln_proj.linear` and `norm_out.linear` reads the step's rows from a lease instead); plans are
+leased from the sidecar's slab over the injected `SidecarSession`, and the weight-update steps go
+through the sidecar. No grpc here.
 
 `CachedWeights` loads whatever checkpoint the sidecar's session names (so both sides always
-serve one weight version) and checks that the slab's geometry matches the model before it
-accepts the attachment.
+serve one weight version) and checks that the slab's pages (numel, dtype, device) are the ones
+the model reads before it accepts the attachment.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ditcore import CheckpointInfo, DiT, GenerationRequest, load_model, validate_checkpoint
-from ditcore.plans import distinct_keys
+from ditcore import CheckpointInfo, GenerationRequest, H3Model, load_model, validate_checkpoint
+from ditcore.plans import PlanKey, distinct_keys, dtype_name
 from ditruntime.faults import crash_point
 
 from .backend import Backend, BackendStatus, Rollback, ServedLease, StagedWeights, validate_compatible
@@ -31,7 +33,7 @@ class CachedWeights:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.lock = threading.RLock()  # the backend's model_lock
-        self.model: DiT | None = None
+        self.model: H3Model | None = None
         self.loaded: tuple[str, str] | None = None  # (weights_path, fingerprint)
 
     def on_attach(self, att: Attachment) -> None:
@@ -44,15 +46,30 @@ class CachedWeights:
                         f"{att.weights_path}: fingerprint {info.fingerprint[:16]} differs from the sidecar's "
                         f"{att.fingerprint[:16]}; the files changed"
                     )
-                log.info("loading DiT (cached mode) from %s", att.weights_path)
-                self.model = load_model(info, "cached").to(self.device)
+                log.info("loading MiniMax-H3 (cached mode) from %s", att.weights_path)
+                self.model = load_model(info, "cached", self.device)
                 self.loaded = (att.weights_path, att.fingerprint)
             assert self.model is not None
-            cfg, d = self.model.config, att.descriptor
-            if d.page_numel != cfg.page_numel or d.dtype != cfg.dtype:
-                raise ValueError(
-                    f"slab pages are {d.page_numel} x {d.dtype} but the model needs {cfg.page_numel} x {cfg.dtype}"
-                )
+            check_slab(self.model, att)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def check_slab(model: H3Model, att: Attachment) -> None:
+    """The slab's pages are what the model's plan modules read: page_numel, projection dtype, device."""
+    d, info = att.descriptor, model.info
+    numel, dtype = info.layout.page_numel, dtype_name(info.projection_dtype)
+    if d.page_numel != numel or d.dtype != dtype:
+        raise ValueError(f"slab pages are {d.page_numel} x {d.dtype} but {info.path} needs {numel} x {dtype}")
+    if not _same_device(att.slab.device, model.device):
+        raise ValueError(f"the slab is on {att.slab.device} but the model runs on {model.device} (--device)")
 
 
 class CachedBackend(Backend):
@@ -75,9 +92,13 @@ class CachedBackend(Backend):
             raise SidecarUnavailableError(f"not attached to the plan-cache sidecar: {self.link.last_error}")
         return att
 
-    def model(self) -> DiT:
-        if self._weights.model is None:
+    def model(self) -> H3Model:
+        model = self._weights.model
+        if model is None:
             raise SidecarUnavailableError("no weights loaded yet: the plan-cache sidecar was never attached")
+        return model
+
+    def loaded(self) -> H3Model | None:
         return self._weights.model
 
     def generation(self) -> int:
@@ -91,9 +112,12 @@ class CachedBackend(Backend):
         return BackendStatus(True, True, self.link.target, att.weights_path, att.fingerprint, att.descriptor)
 
     # ---------------------------------------------------------------- plans
+    def _keys(self, request: GenerationRequest) -> list[PlanKey]:
+        return self.model().plan_keys(request)
+
     def check_fits(self, request: GenerationRequest) -> None:
         d = self._attachment().descriptor
-        keys = request.schedule_spec().plan_keys()
+        keys = self._keys(request)
         n, width = len(distinct_keys(keys)), max(k.width for k in keys)
         if width > d.width:
             raise PlanCapacityError(
@@ -105,8 +129,7 @@ class CachedBackend(Backend):
             )
 
     def acquire(self, request: GenerationRequest) -> ServedLease:
-        keys = request.schedule_spec().plan_keys()
-        return self.link.prepare(keys, self.generation(), request.request_id)
+        return self.link.prepare(self._keys(request), self.generation(), request.request_id)
 
     def verify(self, lease: ServedLease) -> None:
         if not self.alive(lease):
@@ -118,14 +141,15 @@ class CachedBackend(Backend):
 
     # ---------------------------------------------------------------- weight updates
     def validate_update(self, path: Path) -> CheckpointInfo:
-        return validate_compatible(path, self.model_config(), require_adaln=False)
+        # the sidecar, which reads the plan tensors, refuses a repository without them (prepare_update)
+        return validate_compatible(path, self.model().info, require_adaln=False)
 
     def prepare_update(self, previous: int, path: Path) -> None:
         self.link.prepare_update(previous, str(path))
         crash_point("update:after_prepare")
 
     def stage(self, info: CheckpointInfo) -> StagedWeights:
-        return StagedWeights(load_model(info, self.mode).to(self.device), info, info.fingerprint)
+        return StagedWeights(load_model(info, self.mode, self.device), info, info.fingerprint)
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
         raise tensor_updates_refused()

@@ -6,14 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ditcore.request import CANVAS_MULTIPLE, MAX_FRAMES, MAX_PROMPT_BYTES, MAX_SIDE, MIN_FRAMES, RequestLimits
 from ditruntime.flags import check_bounds, flag
 
 TOKEN_ENV = "DITSERVE_ADMIN_TOKEN"
 MIB = 2**20
 
-
-def _limit(what: str) -> int | None:
-    return flag(None, f"limit on {what} (default: the model's)", low=1)
+LIMITED_FIELDS = {
+    "num_frames": "max_num_frames",
+    "height": "max_height",
+    "width": "max_width",
+    "prompt": "max_prompt_bytes",
+}
+"""Request field -> the GeneratorConfig (and RequestLimits) field that may tighten H3's own rule for it."""
 
 
 @dataclass(frozen=True)
@@ -58,22 +63,33 @@ class GeneratorConfig:
     """How long an update waits for the running request before it aborts."""
     metrics_port: int | None = flag(None, "serve Prometheus /metrics on this port (default off)")
     """Prometheus /metrics HTTP port (off when None)."""
-    max_steps: int | None = _limit("denoise steps")
-    """Operator limit on `steps` (default: the model's, 1000)."""
-    max_frames: int | None = _limit("pixel frames")
-    """Operator limit on `frames` (default: the preset's max_frames)."""
-    max_height: int | None = _limit("height in pixels")
-    """Operator limit on `height` in pixels (default: the preset's)."""
-    max_width: int | None = _limit("width in pixels")
-    """Operator limit on `width` in pixels (default: the preset's)."""
-    max_prompt_bytes: int | None = _limit("prompt bytes")
-    """Operator limit on prompt and negative prompt bytes (default: the preset's text_len)."""
+    max_num_frames: int = flag(
+        MAX_FRAMES, "operator limit on num_frames (default: H3's %(default)s)", low=MIN_FRAMES, high=MAX_FRAMES
+    )
+    """Largest `num_frames` served (H3's rule still applies: 17n + 5 in [124, 345])."""
+    max_height: int = flag(
+        MAX_SIDE, "operator limit on height in pixels (default %(default)s)", low=CANVAS_MULTIPLE, high=MAX_SIDE
+    )
+    """Largest `height` served, in pixels (a multiple of 32 still required)."""
+    max_width: int = flag(
+        MAX_SIDE, "operator limit on width in pixels (default %(default)s)", low=CANVAS_MULTIPLE, high=MAX_SIDE
+    )
+    """Largest `width` served, in pixels (a multiple of 32 still required)."""
+    max_prompt_bytes: int = flag(
+        MAX_PROMPT_BYTES, "operator limit on prompt UTF-8 bytes (default %(default)s)", low=1, high=MAX_PROMPT_BYTES
+    )
+    """Longest `prompt` served, in UTF-8 bytes."""
     tls_cert: Path | None = flag(None, "PEM certificate: serve the public port over TLS")
     """PEM server certificate for the public port (TLS when set, with tls_key)."""
     tls_key: Path | None = flag(None, "PEM private key of --tls-cert")
     """PEM private key of tls_cert."""
     tls_client_ca: Path | None = flag(None, "PEM CA: require client certificates (mutual TLS)")
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The operator limits every request is validated against (H3's own rules included)."""
+        return RequestLimits(self.max_num_frames, self.max_height, self.max_width, self.max_prompt_bytes)
 
     def __post_init__(self) -> None:
         check_bounds(self)

@@ -1,12 +1,13 @@
 """Request queue and the one denoise executor (no gRPC).
 
-Admission: validate, check the request can ever fit the slab, check `expected_generation`,
-then enqueue (bounded; full -> QueueFullError). One executor thread runs jobs in order:
-lease plans (or take the prefetched lease), check the lease's slot-table rows, denoise with
-cancellation / deadline / sidecar-session checks after every step, release the lease in
-every outcome. While a job denoises, a prefetch thread prepares the next queued job's
-plans, so a rebuild overlaps compute (both leases must fit the slab; if not, the next job
-simply prepares when it starts).
+Admission: validate against H3's rules and the operator's limits, check the request can ever
+fit the slab, check `expected_generation`, then enqueue (bounded; full -> QueueFullError). One
+executor thread runs jobs in order: lease plans (or take the prefetched lease), check the
+lease's slot-table rows, run `ditcore.generate` (diffusers' t2va loop) with cancellation /
+deadline / sidecar-session checks after every transformer forward, release the lease in every
+outcome. While a job denoises, a prefetch thread prepares the next queued job's plans, so a
+rebuild overlaps compute (both leases must fit the slab; if not, the next job simply prepares
+when it starts).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ditcore import GenerationResult, generate
-from ditcore.plans import StepPlan
+from ditcore import GenerationRequest, GenerationResult, PlanKey, RequestError, RequestLimits, generate
 from ditruntime.errors import GenerationMismatchError
 
 from .backend import Backend, ServedLease
+from .config import LIMITED_FIELDS
 from .errors import (
     CancelledError,
     DeadlineExceededError,
     GeneratorError,
+    LeaseCheckError,
     NotServingError,
     QueueFullError,
     SidecarUnavailableError,
@@ -38,23 +40,48 @@ FinishListener = Callable[[Job, JobResult | None, BaseException | None], None]
 """Called once per job that ran: (job, result, None) or (job, None, error)."""
 
 
+def check_request(request: GenerationRequest, limits: RequestLimits) -> None:
+    """H3's rules and the operator's limits; a refusal over an operator limit names its flag."""
+    try:
+        request.validate(limits)
+    except RequestError as e:
+        attr = LIMITED_FIELDS.get(e.field)
+        if attr is not None:
+            value = getattr(request, e.field)
+            size = len(value.encode("utf-8")) if isinstance(value, str) else value
+            limit = getattr(limits, attr)
+            if isinstance(size, int) and size > limit:
+                flag = "--" + attr.replace("_", "-")
+                raise RequestError(e.field, f"{e.description} (this server's {flag} is {limit})") from e
+        raise
+
+
 class _Prefetched:
-    """A PlanProvider that hands out an already-prepared lease."""
+    """A PlanProvider that hands out an already-prepared lease (for the keys it was prepared for)."""
 
     def __init__(self, lease: ServedLease) -> None:
         self._lease = lease
 
-    def acquire(self, steps: Sequence[StepPlan]) -> ServedLease:
+    def acquire(self, keys: Sequence[PlanKey]) -> ServedLease:
+        if list(keys) != list(self._lease.keys):
+            raise LeaseCheckError("the leased plans are not the request's plan keys")
         return self._lease
 
 
 class Executor:
-    """`prefetch` only helps a backend that leases plans (cached mode)."""
+    """`prefetch` only helps a backend that leases plans (cached mode). Every request is validated
+    against `limits` (H3's rules, tightened by the operator's flags)."""
 
     def __init__(
-        self, backend: Backend, max_queue_depth: int, prefetch: bool, on_finish: FinishListener | None = None
+        self,
+        backend: Backend,
+        max_queue_depth: int,
+        prefetch: bool,
+        on_finish: FinishListener | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.backend = backend
+        self.limits = limits if limits is not None else RequestLimits()
         self._on_finish: FinishListener = on_finish or (lambda *_: None)
         self.max_queue_depth = max_queue_depth
         self.prefetch = prefetch
@@ -92,7 +119,7 @@ class Executor:
 
     def submit(self, job: Job) -> int:
         """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing."""
-        job.request.validate(self.backend.model_config())
+        check_request(job.request, self.limits)
         self.backend.check_fits(job.request)
         self._check_generation(job)
         with self._lock:
@@ -223,7 +250,8 @@ class Executor:
             generation = lease.generation if lease is not None else self.backend.generation()
             provider = _Prefetched(lease) if lease is not None else None
             # generate() releases the lease in every outcome once it has acquired it
-            return generate(self.backend.model(), job.request, provider, on_step=on_step), generation
+            model = self.backend.model()
+            return generate(model, job.request, provider, on_step=on_step, limits=self.limits), generation
 
     def _check_live(self, job: Job, lease: ServedLease | None = None) -> None:
         if job.cancelled.is_set():

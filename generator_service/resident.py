@@ -1,20 +1,30 @@
-"""Resident mode: the DiT with its adaln_proj loaded, no sidecar. The model computes modulation
-itself (no leases) and the weight-update steps are process-local: the generation lives only
-in this process and starts at 1. No grpc here.
+"""Resident mode: diffusers' MiniMax-H3 transformer exactly as `from_pretrained` loads it (its
+`adaln_proj` and `norm_out.linear` included), no sidecar. The model computes modulation itself (no
+leases) and the weight-update steps are process-local: the generation lives only in this process
+and starts at 1. Pushed tensors replace same-named transformer tensors in a copy. No grpc here.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import threading
 from pathlib import Path
 
 import torch
 
-from ditcore import CheckpointInfo, DiT, GenerationRequest, RequestError, load_model, validate_checkpoint
+from ditcore import CheckpointInfo, GenerationRequest, H3Model, RequestError, load_model, validate_checkpoint
 
 from .backend import Backend, BackendStatus, Rollback, ServedLease, StagedWeights, validate_compatible
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the pushed tensors: each name, dtype, shape and raw bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class ResidentBackend(Backend):
@@ -22,10 +32,14 @@ class ResidentBackend(Backend):
 
     def __init__(self, checkpoint: Path, device: torch.device) -> None:
         super().__init__(device, threading.RLock())
-        self.info = validate_checkpoint(checkpoint, require_adaln=True)
-        self._model = load_model(self.info, self.mode).to(device)
+        info = validate_checkpoint(checkpoint, require_adaln=True)
+        self._model = load_model(info, self.mode, device)
         self._generation = 1  # local to this process: resident mode has no sidecar to persist it
-        self._fingerprint = self.info.fingerprint
+        self._fingerprint = info.fingerprint
+
+    @property
+    def info(self) -> CheckpointInfo:
+        return self._model.info
 
     def start(self) -> None:
         pass  # loaded in the constructor; nothing runs in the background
@@ -33,7 +47,10 @@ class ResidentBackend(Backend):
     def close(self) -> None:
         pass
 
-    def model(self) -> DiT:
+    def model(self) -> H3Model:
+        return self._model
+
+    def loaded(self) -> H3Model | None:
         return self._model
 
     def generation(self) -> int:
@@ -63,36 +80,42 @@ class ResidentBackend(Backend):
 
     # ---------------------------------------------------------------- weight updates
     def validate_update(self, path: Path) -> CheckpointInfo:
-        return validate_compatible(path, self.model_config(), require_adaln=True)
+        return validate_compatible(path, self.info, require_adaln=True)
 
     def prepare_update(self, previous: int, path: Path) -> None:
         pass  # nothing outside this process to prepare
 
     def stage(self, info: CheckpointInfo) -> StagedWeights:
-        return StagedWeights(load_model(info, self.mode).to(self.device), info, info.fingerprint)
+        return StagedWeights(load_model(info, self.mode, self.device), info, info.fingerprint)
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
-        """Check every tensor against the same-named parameter, then load them into a copy."""
-        state = self._model.state_dict()
+        """Check every tensor against the same-named transformer tensor (its state-dict name, e.g.
+        "proj_out.bias"; shape and dtype must match), then replace them in a copy of the model."""
+        if not tensors:
+            raise RequestError("tensors", "no tensors given")
+        state = self._model.transformer.state_dict()
         for name, t in tensors.items():
             if name not in state:
-                raise RequestError("tensors", f"unknown tensor {name!r}; names are the checkpoint's")
+                raise RequestError(
+                    "tensors", f"unknown tensor {name!r}; names are the transformer's state-dict names "
+                    "(e.g. 'proj_out.bias', 'transformer_blocks.0.adaln_proj.linear.weight')"
+                )  # fmt: skip
             want = state[name]
             if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
                 raise RequestError(
                     "tensors", f"{name}: got {t.dtype} {list(t.shape)}, expected {want.dtype} {list(want.shape)}"
                 )
-        model = copy.deepcopy(self._model)
-        model.load_state_dict({**model.state_dict(), **{k: v.to(self.device) for k, v in tensors.items()}})
-        digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors.values()))
-        return StagedWeights(model, self.info, f"tensors:{digest.hexdigest()}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise RequestError("tensors", f"{name}: holds a NaN or an infinity")
+        model = self._model.with_tensors(tensors)
+        return StagedWeights(model, self.info, f"tensors:{tensors_digest(tensors)}")
 
     def swap(self, staged: StagedWeights) -> Rollback:
-        old = (self._model, self.info)
-        self._model, self.info = staged.model, staged.info
+        old = self._model
+        self._model = staged.model
 
         def rollback() -> None:
-            self._model, self.info = old
+            self._model = old
 
         return rollback
 

@@ -8,6 +8,7 @@ Its collaborators are built by `app.build_server`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
+from ditcore.plans import DTYPES
 from ditruntime.convert import to_proto
 from ditruntime.errors import ServiceError
 from ditruntime.obs import MetricsServer, RpcMetrics
@@ -36,18 +38,16 @@ from .jobs import Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
 from .metrics import GeneratorMetrics
 from .updates import UpdateCoordinator, check_token, resolve_weights_path
 
-_TENSOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
-    if t.dtype not in _TENSOR_DTYPES:
-        raise RequestError("tensors", f"{t.name}: dtype {t.dtype!r} not in {sorted(_TENSOR_DTYPES)}")
-    dtype = _TENSOR_DTYPES[t.dtype]
-    n = 1
-    for d in t.shape:
-        n *= d
-    if any(d < 0 for d in t.shape) or len(t.data) != n * torch.empty((), dtype=dtype).element_size():
+    """A pushed tensor (UpdateWeights): raw little-endian bytes of `dtype` in `shape`."""
+    if t.dtype not in DTYPES:
+        raise RequestError("tensors", f"{t.name}: dtype {t.dtype!r} not in {sorted(DTYPES)}")
+    dtype = DTYPES[t.dtype]
+    if any(d < 0 for d in t.shape) or len(t.data) != math.prod(t.shape) * dtype.itemsize:
         raise RequestError("tensors", f"{t.name}: {len(t.data)} bytes do not hold {t.dtype}{list(t.shape)}")
+    if not t.data:
+        return torch.empty(tuple(t.shape), dtype=dtype)
     return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(tuple(t.shape))
 
 
@@ -55,54 +55,26 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 _MODES: dict[str, pb.AdalnMode] = {"cached": pb.ADALN_MODE_CACHED, "resident": pb.ADALN_MODE_RESIDENT}
-_TASKS = {pb.TASK_UNSPECIFIED: "t2v", pb.TASK_T2V: "t2v", pb.TASK_T2VA: "t2va"}
-_OPTIONAL = (
-    "steps",
-    "flow_shift",
-    "audio_flow_shift",
-    "guidance_scale",
-    "seed",
-    "frames",
-    "height",
-    "width",
-    "audio_length",
-)
+_TASKS = {pb.TASK_UNSPECIFIED: "t2va", pb.TASK_T2VA: "t2va"}
+_OPTIONAL = ("num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width")
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int | None]:
     """(request, expected_generation); unset optional fields take GenerationRequest defaults."""
     if msg.task not in _TASKS:
-        raise RequestError("task", f"unknown task enum value {msg.task}; allowed: TASK_T2V, TASK_T2VA")
+        raise RequestError(
+            "task", f"unknown task enum value {msg.task}; allowed: TASK_T2VA (or TASK_UNSPECIFIED, meaning TASK_T2VA)"
+        )
     kwargs: dict[str, Any] = {
         "request_id": msg.request_id or f"req-{uuid.uuid4().hex[:12]}",
         "task": _TASKS[msg.task],
         "prompt": msg.prompt,
-        "negative_prompt": msg.negative_prompt,
     }
     for name in _OPTIONAL:
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     expected = msg.expected_generation if msg.HasField("expected_generation") else None
     return GenerationRequest(**kwargs), expected
-
-
-def check_limits(request: GenerationRequest, cfg: GeneratorConfig) -> None:
-    """Operator limits (flags), tighter than the model's own: INVALID_ARGUMENT naming the field."""
-    for field, value, limit in (
-        ("steps", request.steps, cfg.max_steps),
-        ("frames", request.frames, cfg.max_frames),
-        ("height", request.height, cfg.max_height),
-        ("width", request.width, cfg.max_width),
-    ):
-        if limit is not None and value > limit:
-            raise RequestError(field, f"{value} exceeds this server's limit {limit} (--max-{field})")
-    if cfg.max_prompt_bytes is not None:
-        for field in ("prompt", "negative_prompt"):
-            n = len(getattr(request, field).encode("utf-8"))
-            if n > cfg.max_prompt_bytes:
-                raise RequestError(
-                    field, f"is {n} bytes; this server allows at most {cfg.max_prompt_bytes} (--max-prompt-bytes)"
-                )
 
 
 def server_credentials(cfg: GeneratorConfig) -> grpc.ServerCredentials:
@@ -171,7 +143,6 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
         try:
             request, expected = request_from_proto(msg)
-            check_limits(request, self.cfg)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
             job = Job(request, expected_generation=expected, deadline=deadline)
@@ -236,6 +207,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 if request.weights_path:
                     raise RequestError("tensors", "give weights_path or tensors, not both")
                 tensors = {t.name: tensor_from_proto(t) for t in request.tensors}
+                if len(tensors) != len(request.tensors):
+                    raise RequestError("tensors", "a tensor name is given more than once")
                 result = self.updates.update_tensors(tensors, expected)
             else:
                 path = resolve_weights_path(self.cfg.weights_root, request.weights_path)
@@ -272,7 +245,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         )
         if st.serving:
             resp.generation = self.backend.generation()
-            resp.model_preset = self.backend.model_config().preset
+        model = self.backend.loaded()
+        if model is not None:
+            resp.model_preset = model.info.preset
+            resp.precision = model.precision
+            resp.memory.CopyFrom(pb.ModelMemory(**model.memory().to_dict()))
         slab = st.slab
         if slab is not None:
             page_bytes = slab.slab_bytes // max(1, slab.num_slots * slab.width)

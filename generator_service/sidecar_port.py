@@ -44,7 +44,7 @@ class Attachment:
 
 
 class RemoteLease:
-    """A lease on the sidecar's slab; implements ditcore.sampler.PlanLease (and ServedLease)."""
+    """A lease on the sidecar's slab; implements ditcore.model.PlanLease (and ServedLease)."""
 
     def __init__(
         self,
@@ -93,7 +93,7 @@ class RemoteLease:
                 )
 
     def pages(self, step: int) -> torch.Tensor:
-        """(W, page_numel) pages of step `step`: a view into the slab, no copy."""
+        """(width, page_numel) pages of step `step`: a view into the slab, no copy (on the slab's device)."""
         return self.att.slab[self.slots[step], : self.keys[step].width]
 
     def release(self) -> None:

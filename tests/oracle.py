@@ -38,12 +38,18 @@ class ReferenceProcessor:
 
 
 def stored_precision(repo: Path) -> str:
-    """ "mixed" if the repository's transformer is stored in bfloat16 (the release), else "float32"."""
-    index = json.loads((Path(repo) / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    """"mixed" if the repository's transformer is stored in bfloat16 (the release), else "float32"."""
     from safetensors import safe_open
 
-    name = next(n for n in index["weight_map"] if ".attn" in n or ".ff" in n)
-    with safe_open(str(Path(repo) / "transformer" / index["weight_map"][name]), "pt") as f:
+    transformer = Path(repo) / "transformer"
+    index = transformer / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:  # one unsharded file
+        with safe_open(str(transformer / "diffusion_pytorch_model.safetensors"), "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "diffusion_pytorch_model.safetensors")
+    name = next(n for n in sorted(weight_map) if ".attn" in n or ".ff" in n)
+    with safe_open(str(transformer / weight_map[name]), "pt") as f:
         return "mixed" if f.get_slice(name).get_dtype() == "BF16" else "float32"
 
 

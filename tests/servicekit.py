@@ -33,7 +33,9 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from ditcore import GenerationRequest, GenerationResult, generate, get_preset, load_model, validate_checkpoint
+from ditcore import GenerationRequest, GenerationResult, PlanKey, distinct_keys, generate, load_model
+from ditcore.pipeline import ScheduleKeys
+from ditcore.plans import INDEX_FILE, SINGLE_FILE
 from ditruntime.flags import to_argv
 from ditserve.client import request_to_proto
 from ditserve.launcher import die_with_parent, terminate
@@ -47,7 +49,6 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as cache_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TINY = get_preset("tiny")
 GENERATOR_SERVICE = "ditserve.generator.v1.Generator"
 PLANCACHE_SERVICE = "ditserve.plancache.v1.PlanCache"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -56,33 +57,32 @@ SHM_PREFIX = "ditserve-"
 STATE_FILE = "plancache-state.json"
 TOKEN = "update-test-token"
 
-# Small requests: t2v (plans of width 1) and t2va with a distinct audio shift (plans of width 2).
-T2V_REQUEST: dict[str, Any] = {
-    "request_id": "it-t2v", "task": "t2v", "prompt": "a red fox", "negative_prompt": "blurry", "steps": 6,
-    "flow_shift": 5.0, "guidance_scale": 4.0, "seed": 7, "frames": 5, "height": 32, "width": 32,
+# Small t2va requests on the tiny preset: H3's default shifts, and other shifts on a wider canvas. Unequal video and
+# audio shifts give plans of width 2 (the first step's, at t = 0 for both, has width 1).
+FOX_REQUEST: dict[str, Any] = {
+    "request_id": "it-fox", "task": "t2va", "prompt": "a red fox", "num_inference_steps": 6, "flow_shift": 12.0,
+    "audio_flow_shift": 3.0, "seed": 7, "num_frames": 124, "height": 32, "width": 32,
 }  # fmt: skip
-T2VA_REQUEST: dict[str, Any] = {
-    "request_id": "it-t2va", "task": "t2va", "prompt": "rain on a tin roof", "steps": 8, "flow_shift": 7.0,
-    "audio_flow_shift": 3.0, "guidance_scale": 2.5, "seed": 11, "frames": 9, "height": 48, "width": 32,
-    "audio_length": 24,
+RAIN_REQUEST: dict[str, Any] = {
+    "request_id": "it-rain", "task": "t2va", "prompt": "rain on a tin roof", "num_inference_steps": 8,
+    "flow_shift": 7.0, "audio_flow_shift": 2.0, "seed": 11, "num_frames": 141, "height": 32, "width": 64,
 }  # fmt: skip
-# The update tests' requests (4-6 steps; each call names its request_id), distinct outputs per checkpoint.
-REQ_T2V: dict[str, Any] = {
-    "task": "t2v", "prompt": "a red fox", "steps": 6, "flow_shift": 5.0, "guidance_scale": 4.0, "seed": 7,
-    "frames": 5, "height": 32, "width": 32,
-}  # fmt: skip
-REQ_T2VA: dict[str, Any] = {
-    "task": "t2va", "prompt": "rain on a tin roof", "steps": 4, "flow_shift": 7.0, "audio_flow_shift": 3.0,
-    "guidance_scale": 2.5, "seed": 11, "frames": 5, "height": 32, "width": 32, "audio_length": 8,
-}  # fmt: skip
-REQ_SHORT: dict[str, Any] = {
-    **REQ_T2V, "prompt": "snow", "steps": 5, "flow_shift": 3.0, "guidance_scale": 1.0, "seed": 3,
-}  # fmt: skip
+# The update tests' requests (4-6 grid points; each call names its request_id), distinct outputs per checkpoint.
+REQ_FOX: dict[str, Any] = {k: v for k, v in FOX_REQUEST.items() if k != "request_id"}
+REQ_RAIN: dict[str, Any] = {**{k: v for k, v in RAIN_REQUEST.items() if k != "request_id"}, "num_inference_steps": 5}
+REQ_SHORT: dict[str, Any] = {**REQ_FOX, "prompt": "snow", "num_inference_steps": 5, "flow_shift": 3.0, "seed": 3}
 
 
 def long_request(steps: int) -> dict[str, Any]:
-    """A request that keeps the executor busy for a while (~30-40 ms per step on 2 CPUs)."""
-    return {**REQ_T2V, "prompt": "a long one", "steps": steps, "flow_shift": 6.0, "guidance_scale": 5.0, "seed": 5}
+    """A request that keeps the executor busy for a while (`steps` forwards on a 128 x 128 canvas)."""
+    return {**REQ_FOX, "prompt": "a long one", "num_inference_steps": steps + 1, "height": 128, "width": 128, "seed": 5}
+
+
+def narrow_request(steps: int, **overrides: Any) -> dict[str, Any]:
+    """`steps` forwards on the smallest canvas with equal video and audio shifts: every plan has width 1 and every
+    step its own plan (fits slots of width 1; `steps` + 1 grid points)."""
+    return {**REQ_FOX, "prompt": "narrow", "num_inference_steps": steps + 1, "flow_shift": 3.0,
+            "audio_flow_shift": 3.0, **overrides}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -187,7 +187,30 @@ class Weights:
 
 @functools.lru_cache(maxsize=4)
 def _resident_model(checkpoint: str) -> Any:
-    return load_model(validate_checkpoint(checkpoint), "resident")
+    return load_model(checkpoint, "resident")
+
+
+@functools.lru_cache(maxsize=8)
+def _schedule(checkpoint: str) -> ScheduleKeys:
+    return ScheduleKeys(checkpoint)
+
+
+def request_keys(checkpoint: Path, request: dict[str, Any]) -> list[PlanKey]:
+    """The plan key of every step of `request` on `checkpoint` (its schedulers alone; what the generator leases)."""
+    return _schedule(str(checkpoint)).keys(GenerationRequest.from_dict({"request_id": "keys", **request}))
+
+
+def distinct_plans(checkpoint: Path, request: dict[str, Any]) -> int:
+    """How many distinct plans (slots) `request` needs: what its cache report adds up to."""
+    return len(distinct_keys(request_keys(checkpoint, request)))
+
+
+def transformer_shards(checkpoint: Path) -> list[str]:
+    """The transformer's shard files, relative to the repository, in index order."""
+    if not (checkpoint / "transformer" / INDEX_FILE).is_file():
+        return [f"transformer/{SINGLE_FILE}"]
+    index = json.loads((checkpoint / "transformer" / INDEX_FILE).read_text())
+    return [f"transformer/{f}" for f in sorted(set(index["weight_map"].values()))]
 
 
 def resident_result(checkpoint: Path, request: dict[str, Any]) -> GenerationResult:
@@ -398,6 +421,7 @@ class Pair:
         gpu_plans: int = 64,
         plan_width: int = 2,
         host_cache_bytes: int = 20 * 1000**2,
+        sidecar_device: str = "cpu",
         max_queue_depth: int = 8,
         chunk_bytes: int = 1024 * 1024,
         drain_timeout_s: float = 60.0,
@@ -409,7 +433,9 @@ class Pair:
         self.socket_path = self.workdir / "pc.sock"
         self.state_dir = self.workdir / state_dir if state_dir is not None else None
         self.port = free_port() if group is not None else 0  # in this process: known once started
-        cache = CacheConfig(gpu_plans=gpu_plans, plan_width=plan_width, host_cache_bytes=host_cache_bytes)
+        cache = CacheConfig(
+            gpu_plans=gpu_plans, plan_width=plan_width, host_cache_bytes=host_cache_bytes, device=sidecar_device
+        )
         self.sidecar_config = SidecarConfig(
             checkpoint, cache, self.sidecar_target, heartbeat_s, self.state_dir, sidecar_metrics_port
         )

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,12 @@ from servicekit import (
     SHM_PREFIX,
     Pair,
     ProcessGroup,
+    distinct_plans,
     free_port,
     health_status,
+    narrow_request,
     pid_alive,
+    process_group,
     ref_sha,
     shm_files_of,
     sidecar_state,
@@ -42,38 +46,47 @@ from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-SLOTS = 1024
-# Long enough to be mid-denoise when the kill lands (hundreds of steps at the largest tiny size).
-LONG_REQUEST: dict[str, Any] = {
-    "request_id": "long",
-    "task": "t2v",
-    "steps": 600,
-    "flow_shift": 5.0,
-    "guidance_scale": 5.0,
-    "frames": 17,
-    "height": 64,
-    "width": 64,
-}
-# Same schedule (same plan keys), cheap steps: no guidance, the smallest latent.
-SAME_SCHEDULE_CHEAP: dict[str, Any] = {**LONG_REQUEST, "guidance_scale": 1.0, "frames": 1, "height": 16, "width": 16}
+SLOTS = 160
+# Long enough to be mid-denoise when the kill lands (the kill follows step 2 of 120 forwards).
+LONG_REQUEST: dict[str, Any] = narrow_request(120, request_id="long", prompt="long", height=64, width=64)
+# Same schedule (same plan keys), cheaper forwards: the smallest canvas.
+SAME_SCHEDULE_CHEAP: dict[str, Any] = {**LONG_REQUEST, "height": 32, "width": 32}
 CHECK_REQUEST: dict[str, Any] = {
     "request_id": "after-restart",
     "task": "t2va",
     "prompt": "thunder",
-    "steps": 6,
+    "num_inference_steps": 6,
     "flow_shift": 6.0,
     "audio_flow_shift": 2.0,
     "seed": 3,
-    "frames": 5,
+    "num_frames": 124,
     "height": 32,
     "width": 32,
-    "audio_length": 8,
 }
 
 
-def _start_pair(procs: ProcessGroup, ckpt: Path) -> Pair:
-    """Sidecar and generator processes; the group removes the sidecar's shm files at teardown."""
-    return procs.pair(ckpt, gpu_plans=SLOTS, host_cache_bytes=50 * 1000**2).start()
+@pytest.fixture(scope="module")
+def module_procs(request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
+    with process_group(request) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def kill_pair(module_procs: ProcessGroup, svc_ckpt: Path) -> Pair:
+    """Sidecar and generator processes shared by the kill tests (a process start costs seconds of imports); the
+    group removes the sidecar's shm files at teardown."""
+    return module_procs.pair(svc_ckpt, gpu_plans=SLOTS, host_cache_bytes=50 * 1000**2)
+
+
+def _serving(pair: Pair) -> Pair:
+    """The shared pair with both sides running and SERVING (each kill test restarts what it killed)."""
+    if pair.sidecar.proc is None or not pair.sidecar.running():
+        pair.start_sidecar(wait=False)
+    if pair.generator.proc is None or not pair.generator.running():
+        pair.start_generator(wait=False)
+    pair.wait_sidecar()
+    pair.wait_generator()
+    return pair
 
 
 def _open_stream(target: str, req: dict[str, Any]) -> tuple[grpc.Channel, Any, Any]:
@@ -98,8 +111,8 @@ def _drain(it: Any) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- sidecar crash
-def test_sidecar_killed_mid_request_then_restarted(procs: ProcessGroup, svc_ckpt: Path) -> None:
-    pair = _start_pair(procs, svc_ckpt)
+def test_sidecar_killed_mid_request_then_restarted(kill_pair: Pair, module_procs: ProcessGroup, svc_ckpt: Path) -> None:
+    pair, procs = _serving(kill_pair), module_procs
     side, gen, sock, target = pair.sidecar, pair.generator, pair.socket_path, pair.target
     run_files = shm_files_of(side.pid)
     assert len(run_files) == 2, run_files  # the slab and the slot table
@@ -133,17 +146,17 @@ def test_sidecar_killed_mid_request_then_restarted(procs: ProcessGroup, svc_ckpt
         assert client.status().sidecar_connected
     assert res.sha256 == ref_sha(svc_ckpt, CHECK_REQUEST)
     assert res.generation == 1
-    assert res.cache.built_plans + res.cache.gpu_hit_plans == CHECK_REQUEST["steps"]
+    assert res.cache.built_plans + res.cache.gpu_hit_plans == distinct_plans(svc_ckpt, CHECK_REQUEST)
     st = sidecar_state(str(sock))
     assert st.session_attached and st.leases_held == 0
     assert reattach_s < 10, f"reattach took {reattach_s:.1f} s"
 
 
 # ----------------------------------------------------------------------------- generator crash
-def test_generator_killed_leases_dropped_and_plans_stay_hot(procs: ProcessGroup, svc_ckpt: Path) -> None:
-    pair = _start_pair(procs, svc_ckpt)
+def test_generator_killed_leases_dropped_and_plans_stay_hot(kill_pair: Pair, svc_ckpt: Path) -> None:
+    pair = _serving(kill_pair)
     side, gen, sock, target = pair.sidecar, pair.generator, pair.socket_path, pair.target
-    steps = LONG_REQUEST["steps"]
+    steps = distinct_plans(svc_ckpt, LONG_REQUEST)
 
     ch, _call, it = _open_stream(target, LONG_REQUEST)
     with ch:

@@ -1,17 +1,20 @@
-"""CUDA paths: device slab, IPC sharing across processes, pinned host tier, cached == resident
-on the GPU. Marked `gpu`: skipped without CUDA (run them where a GPU is lent)."""
+"""CUDA paths: device slab, IPC sharing across processes, pinned host tier, cached == resident on the GPU (in
+process through the embedded cache, and through a sidecar + generator process pair sharing the slab by CUDA IPC).
+Marked `gpu`: skipped without CUDA (run them where a GPU is lent)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from servicekit import FOX_REQUEST, RAIN_REQUEST, ProcessGroup, distinct_plans
 
-from ditcore import GenerationRequest, generate, get_preset, load_model, write_checkpoint
-from ditcore.plans import ScheduleSpec
+from ditcore import GenerationRequest, generate, load_model, validate_checkpoint, write_repository
 from ditruntime.slab import READY, map_slab
+from ditserve.client import GeneratorClient
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.device import SlabMemory, allocate_host_pages
@@ -19,7 +22,6 @@ from plancache_service.embedded import EmbeddedPlanProvider
 from plancache_service.rebuild import RebuildSource
 
 pytestmark = pytest.mark.gpu
-TINY = get_preset("tiny")
 
 
 def _consumer(desc, q) -> None:  # type: ignore[no-untyped-def]
@@ -50,29 +52,46 @@ def test_pinned_host_tier() -> None:
     assert buf.pinned and buf.pages.is_pinned() and buf.n_pages == 8
 
 
-def test_cached_equals_resident_on_cuda(tmp_path: Path) -> None:
-    ckpt = write_checkpoint(TINY.replace(dtype="bfloat16"), tmp_path / "ck", seed=0)
-    resident = load_model(ckpt, "resident").to("cuda")
-    cached = load_model(ckpt, "cached").to("cuda")
-    page = TINY.replace(dtype="bfloat16").page_bytes
-    cache = PlanCache(
-        CacheConfig(gpu_plans=8, host_cache_bytes=64 * page, device="cuda"), RebuildSource(ckpt, torch.device("cuda"))
-    )
+def _request(req: dict[str, Any], **overrides: Any) -> GenerationRequest:
+    return GenerationRequest.from_dict({**req, "num_inference_steps": 5, "num_frames": 124, **overrides})
+
+
+@pytest.mark.parametrize("precision", ["mixed", "float32"])
+def test_cached_equals_resident_on_cuda(tmp_path: Path, precision: str) -> None:
+    ckpt = write_repository(tmp_path / "ck", "tiny", seed=0, dtype=precision, shards=2)
+    info = validate_checkpoint(ckpt)
+    resident = load_model(info, "resident", "cuda")
+    cached = load_model(info, "cached", "cuda")
+    fox, rain = _request(FOX_REQUEST), _request(RAIN_REQUEST)
+    slots = len(set(cached.plan_keys(fox)))
+    assert len(set(cached.plan_keys(rain))) == slots
+    page = info.layout.page_bytes(info.projection_dtype)
+    config = CacheConfig(gpu_plans=slots, host_cache_bytes=64 * page, device="cuda")
+    cache = PlanCache(config, RebuildSource(info, torch.device("cuda")))
     try:
         provider = EmbeddedPlanProvider(cache)
-        for flow, audio in ((5.0, 3.0), (4.0, 2.0), (5.0, 3.0)):  # cold, cold (evicts), host swap-in
-            req = GenerationRequest(task="t2va", steps=8, flow_shift=flow, audio_flow_shift=audio, height=32, width=32)
+        b = None
+        for req in (fox, fox, rain, fox):  # cold, slot hit, cold (evicts), host swap-in
             a, b = generate(resident, req), generate(cached, req, provider)
             assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio), b.cache
-        assert b.cache.host_hit_plans > 0 and cache.host_pinned
+        assert b is not None and b.cache is not None and b.cache.host_hit_plans > 0 and cache.host_pinned
+        assert cached.memory().held_plan_bytes == 0 and cached.memory().saved_fraction == 1.0
     finally:
         cache.close()
 
 
-def test_batching_probe_runs_on_cuda() -> None:
-    from ditcore.plans import BatchingProbe
-
-    probe = BatchingProbe(get_preset("bench"), torch.device("cuda"), torch.float32)
-    probe.warm((1, 2), (2, 50))  # whatever it finds, it must not raise
-    keys = ScheduleSpec("t2va", 50, 5.0, 3.0).plan_keys()
-    assert len(keys) == 50
+def test_service_pair_on_cuda_equals_resident(procs: ProcessGroup, svc_ckpt: Path) -> None:
+    """Sidecar and generator processes on the GPU: the slab is shared by CUDA IPC handle; Generate's latents equal
+    the resident model's on the same device, cold and on slot hits."""
+    slots = distinct_plans(svc_ckpt, FOX_REQUEST)
+    pair = procs.pair(svc_ckpt, gpu_plans=4 * slots, sidecar_device="cuda", device="cuda").start()
+    resident = load_model(svc_ckpt, "resident", "cuda")
+    with GeneratorClient(pair.target) as client:
+        st = client.status()
+        assert (st.slab.transport, st.slab.dtype) == ("cuda_ipc", "bfloat16") and st.slab.device.startswith("cuda")
+        assert st.memory.held_plan_bytes == 0 and st.precision == "mixed"
+        for req in (FOX_REQUEST, RAIN_REQUEST, FOX_REQUEST):
+            res = client.generate(req, timeout=120)
+            want = generate(resident, GenerationRequest.from_dict(req))
+            assert torch.equal(res.video, want.video) and torch.equal(res.audio, want.audio), res.cache
+        assert res.cache.gpu_hit_plans == res.cache.plans

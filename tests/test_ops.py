@@ -16,12 +16,13 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from servicekit import Pair
+from servicekit import Pair, request_keys
 
-from ditcore import get_preset, write_checkpoint
-from ditcore.plans import ScheduleSpec
+from ditcore import validate_checkpoint, write_repository
+from ditcore.request import MAX_FRAMES
 from ditruntime.obs import JsonFormatter
 from ditserve.client import GeneratorClient
+from generator_service.config import GeneratorConfig
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.metrics import sidecar_registry
@@ -29,14 +30,15 @@ from plancache_service.rebuild import RebuildSource
 from plancache_service.sidecar import Sidecar
 from protos.ditserve.generator.v1 import generator_pb2 as gpb
 
-TINY = get_preset("tiny")
-STEPS = 6
+STEPS = 5
+"""Transformer forwards per request: STEPS + 1 grid points, STEPS distinct plans. Every request's first plan is the
+same (video and audio both at t = 0), so two requests with other shifts share one plan."""
 
 
 def req(shift: float, audio: float, **kw: object) -> dict[str, object]:
     return {
-        "task": "t2va",
-        "steps": STEPS,
+        "prompt": "ops",
+        "num_inference_steps": STEPS + 1,
         "flow_shift": shift,
         "audio_flow_shift": audio,
         "height": 32,
@@ -62,8 +64,8 @@ def val(m: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
 def root() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(dir="/tmp", prefix="dops-") as d:
         r = Path(d)
-        write_checkpoint(TINY, r / "A", seed=0)
-        write_checkpoint(TINY, r / "B", seed=1)
+        write_repository(r / "A", "tiny", seed=0, dtype="mixed", shards=2)
+        write_repository(r / "B", "tiny", seed=1, dtype="mixed", shards=2)
         yield r
 
 
@@ -93,7 +95,7 @@ def test_metrics_move_when_they_should(root: Path) -> None:
             c.generate(req(5.0, 3.0))  # slot hits
             s2 = scrape(sp)
             assert val(s2, "ditserve_plancache_plans_total", tier="slot_hit") == STEPS
-            c.generate(req(4.0, 2.0))  # evicts A's plans from the 6-slot slab
+            c.generate(req(4.0, 2.0))  # evicts A's plans (all but the shared first one) from the 5-slot slab
             c.generate(req(5.0, 3.0))  # swaps A back in from the host tier
             s3 = scrape(sp)
             assert val(s3, "ditserve_plancache_plans_total", tier="host_hit") > 0
@@ -105,7 +107,7 @@ def test_metrics_move_when_they_should(root: Path) -> None:
             assert val(s3, "ditserve_plancache_slots", state="ready") == STEPS
             assert val(s3, "ditserve_plancache_rpc_requests_total", method="PreparePlans", code="OK") == 4
             with pytest.raises(grpc.RpcError):
-                c.generate_unary({"steps": 0})
+                c.generate_unary({"prompt": "ops", "num_inference_steps": 0})
             c.generate_unary(req(5.0, 3.0))
         g1 = scrape(gp)
         assert val(g1, "ditserve_generator_rpc_requests_total", method="GenerateStream", code="OK") == 4
@@ -134,14 +136,13 @@ def test_metrics_move_when_they_should(root: Path) -> None:
 
 
 def test_lease_and_pressure_gauges_move(root: Path) -> None:
-    page = TINY.page_bytes
-    cache = PlanCache(
-        CacheConfig(gpu_plans=STEPS, host_cache_bytes=3 * page), RebuildSource(root / "A", torch.device("cpu"))
-    )
+    info = validate_checkpoint(root / "A")
+    page = info.layout.page_bytes(info.projection_dtype)
+    cache = PlanCache(CacheConfig(gpu_plans=STEPS, host_cache_bytes=3 * page), RebuildSource(info, torch.device("cpu")))
     try:
         sidecar = Sidecar(cache)
         reg = sidecar_registry(sidecar)
-        keys = ScheduleSpec("t2va", STEPS, 5.0, 3.0).plan_keys()
+        keys = request_keys(root / "A", req(5.0, 3.0))  # 9 pages: widths 1, 2, 2, 2, 2
         session = sidecar.attach("test")
         lease = sidecar.prepare(session.session_id, 1 if cache.generation == 1 else cache.generation, keys)
         assert reg.get_sample_value("ditserve_plancache_leases") == 1
@@ -164,18 +165,29 @@ def test_json_log_lines_carry_request_fields() -> None:
 
 
 def test_operator_limits_refuse_with_the_flag_named(root: Path) -> None:
-    with (
-        pair(root, gpu_plans=64, max_steps=4, max_prompt_bytes=3) as (_, gen),
-        GeneratorClient(f"127.0.0.1:{gen.port}") as c,
-    ):
+    """--max-num-frames / --max-height / --max-width / --max-prompt-bytes tighten H3's own rules: a request over one
+    is INVALID_ARGUMENT naming the field and the flag; H3's rules still apply under them."""
+    limits = {"max_num_frames": 141, "max_height": 64, "max_width": 96, "max_prompt_bytes": 3}
+    with pair(root, gpu_plans=64, **limits) as (_, gen), GeneratorClient(f"127.0.0.1:{gen.port}") as c:
+        ok = {"prompt": "ok", "num_inference_steps": 2, "flow_shift": 3.0, "audio_flow_shift": 3.0}
+        for field, value, flag in (
+            ("num_frames", 158, "--max-num-frames"),  # 17n + 5: valid for H3, over this server's limit
+            ("height", 96, "--max-height"),
+            ("width", 128, "--max-width"),
+            ("prompt", "long", "--max-prompt-bytes"),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate_unary({**ok, field: value})
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = e.value.details() or ""
+            assert details.startswith(f"{field}: ") and flag in details, details
         with pytest.raises(grpc.RpcError) as e:
-            c.generate_unary(req(5.0, 3.0))  # 6 steps > 4
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "--max-steps" in e.value.details() and "steps" in e.value.details()
-        with pytest.raises(grpc.RpcError) as e:
-            c.generate_unary({"steps": 2, "prompt": "long"})
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in e.value.details()
-        assert c.generate_unary({"steps": 2, "height": 32, "width": 32}).sha256
+            c.generate_unary({**ok, "num_frames": 130})  # under the limit, but not 17n + 5: H3's rule, no flag
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max" not in (e.value.details() or "")
+        res = c.generate_unary({**ok, "num_frames": 141, "height": 64, "width": 96})
+        assert res.sha256 and res.video.shape[3:] == (4, 6)
+    with pytest.raises(ValueError, match="--max-num-frames"):
+        GeneratorConfig(sidecar="unix:/s", max_num_frames=MAX_FRAMES + 17)
 
 
 def _cert(d: Path, name: str, ca: tuple[Path, Path] | None = None) -> tuple[Path, Path]:

@@ -2,7 +2,8 @@
 
 The two servers talk over a unix socket and share the slab through /dev/shm exactly as the
 deployed processes do; the tests drive them through gRPC (the Python client, raw stubs and
-grpc.health.v1) and compare results with ditcore's resident generation (the reference).
+grpc.health.v1) and compare results with ditcore's resident generation (the reference) and, for
+the latents, with diffusers' own MiniMax-H3 pipeline (tests/oracle.py).
 """
 
 from __future__ import annotations
@@ -17,22 +18,26 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from oracle import diffusers_request_latents
 from servicekit import (
+    FOX_REQUEST,
     GENERATOR_SERVICE,
     PLANCACHE_SERVICE,
+    RAIN_REQUEST,
     SERVING,
-    T2V_REQUEST,
-    T2VA_REQUEST,
-    TINY,
     Pair,
+    distinct_plans,
     health_status,
+    narrow_request,
     ref_sha,
+    request_keys,
     resident_result,
     status_details,
     wait_for,
 )
 
 from ditcore import GenerationRequest, validate_checkpoint
+from ditcore.request import MAX_PROMPT_BYTES, MAX_SIDE
 from ditserve.client import GeneratorClient, request_to_proto
 from generator_service import executor as executor_mod
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
@@ -42,17 +47,9 @@ from protos.ditserve.plancache.v1 import plancache_pb2_grpc as cache_grpc
 
 GPU_PLANS = 64
 SLOW_GPU_PLANS = 1000
-# A request that keeps the executor busy for a while: 1000 steps at the largest tiny size.
-SLOW_REQUEST: dict[str, Any] = {
-    "request_id": "slow",
-    "task": "t2v",
-    "steps": 1000,
-    "flow_shift": 5.0,
-    "guidance_scale": 5.0,
-    "frames": 17,
-    "height": 64,
-    "width": 64,
-}
+# Keeps the executor busy for a while: 999 forwards (width-1 plans: the slow pair's slots hold one page).
+SLOW_REQUEST: dict[str, Any] = narrow_request(999, request_id="slow", prompt="slow")
+NARROW: dict[str, Any] = narrow_request(3, request_id="narrow")  # fits the slow pair's slots
 
 
 @pytest.fixture(scope="module")
@@ -101,29 +98,26 @@ def stream_events(responses: Any) -> list[tuple[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- results
-@pytest.mark.parametrize("req", [T2V_REQUEST, T2VA_REQUEST], ids=["t2v", "t2va"])
+@pytest.mark.parametrize("req", [FOX_REQUEST, RAIN_REQUEST], ids=["fox", "rain"])
 def test_generate_matches_resident_reference(pair: Pair, svc_ckpt: Path, req: dict[str, Any]) -> None:
     with GeneratorClient(pair.target) as client:
         res = client.generate_unary(req, timeout=60)  # checks the tensors hash to res.sha256
     ref = resident_result(svc_ckpt, req)
     assert res.sha256 == ref.sha256
-    assert torch.equal(res.video, ref.video)
-    if req["task"] == "t2va":
-        assert res.audio is not None and ref.audio is not None and torch.equal(res.audio, ref.audio)
-    else:
-        assert res.audio is None
+    assert torch.equal(res.video, ref.video) and torch.equal(res.audio, ref.audio)
+    assert res.video.shape[:2] == (1, 24) and res.video.shape[3:] == (req["height"] // 16, req["width"] // 16)
+    assert res.audio.shape[:2] == (2, 32)
     assert res.request_id == req["request_id"]
     assert res.generation == 1
     assert res.adaln_mode == "ADALN_MODE_CACHED"
-    c = res.cache
-    assert c.plans == req["steps"]
+    assert res.cache.plans == distinct_plans(svc_ckpt, req)
 
 
 def test_stream_event_order_and_chunks_equal_unary(
     pair: Pair, svc_ckpt: Path, gen_stub: gen_grpc.GeneratorStub
 ) -> None:
-    req = {**T2VA_REQUEST, "request_id": "stream-1", "frames": 17, "height": 64, "width": 64, "audio_length": 32}
-    n = req["steps"]
+    req = {**RAIN_REQUEST, "request_id": "stream-1", "num_inference_steps": 6}
+    n = req["num_inference_steps"] - 1  # transformer forwards
     events = stream_events(gen_stub.GenerateStream(gen_pb.GenerateStreamRequest(request=_proto(req)), timeout=60))
     kinds = [k for k, _ in events]
 
@@ -135,7 +129,9 @@ def test_stream_event_order_and_chunks_equal_unary(
     assert events[0][1].request_id == "stream-1"
     ready = events[1][1]
     assert ready.generation == 1
-    assert ready.cache.gpu_hit_plans + ready.cache.host_hit_plans + ready.cache.built_plans == n
+    assert ready.cache.gpu_hit_plans + ready.cache.host_hit_plans + ready.cache.built_plans == distinct_plans(
+        svc_ckpt, req
+    )
     assert [(s.step, s.total) for _, s in events[2 : 2 + n]] == [(i, n) for i in range(1, n + 1)]
 
     header = events[2 + n][1]
@@ -160,48 +156,88 @@ def test_stream_event_order_and_chunks_equal_unary(
         assert client.generate(req, timeout=60).sha256 == header.sha256
 
 
-def test_repeated_request_is_all_slot_hits(pair: Pair) -> None:
-    req = {**T2V_REQUEST, "request_id": "repeat", "steps": 9, "flow_shift": 4.25}
+def test_repeated_request_is_all_slot_hits(pair: Pair, svc_ckpt: Path) -> None:
+    req = {**FOX_REQUEST, "request_id": "repeat", "num_inference_steps": 5, "flow_shift": 4.25}
+    n = distinct_plans(svc_ckpt, req)
     with GeneratorClient(pair.target) as client:
         first = client.generate(req, timeout=60)
         assert first.cache.built_plans >= 1, first.cache  # a schedule no other test uses
-        assert sum(getattr(first.cache, k) for k in ("gpu_hit_plans", "host_hit_plans", "built_plans")) == 9
+        assert first.cache.plans == n
         second = client.generate(req, timeout=60)
     ready = dict(second.events)["plans_ready"]
-    assert ready.gpu_hit_plans == 9 and ready.built_plans == 0 and ready.host_hit_plans == 0, ready
-    assert second.cache.gpu_hit_plans == 9 and second.cache.built_plans == 0
+    assert ready.gpu_hit_plans == n and ready.built_plans == 0 and ready.host_hit_plans == 0, ready
+    assert second.cache.gpu_hit_plans == n and second.cache.built_plans == 0
     assert second.sha256 == first.sha256
+
+
+# ----------------------------------------------------------------------------- oracle: diffusers' own loop
+@pytest.mark.parametrize("precision", ["mixed", "float32"])
+def test_latents_through_the_pair_equal_diffusers(precision: str, tiny_ckpt: Path, tiny_ckpt_f32: Path) -> None:
+    """Generate through a sidecar + generator pair returns, cold build, slab hit and host swap-in alike, exactly
+    the latents of diffusers' own MiniMax-H3 pipeline called directly on the repository (tests/oracle.py)."""
+    ckpt = tiny_ckpt if precision == "mixed" else tiny_ckpt_f32
+    fox = {**FOX_REQUEST, "request_id": f"oracle-fox-{precision}", "num_inference_steps": 5}
+    rain = {**RAIN_REQUEST, "request_id": f"oracle-rain-{precision}", "num_inference_steps": 5, "num_frames": 124}
+    slots = distinct_plans(ckpt, fox)
+    assert distinct_plans(ckpt, rain) == slots and set(request_keys(ckpt, fox)) != set(request_keys(ckpt, rain))
+    want = {r["request_id"]: diffusers_request_latents(ckpt, r) for r in (fox, rain)}
+    # as many slots as one request needs: rain evicts fox's plans, which come back from the host tier
+    with Pair(ckpt, gpu_plans=slots, plan_width=2, host_cache_bytes=10**7) as p:
+        p.start()
+        seen = []
+        with GeneratorClient(p.target) as client:
+            for req in (fox, fox, rain, fox):
+                res = client.generate(req, timeout=60)
+                video, audio = want[req["request_id"]]
+                assert torch.equal(res.video, video), (req["request_id"], res.cache)
+                assert torch.equal(res.audio, audio), (req["request_id"], res.cache)
+                seen.append(res.cache)
+            st = client.status()
+    cold, hit, _, swapped = seen
+    assert cold.built_plans == slots and cold.gpu_hit_plans == 0, cold
+    assert hit.gpu_hit_plans == slots and hit.built_plans == 0, hit
+    assert swapped.host_hit_plans > 0 and swapped.built_plans == 0, swapped
+    assert st.precision == precision
+    assert st.slab.dtype == ("bfloat16" if precision == "mixed" else "float32")
 
 
 # ----------------------------------------------------------------------------- status and state
 def test_get_status_fields(pair: Pair, svc_ckpt: Path, gen_stub: gen_grpc.GeneratorStub) -> None:
+    info = validate_checkpoint(svc_ckpt)
+    dtype = info.projection_dtype
     st = gen_stub.GetStatus(gen_pb.GetStatusRequest(), timeout=10)
     assert st.generation == 1
     assert st.adaln_mode == gen_pb.ADALN_MODE_CACHED
     assert st.sidecar_connected and st.serving
     assert st.sidecar_target == pair.sidecar_target
     assert Path(st.weights_path).resolve() == svc_ckpt.resolve()
-    assert st.fingerprint == validate_checkpoint(svc_ckpt).fingerprint
-    assert st.model_preset == "tiny"
+    assert st.fingerprint == info.fingerprint
+    assert (st.model_preset, st.precision) == ("tiny", "mixed")
     assert st.max_queue_depth == 8 and st.queue_depth == 0
+    # the cached transformer holds none of the checkpoint's plan tensors
+    m = st.memory
+    assert m.plan_tensor_bytes == info.layout.plan_tensor_bytes(dtype) > 0
+    assert (m.held_plan_bytes, m.saved_bytes, m.saved_fraction) == (0, m.plan_tensor_bytes, 1.0)
+    assert m.transformer_bytes > 0
     assert st.HasField("slab")
     assert (st.slab.num_slots, st.slab.width) == (GPU_PLANS, 2)
-    assert st.slab.page_numel == TINY.page_numel and st.slab.page_bytes == TINY.page_bytes
-    assert (st.slab.dtype, st.slab.device, st.slab.transport) == (TINY.dtype, "cpu", "shm")
+    assert st.slab.page_numel == info.layout.page_numel and st.slab.page_bytes == info.layout.page_bytes(dtype)
+    assert (st.slab.dtype, st.slab.device, st.slab.transport) == ("bfloat16", "cpu", "shm")
 
 
 def test_sidecar_state_over_unix_socket(pair: Pair, svc_ckpt: Path) -> None:
     with GeneratorClient(pair.target) as client:
-        client.generate({**T2V_REQUEST, "request_id": "state-1"}, timeout=60)
-        client.generate_unary({**T2VA_REQUEST, "request_id": "state-2"}, timeout=60)
+        client.generate({**FOX_REQUEST, "request_id": "state-1"}, timeout=60)
+        client.generate_unary({**RAIN_REQUEST, "request_id": "state-2"}, timeout=60)
+    info = validate_checkpoint(svc_ckpt)
     st = pair.state()
     assert st.leases_held == 0 and st.stats.slots_leased == 0
     assert st.session_attached and st.serving and st.not_serving_reason == ""
     assert st.generation == 1
     assert Path(st.weights_path).resolve() == svc_ckpt.resolve()
-    assert st.fingerprint == validate_checkpoint(svc_ckpt).fingerprint
+    assert st.fingerprint == info.fingerprint
     assert st.stats.num_slots == GPU_PLANS and st.stats.slot_width == 2
-    assert st.stats.page_bytes == TINY.page_bytes
+    assert st.stats.page_bytes == info.layout.page_bytes(info.projection_dtype)
     assert st.stats.prepares >= 2 and st.stats.slots_ready >= 1
 
 
@@ -217,18 +253,20 @@ def test_second_attach_is_refused(pair: Pair, cache_stub: cache_grpc.PlanCacheSt
     with pair.channel() as ch:
         assert gen_grpc.GeneratorStub(ch).GetStatus(gen_pb.GetStatusRequest(), timeout=10).sidecar_connected
     with GeneratorClient(pair.target) as client:
-        assert client.generate({**T2V_REQUEST, "request_id": "after-intruder"}, timeout=60).sha256
+        assert client.generate({**FOX_REQUEST, "request_id": "after-intruder"}, timeout=60).sha256
 
 
-def _keys_proto(req: dict[str, Any]) -> list[cache_pb.PlanKey]:
-    keys = GenerationRequest.from_dict(dict(req)).schedule_spec().plan_keys()
-    return [cache_pb.PlanKey(timestep_bits=list(k.bits)) for k in keys]
+def _keys_proto(ckpt: Path, req: dict[str, Any]) -> list[cache_pb.PlanKey]:
+    return [cache_pb.PlanKey(timestep_bits=list(k.bits)) for k in request_keys(ckpt, req)]
 
 
-def test_prepare_plans_wrong_generation_is_aborted(pair: Pair, cache_stub: cache_grpc.PlanCacheStub) -> None:
+def test_prepare_plans_wrong_generation_is_aborted(
+    pair: Pair, svc_ckpt: Path, cache_stub: cache_grpc.PlanCacheStub
+) -> None:
     session_id = pair.generator.backend.link.attachment.session_id  # the live session
     before = pair.state().stats.prepares
-    req = cache_pb.PreparePlansRequest(session_id=session_id, generation=7, plan_keys=_keys_proto(T2V_REQUEST))
+    keys = _keys_proto(svc_ckpt, FOX_REQUEST)
+    req = cache_pb.PreparePlansRequest(session_id=session_id, generation=7, plan_keys=keys)
     err = _rpc_error(cache_stub.PreparePlans, req, timeout=10)
     assert err.code() == grpc.StatusCode.ABORTED, err
     info, _ = status_details(err)
@@ -238,8 +276,11 @@ def test_prepare_plans_wrong_generation_is_aborted(pair: Pair, cache_stub: cache
     assert st.leases_held == 0 and st.stats.prepares == before
 
 
-def test_prepare_plans_bogus_session_is_refused(cache_stub: cache_grpc.PlanCacheStub, pair: Pair) -> None:
-    req = cache_pb.PreparePlansRequest(session_id="not-a-session", generation=1, plan_keys=_keys_proto(T2V_REQUEST))
+def test_prepare_plans_bogus_session_is_refused(
+    cache_stub: cache_grpc.PlanCacheStub, pair: Pair, svc_ckpt: Path
+) -> None:
+    keys = _keys_proto(svc_ckpt, FOX_REQUEST)
+    req = cache_pb.PreparePlansRequest(session_id="not-a-session", generation=1, plan_keys=keys)
     err = _rpc_error(cache_stub.PreparePlans, req, timeout=10)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
     assert "Attach" in (err.details() or "")
@@ -249,35 +290,41 @@ def test_prepare_plans_bogus_session_is_refused(cache_stub: cache_grpc.PlanCache
 
 
 # ----------------------------------------------------------------------------- request errors
+# MiniMax-H3's rules (ditcore.request): every bad field is refused INVALID_ARGUMENT naming it, before any work.
 BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("request_id", {"request_id": "bad id!"}),
     ("request_id", {"request_id": "x" * 129}),
-    ("task", {"task": 7}),
-    ("prompt", {"prompt": "p" * (TINY.text_len + 1)}),
-    ("negative_prompt", {"negative_prompt": "é" * TINY.text_len}),
-    ("steps", {"steps": 0}),
-    ("steps", {"steps": 1001}),
-    ("steps", {"steps": -3}),
+    ("task", {"task": 7}),  # no such enum value
+    ("task", {"task": 1}),  # the reserved TASK_T2V: text to video without audio is not a MiniMax-H3 task
+    ("prompt", {"prompt": ""}),
+    ("prompt", {"prompt": " \t\n"}),
+    ("prompt", {"prompt": "p" * (MAX_PROMPT_BYTES + 1)}),
+    ("prompt", {"prompt": "é" * (MAX_PROMPT_BYTES // 2 + 1)}),  # counted in UTF-8 bytes, not characters
+    ("num_inference_steps", {"num_inference_steps": 1}),  # one grid point drives no forward
+    ("num_inference_steps", {"num_inference_steps": 0}),
+    ("num_inference_steps", {"num_inference_steps": -3}),
+    ("num_inference_steps", {"num_inference_steps": 1001}),
     ("flow_shift", {"flow_shift": 0.0}),
     ("flow_shift", {"flow_shift": -1.0}),
     ("flow_shift", {"flow_shift": float("nan")}),
     ("flow_shift", {"flow_shift": float("inf")}),
     ("flow_shift", {"flow_shift": 1000.5}),
-    ("audio_flow_shift", {"task": gen_pb.TASK_T2VA, "audio_flow_shift": float("nan")}),
-    ("audio_flow_shift", {"task": gen_pb.TASK_T2VA, "audio_flow_shift": 0.0}),
-    ("guidance_scale", {"guidance_scale": -0.5}),
-    ("guidance_scale", {"guidance_scale": 100.5}),
-    ("guidance_scale", {"guidance_scale": float("nan")}),
+    ("audio_flow_shift", {"audio_flow_shift": float("nan")}),
+    ("audio_flow_shift", {"audio_flow_shift": 0.0}),
     ("seed", {"seed": -1}),
-    ("frames", {"frames": 4}),
-    ("frames", {"frames": 0}),
-    ("frames", {"frames": TINY.max_frames + 4}),
-    ("height", {"height": 24}),
+    ("num_frames", {"num_frames": 125}),  # not 17n + 5
+    ("num_frames", {"num_frames": 123}),
+    ("num_frames", {"num_frames": 107}),  # 17n + 5, but under 5 seconds
+    ("num_frames", {"num_frames": 362}),  # 17n + 5, but over 15 seconds
+    ("num_frames", {"num_frames": 0}),
+    ("height", {"height": 48}),  # not a multiple of 32
+    ("height", {"height": 16}),
     ("height", {"height": 0}),
-    ("height", {"height": TINY.max_height + 16}),
-    ("width", {"width": 8}),
-    ("audio_length", {"task": gen_pb.TASK_T2VA, "audio_length": 0}),
-    ("audio_length", {"task": gen_pb.TASK_T2VA, "audio_length": TINY.max_audio_length + 1}),
+    ("height", {"height": MAX_SIDE + 32}),
+    ("width", {"width": 40}),
+    ("width", {"width": -32}),
+    ("width", {"height": 32, "width": 160}),  # aspect 5:1
+    ("width", {"height": 160, "width": 32}),  # aspect 1:5
 ]
 
 
@@ -285,49 +332,55 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
 def test_bad_field_is_invalid_argument_with_field_violation(
     pair: Pair, gen_stub: gen_grpc.GeneratorStub, field: str, values: dict[str, Any]
 ) -> None:
-    msg = gen_pb.GenerateRequest(**{"request_id": "bad-field", "steps": 4, **values})
-    before = pair.state().stats
+    msg = gen_pb.GenerateRequest(**{"request_id": "bad-field", "prompt": "a fox", "num_inference_steps": 4, **values})
+    before, status_before = pair.state().stats, gen_stub.GetStatus(gen_pb.GetStatusRequest(), timeout=10)
     for call in (
         lambda: gen_stub.Generate(msg, timeout=10),
         lambda: list(gen_stub.GenerateStream(gen_pb.GenerateStreamRequest(request=msg), timeout=10)),
     ):
         err = _rpc_error(call)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
-        assert field in (err.details() or "")
+        assert (err.details() or "").startswith(f"{field}: "), err.details()
         info, violations = status_details(err)
         assert info is not None and info.reason == "INVALID_REQUEST" and info.domain == "ditserve"
         assert [f for f, _ in violations] == [field], violations
         assert violations[0][1], "the violation carries a description"
-    after = pair.state().stats
+    after, status_after = pair.state().stats, gen_stub.GetStatus(gen_pb.GetStatusRequest(), timeout=10)
     assert (after.prepares, after.failed_prepares) == (before.prepares, before.failed_prepares), "no work was done"
+    assert status_after == status_before, "nothing changed"
 
 
-def test_request_that_never_fits_the_slab_is_failed_precondition(pair: Pair, gen_stub: gen_grpc.GeneratorStub) -> None:
+def test_request_that_never_fits_the_slab_is_failed_precondition(
+    pair: Pair, svc_ckpt: Path, gen_stub: gen_grpc.GeneratorStub
+) -> None:
+    too_many = {**FOX_REQUEST, "request_id": "too-many", "num_inference_steps": GPU_PLANS + 2}
+    assert distinct_plans(svc_ckpt, too_many) == GPU_PLANS + 1
     before = pair.state().stats
-    err = _rpc_error(gen_stub.Generate, _proto(T2V_REQUEST, steps=GPU_PLANS + 1), timeout=10)
+    err = _rpc_error(gen_stub.Generate, _proto(too_many), timeout=10)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
     assert "--gpu-plans" in (err.details() or "")
     info, _ = status_details(err)
     assert info is not None and info.reason == "PLAN_CAPACITY_EXCEEDED"
     after = pair.state().stats
     assert (after.prepares, after.failed_prepares) == (before.prepares, before.failed_prepares)
-    # exactly as many steps as slots fits
+    # exactly as many distinct plans as slots fits
+    fits = {**too_many, "request_id": "fits", "num_inference_steps": GPU_PLANS + 1}
+    assert distinct_plans(svc_ckpt, fits) == GPU_PLANS
     with GeneratorClient(pair.target) as client:
-        ok = client.generate_unary(
-            {**T2V_REQUEST, "request_id": "fits", "steps": GPU_PLANS, "guidance_scale": 1.0, "height": 16}, timeout=60
-        )
-    assert ok.cache.gpu_hit_plans + ok.cache.host_hit_plans + ok.cache.built_plans == GPU_PLANS
+        ok = client.generate_unary(fits, timeout=120)
+    assert ok.cache.plans == GPU_PLANS
 
 
 def test_request_wider_than_a_slot_is_failed_precondition(slow_pair: Pair) -> None:
+    """Unequal video and audio shifts give plans two timesteps wide; the slow pair's slots hold one page."""
     with slow_pair.channel() as ch:
-        err = _rpc_error(gen_grpc.GeneratorStub(ch).Generate, _proto(T2VA_REQUEST), timeout=10)
+        err = _rpc_error(gen_grpc.GeneratorStub(ch).Generate, _proto(FOX_REQUEST), timeout=10)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
     assert "--plan-width" in (err.details() or "")
 
 
 def test_expected_generation_mismatch_is_aborted(pair: Pair, gen_stub: gen_grpc.GeneratorStub) -> None:
-    msg = _proto(T2V_REQUEST)
+    msg = _proto(FOX_REQUEST)
     msg.expected_generation = 2
     err = _rpc_error(gen_stub.Generate, msg, timeout=10)
     assert err.code() == grpc.StatusCode.ABORTED, err
@@ -335,7 +388,7 @@ def test_expected_generation_mismatch_is_aborted(pair: Pair, gen_stub: gen_grpc.
     assert info is not None and info.reason == "GENERATION_MISMATCH"
     assert info.metadata["current_generation"] == "1"
     with GeneratorClient(pair.target) as client:
-        assert client.generate_unary(T2V_REQUEST, expected_generation=1, timeout=60).generation == 1
+        assert client.generate_unary(FOX_REQUEST, expected_generation=1, timeout=60).generation == 1
 
 
 def test_update_weights_without_admin_token_is_refused(pair: Pair, gen_stub: gen_grpc.GeneratorStub) -> None:
@@ -382,7 +435,7 @@ def test_full_queue_is_resource_exhausted(slow_pair: Pair) -> None:
         call, events, it = _start_stream(stub, {**SLOW_REQUEST, "request_id": "occupier"})
         try:
             _read_until_step(it, events, 1)  # running: the queue (depth 1) is full
-            err = _rpc_error(stub.Generate, _proto(T2V_REQUEST, request_id="refused"), timeout=10)
+            err = _rpc_error(stub.Generate, _proto(NARROW, request_id="refused"), timeout=10)
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             info, _ = status_details(err)
             assert info is not None and info.reason == "QUEUE_FULL"
@@ -392,7 +445,7 @@ def test_full_queue_is_resource_exhausted(slow_pair: Pair) -> None:
             call.cancel()
         wait_for(lambda: stub.GetStatus(gen_pb.GetStatusRequest()).queue_depth == 0, 5, what="the queue to drain")
         # the queue has room again
-        ok = stub.Generate(_proto(T2V_REQUEST, request_id="admitted"), timeout=60)
+        ok = stub.Generate(_proto(NARROW, request_id="admitted"), timeout=60)
         assert ok.sha256
 
 
@@ -436,20 +489,69 @@ def test_cancel_stream_stops_executor_within_one_step(slow_pair: Pair, monkeypat
     # verify() checks once before step 1; every step checks once. At most one more step runs
     # after the server sees the cancellation, then the executor stops.
     assert n_checks - cancelled_at[0] <= 1, (cancelled_at, n_checks)
-    assert n_checks < 1 + SLOW_REQUEST["steps"]
+    assert n_checks < SLOW_REQUEST["num_inference_steps"]
     time.sleep(0.3)
     assert len(checks) == n_checks, "no step ran after the executor stopped"
     st = slow_pair.state()
     assert st.leases_held == 0 and st.stats.slots_leased == 0 and st.session_attached
     # the executor is free for the next request
     with GeneratorClient(slow_pair.target) as client:
-        assert client.generate_unary({**T2V_REQUEST, "request_id": "after-cancel"}, timeout=60).sha256
+        assert client.generate_unary({**NARROW, "request_id": "after-cancel"}, timeout=60).sha256
 
 
 def test_sequential_requests_on_a_queue_of_one_are_never_refused(slow_pair: Pair) -> None:
     """A client that waits for each result may always send the next request (depth 1)."""
-    req = {**T2V_REQUEST, "steps": 1, "guidance_scale": 1.0, "frames": 1, "height": 16, "width": 16}
+    req = narrow_request(1)
     with GeneratorClient(slow_pair.target) as client:
-        shas = {client.generate_unary({**req, "request_id": f"seq-{i}"}, timeout=30).sha256 for i in range(30)}
-        shas |= {client.generate({**req, "request_id": f"seqs-{i}"}, timeout=30).sha256 for i in range(10)}
+        shas = {client.generate_unary({**req, "request_id": f"seq-{i}"}, timeout=30).sha256 for i in range(8)}
+        shas |= {client.generate({**req, "request_id": f"seqs-{i}"}, timeout=30).sha256 for i in range(4)}
     assert len(shas) == 1
+
+
+def test_deadline_stops_the_executor(slow_pair: Pair) -> None:
+    """A request past its deadline fails DEADLINE_EXCEEDED; the executor stops it within a step and releases its
+    lease, and the next request runs."""
+    with slow_pair.channel() as ch:
+        stub = gen_grpc.GeneratorStub(ch)
+        t0 = time.monotonic()
+        err = _rpc_error(stub.Generate, _proto(SLOW_REQUEST, request_id="late"), timeout=1.5)
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+        wait_for(lambda: slow_pair.state().leases_held == 0, 3, what="the lease to be released")
+        wait_for(lambda: stub.GetStatus(gen_pb.GetStatusRequest()).queue_depth == 0, 3, what="the executor to stop")
+        assert time.monotonic() - t0 < 6
+        assert stub.Generate(_proto(NARROW, request_id="after-deadline"), timeout=60).sha256
+
+
+def test_next_request_is_prefetched_while_one_denoises(
+    pair: Pair, svc_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a request denoises, the prefetch thread leases the next queued request's plans (both leases held at
+    once); both results are exact."""
+    first = narrow_request(6, request_id="prefetch-first", flow_shift=2.75, audio_flow_shift=2.75)
+    second = {**FOX_REQUEST, "request_id": "prefetch-second", "flow_shift": 9.5}
+    both_leased = threading.Event()
+    real_generate = executor_mod.generate
+
+    def held_after_step_1(model: Any, request: GenerationRequest, plans: Any = None, on_step: Any = None, **kw: Any):
+        def step(done: int, total: int) -> None:
+            if on_step is not None:
+                on_step(done, total)
+            if request.request_id == "prefetch-first" and done == 1:
+                both_leased.wait(30)  # the first request stays mid-denoise until the test has seen both leases
+
+        return real_generate(model, request, plans, on_step=step, **kw)
+
+    monkeypatch.setattr(executor_mod, "generate", held_after_step_1)
+    with pair.channel() as ch:
+        stub = gen_grpc.GeneratorStub(ch)
+        _, events, it = _start_stream(stub, first)
+        try:
+            _read_until_step(it, events, 1)
+            queued = stub.Generate.future(_proto(second), timeout=120)
+            wait_for(lambda: pair.state().leases_held == 2, 30, what="the second request's plans to be leased early")
+        finally:
+            both_leased.set()
+        rest = [ev.WhichOneof("event") for ev in it]
+        assert "result" in rest, rest
+        assert queued.result().sha256 == ref_sha(svc_ckpt, second)
+    assert pair.state().leases_held == 0

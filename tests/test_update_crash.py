@@ -3,23 +3,39 @@ UpdateWeights') with real processes and kill -9.
 
 A sidecar (`python -m plancache_service --state-dir ...`) and a generator (`python -m
 generator_service --weights-root ... --admin-token ...`) serve checkpoint A (generation 1);
-an update to B is interrupted by SIGKILL of one of them at each phase (the DITSERVE_FAULT
+an update is interrupted by SIGKILL of one of them at each phase (the DITSERVE_FAULT
 test hook, or os.kill while the generator stalls at a phase). Whichever died is restarted
 with the same flags, state dir and socket. Then both sides must agree on one generation,
 every request must return the resident sha256 of the checkpoint that generation names
-(generation 1 = A, 2 = B), the generation must never have gone backwards, and a further
-update must work.
+(odd generations A, even B), the generation must never have gone backwards, and a further
+update must work. Kills at successive phases are chained on one pair (each restart is the
+next phase's faulty start): a process start costs seconds of diffusers imports.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import signal
+from collections.abc import Iterator
 
 import grpc
 import pytest
-from servicekit import NOT_SERVING, REQ_T2V, REQ_T2VA, Pair, Weights, background, read_state_file, ref_sha
+from servicekit import (
+    NOT_SERVING,
+    REQ_FOX,
+    REQ_RAIN,
+    Pair,
+    ProcessGroup,
+    ServiceProcess,
+    Weights,
+    background,
+    process_group,
+    read_state_file,
+    ref_sha,
+    updatable,
+)
 
 from ditcore import fingerprint
 
@@ -45,69 +61,116 @@ def assert_consistent(c: Pair, weights: Weights, expected: int, floor: int) -> N
     assert ss.pending_weights_path == ""
     state = read_state_file(c.state_dir)
     assert (state["generation"], real(state["weights_path"])) == (expected, real(ckpt))
-    for i, req in enumerate((REQ_T2V, REQ_T2VA, REQ_T2V)):
+    for i, req in enumerate((REQ_FOX, REQ_RAIN)):
         r = c.generate(req, request_id=f"after-{i}")
         assert r.generation == expected
         assert r.sha256 == ref_sha(weights.ckpt_of(r.generation), req)
 
 
+def assert_updates(c: Pair, weights: Weights, current: int) -> None:
+    """One more update (to the other checkpoint) commits and serves."""
+    up = c.update(weights.ckpt_of(current + 1))
+    assert (up.generation, up.previous_generation) == (current + 1, current)
+    assert_consistent(c, weights, current + 1, floor=current + 1)
+
+
 def assert_recovers(c: Pair, weights: Weights, expected: int, floor: int = 1) -> None:
     """After agreement, one more update (to the other checkpoint) commits and serves."""
     assert_consistent(c, weights, expected, floor=floor)
-    up = c.update(weights.ckpt_of(expected + 1))
-    assert (up.generation, up.previous_generation) == (expected + 1, expected)
-    assert_consistent(c, weights, expected + 1, floor=expected + 1)
+    assert_updates(c, weights, expected)
 
 
-def start_serving_a(c: Pair, weights: Weights, sidecar_fault: str | None = None, gen_fault: str | None = None) -> None:
-    c.start_sidecar(sidecar_fault)
-    c.start_generator(gen_fault)
-    assert_consistent(c, weights, 1, floor=1)
+@pytest.fixture(scope="module")
+def module_procs(request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
+    with process_group(request) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def crash_pair(module_procs: ProcessGroup, weights: Weights) -> Pair:
+    """A sidecar and a generator as processes (not started) serving A, set up for updates (drain 30 s), shared by
+    the module: every test leaves both sides agreeing on a generation, which the next one starts from."""
+    return module_procs.pair(weights.a, **updatable(weights, drain_timeout_s=30.0))
+
+
+def started_with(side: ServiceProcess) -> str | None:
+    """The DITSERVE_FAULT of the side's last start (its log opens every start with it)."""
+    starts = re.findall(r"=== start #\d+ \(DITSERVE_FAULT=(.*?)\):", side.log())
+    return ast.literal_eval(starts[-1]) if starts else None
+
+
+def serving(c: Pair, weights: Weights, sidecar_fault: str | None = None, gen_fault: str | None = None) -> int:
+    """Both sides SERVING and agreeing, each started with the given fault (None: none): a side that is not running,
+    or runs with another fault, is (re)started. Returns the generation they serve."""
+    for side, fault, start in (
+        (c.sidecar, sidecar_fault, c.start_sidecar),
+        (c.generator, gen_fault, c.start_generator),
+    ):
+        if not side.running() or started_with(side) != fault:
+            side.stop()
+            start(fault, wait=False)
+    c.wait_sidecar()
+    c.wait_generator()
+    generation = int(c.state().generation)
+    assert_consistent(c, weights, generation, floor=generation)
+    return generation
 
 
 # ----------------------------------------------------------------------------- generator killed
-@pytest.mark.parametrize(
-    ("point", "expected"),
-    [
-        ("update:after_prepare", 1),
-        ("update:during_drain", 1),
-        ("update:after_swap", 1),
-        ("update:before_commit", 1),
-        ("update:after_commit", 2),
-    ],
-)
-def test_generator_killed_during_update(proc_pair: Pair, weights: Weights, point: str, expected: int) -> None:
-    c = proc_pair
-    start_serving_a(c, weights, gen_fault=point)
-    with pytest.raises(grpc.RpcError) as ei:
-        c.update(weights.b)
-    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
-    assert c.generator.wait_exit(30) == -signal.SIGKILL
-    assert re.search(rf"fault hook: killing this process at {re.escape(point)}\b", c.generator.log())
-    assert c.sidecar.running()
-    assert c.state().generation == expected  # the sidecar alone decides
+# (point, whether the update has committed when the process dies there). One sidecar serves the whole chain: the
+# generator restarted after each kill is started with the next point's fault (a fault fires only during an update),
+# so every point costs one generator start (a process start imports diffusers: seconds).
+GENERATOR_POINTS = [
+    ("update:after_prepare", False),
+    ("update:during_drain", False),
+    ("update:after_swap", False),
+    ("update:before_commit", False),
+    ("update:after_commit", True),
+]
+SIDECAR_POINTS = [("sidecar:before_commit", False), ("sidecar:after_persist", True)]
 
-    c.start_generator()  # same flags, same socket; it loads whatever the sidecar names
-    assert_recovers(c, weights, expected)
+
+def test_generator_killed_at_every_update_phase(crash_pair: Pair, weights: Weights) -> None:
+    c = crash_pair
+    generation = serving(c, weights, gen_fault=GENERATOR_POINTS[0][0])
+    for i, (point, commits) in enumerate(GENERATOR_POINTS):
+        log_at = len(c.generator.log())
+        with pytest.raises(grpc.RpcError) as ei:
+            c.update(weights.ckpt_of(generation + 1))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, (point, ei.value.details())
+        assert c.generator.wait_exit(30) == -signal.SIGKILL, point
+        assert re.search(rf"fault hook: killing this process at {re.escape(point)}\b", c.generator.log()[log_at:])
+        assert c.sidecar.running()
+        generation += commits
+        assert c.state().generation == generation, point  # the sidecar alone decides
+
+        # same flags, same socket; it loads whatever the sidecar names
+        c.start_generator(GENERATOR_POINTS[i + 1][0] if i + 1 < len(GENERATOR_POINTS) else None)
+        assert_consistent(c, weights, generation, floor=generation)
+    assert_updates(c, weights, generation)
 
 
 # ----------------------------------------------------------------------------- sidecar killed
-@pytest.mark.parametrize(("point", "expected"), [("sidecar:before_commit", 1), ("sidecar:after_persist", 2)])
-def test_sidecar_killed_during_commit(proc_pair: Pair, weights: Weights, point: str, expected: int) -> None:
-    c = proc_pair
-    start_serving_a(c, weights, sidecar_fault=point)
-    with pytest.raises(grpc.RpcError) as ei:
-        c.update(weights.b)
-    # the commit's outcome is unknown to the generator: it must not claim success
-    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
-    assert c.sidecar.wait_exit(30) == -signal.SIGKILL
-    assert re.search(rf"fault hook: killing this process at {re.escape(point)}\b", c.sidecar.log())
-    persisted = read_state_file(c.state_dir)["generation"]
-    assert persisted == expected
+def test_sidecar_killed_during_commit(crash_pair: Pair, weights: Weights) -> None:
+    c = crash_pair
+    generation = serving(c, weights, sidecar_fault=SIDECAR_POINTS[0][0])
+    for i, (point, commits) in enumerate(SIDECAR_POINTS):
+        log_at = len(c.sidecar.log())
+        with pytest.raises(grpc.RpcError) as ei:
+            c.update(weights.ckpt_of(generation + 1))
+        # the commit's outcome is unknown to the generator: it must not claim success
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, (point, ei.value.details())
+        assert c.sidecar.wait_exit(30) == -signal.SIGKILL, point
+        assert re.search(rf"fault hook: killing this process at {re.escape(point)}\b", c.sidecar.log()[log_at:])
+        generation += commits
+        persisted = read_state_file(c.state_dir)["generation"]
+        assert persisted == generation, point
 
-    c.start_sidecar()  # same flags (--checkpoint A), same state dir: the state file wins
-    c.wait_generator()
-    assert_recovers(c, weights, expected, floor=persisted)
+        # same flags (--checkpoint A), same state dir: the state file wins; the next point's fault, if any
+        c.start_sidecar(SIDECAR_POINTS[i + 1][0] if i + 1 < len(SIDECAR_POINTS) else None)
+        c.wait_generator()
+        assert_consistent(c, weights, generation, floor=persisted)
+    assert_updates(c, weights, generation)
 
 
 # The sidecar is restarted either at once (the generator usually reattaches while it is still
@@ -129,11 +192,11 @@ STALL_CASES = [
 
 
 @pytest.mark.parametrize(("point", "restart"), STALL_CASES)
-def test_sidecar_killed_while_generator_is_at(proc_pair: Pair, weights: Weights, point: str, restart: str) -> None:
-    c = proc_pair
-    start_serving_a(c, weights, gen_fault=f"{point}=sleep:{STALL_S}")
+def test_sidecar_killed_while_generator_is_at(crash_pair: Pair, weights: Weights, point: str, restart: str) -> None:
+    c = crash_pair
+    generation = serving(c, weights, gen_fault=f"{point}=sleep:{STALL_S}")
     log_at = len(c.generator.log())
-    update = background(lambda: c.update(weights.b), name="update")
+    update = background(lambda: c.update(weights.ckpt_of(generation + 1)), name="update")
     c.generator.wait_log(rf"fault hook: stalling \S+ s at {re.escape(point)}\b", 60, since=log_at)
     c.sidecar.kill9()
     if restart == "at_once":
@@ -150,9 +213,9 @@ def test_sidecar_killed_while_generator_is_at(proc_pair: Pair, weights: Weights,
         assert c.health() == NOT_SERVING
         assert not c.status().serving
         with pytest.raises(grpc.RpcError) as ei:
-            c.generate(REQ_T2V, request_id="while-detached")
+            c.generate(REQ_FOX, request_id="while-detached")
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
         c.start_sidecar()
     assert c.generator.running()
     c.wait_generator()
-    assert_recovers(c, weights, 1)
+    assert_recovers(c, weights, generation, floor=generation)

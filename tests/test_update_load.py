@@ -1,6 +1,6 @@
 """Never mixed under load: weight updates while clients keep generating.
 
-Three client threads send requests (a random choice among three variants, 4-6 steps, unary
+Three client threads send requests (a random choice among three variants, 5-6 grid points, unary
 Generate or GenerateStream, a timeout on every call) while the main thread cycles updates
 A -> B -> A -> ... Every response's sha256 must equal the resident sha256 of the checkpoint
 its reported generation names (odd generations A, even B): a response computed with one
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from servicekit import REQ_SHORT, REQ_T2V, REQ_T2VA, SERVING, StartPair, Weights, ref_sha
+from servicekit import REQ_FOX, REQ_RAIN, REQ_SHORT, SERVING, StartPair, Weights, ref_sha
 
 from ditcore import GenerationRequest
 from ditserve.client import GeneratorClient
 
-VARIANTS: list[dict[str, Any]] = [REQ_T2V, REQ_SHORT, REQ_T2VA]  # steps 6, 5, 4
+VARIANTS: list[dict[str, Any]] = [REQ_FOX, REQ_SHORT, REQ_RAIN]  # 6, 5, 5 grid points
 CLIENTS = 3
 CALL_TIMEOUT_S = 60.0
 
@@ -37,7 +37,7 @@ class Response:
 
 
 def run_load(pairs: StartPair, weights: Weights, updates: int, dwell_s: float, min_per_generation: int) -> None:
-    assert all(4 <= v["steps"] <= 6 for v in VARIANTS)
+    assert all(5 <= v["num_inference_steps"] <= 6 for v in VARIANTS)
     refs = {(str(c), i): ref_sha(c, v) for c in (weights.a, weights.b) for i, v in enumerate(VARIANTS)}
     assert len(set(refs.values())) == len(refs), "every (checkpoint, variant) must have its own output"
     pair = pairs(weights.a)

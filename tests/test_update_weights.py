@@ -1,7 +1,8 @@
 """UpdateWeights (docs/architecture.md, 'Weight generations and UpdateWeights') on real
 in-process servers: a sidecar and a generator over a unix socket.
 
-Checkpoints A (tiny, seed 0) and B (tiny, seed 1) live in the generator's --weights-root.
+Checkpoints A (tiny MiniMax-H3, seed 0) and B (seed 1), both in the released mixed precision, live in
+the generator's --weights-root.
 Every output is compared with ditcore's resident generation of the checkpoint that the
 response's generation names; every refused update must leave generation, weights and
 outputs exactly as they were.
@@ -9,11 +10,10 @@ outputs exactly as they were.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,12 +26,12 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from clikit import CliRunner
 from safetensors.torch import load_file, save_file
 from servicekit import (
     NOT_SERVING,
-    REPO_ROOT,
-    REQ_T2V,
-    REQ_T2VA,
+    REQ_FOX,
+    REQ_RAIN,
     SERVING,
     TOKEN,
     Pair,
@@ -43,18 +43,19 @@ from servicekit import (
     long_request,
     read_state_file,
     ref_sha,
+    status_details,
+    transformer_shards,
     updatable,
     wait_for,
 )
 
-from ditcore import GenerationRequest, fingerprint, generate, get_preset, load_model, write_checkpoint
+from ditcore import GenerationRequest, fingerprint, generate, load_model, validate_checkpoint, write_repository
+from ditcore.plans import INDEX_FILE, is_plan_tensor
 from generator_service import executor as executor_mod
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 
-INDEX = "model.safetensors.index.json"
-SHARD1 = "model-00001-of-00002.safetensors"
-SHARD2 = "model-00002-of-00002.safetensors"
-LONG = long_request(20)
+INDEX = f"transformer/{INDEX_FILE}"
+LONG = long_request(8)
 
 
 def real(p: Path | str) -> str:
@@ -74,7 +75,7 @@ class Snapshot:
     response_generation: int
 
 
-def snapshot(pair: Pair, req: dict[str, Any] = REQ_T2V) -> Snapshot:
+def snapshot(pair: Pair, req: dict[str, Any] = REQ_FOX) -> Snapshot:
     st, ss = pair.status(), pair.state()
     r = pair.generate(req, request_id="snapshot")
     return Snapshot(
@@ -98,7 +99,7 @@ def assert_serves(pair: Pair, generation: int, ckpt: Path) -> None:
     fp = fingerprint(ckpt)
     assert (st.generation, real(st.weights_path), st.fingerprint) == (generation, real(ckpt), fp)
     assert (ss.generation, real(ss.weights_path), ss.fingerprint) == (generation, real(ckpt), fp)
-    for req in (REQ_T2V, REQ_T2VA):
+    for req in (REQ_FOX, REQ_RAIN):
         r = pair.generate(req, request_id=f"check-{generation}")
         assert r.generation == generation
         assert r.sha256 == ref_sha(ckpt, req)
@@ -113,6 +114,16 @@ def copy_into_root(weights: Weights, src: Path, prefix: str) -> Path:
     return dst
 
 
+def first_shard(ckpt: Path) -> str:
+    """The transformer shard holding the embedders (and no plan tensor)."""
+    return transformer_shards(ckpt)[0]
+
+
+def last_shard(ckpt: Path) -> str:
+    """The transformer shard holding `proj_out` (float32: one of diffusers' `_keep_in_fp32_modules`)."""
+    return transformer_shards(ckpt)[-1]
+
+
 def rewrite_shard(ckpt: Path, shard: str, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
     tensors = load_file(str(ckpt / shard))
     edit(tensors)
@@ -120,17 +131,18 @@ def rewrite_shard(ckpt: Path, shard: str, edit: Callable[[dict[str, torch.Tensor
 
 
 def strip_adaln(ckpt: Path) -> None:
-    """Remove every `.adaln_proj.` tensor from the shards and the index."""
+    """Remove every plan tensor (`adaln_proj.*`, `norm_out.linear.*`) from the shards and the index: a repository a
+    cached generator could serve, but the sidecar cannot build plans from."""
     index = json.loads((ckpt / INDEX).read_text())
     for shard in sorted(set(index["weight_map"].values())):
-        rewrite_shard(ckpt, shard, lambda t: [t.pop(n) for n in [n for n in t if ".adaln_proj." in n]])
-    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if ".adaln_proj." not in n}
+        rewrite_shard(ckpt, f"transformer/{shard}", lambda t: [t.pop(n) for n in [n for n in t if is_plan_tensor(n)]])
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not is_plan_tensor(n)}
     (ckpt / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-    assert not any(".adaln_proj." in n for n in json.loads((ckpt / INDEX).read_text())["weight_map"])
+    assert validate_checkpoint(ckpt, require_adaln=False).has_adaln is False
 
 
 def truncate_shard(ckpt: Path) -> None:
-    p = ckpt / SHARD2
+    p = ckpt / last_shard(ckpt)
     size = p.stat().st_size
     with open(p, "r+b") as fh:
         fh.truncate(size // 2)
@@ -138,7 +150,7 @@ def truncate_shard(ckpt: Path) -> None:
 
 def garbage_header(ckpt: Path) -> None:
     """Keep the 8-byte header length, replace the JSON header with bytes that are not JSON."""
-    p = ckpt / SHARD1
+    p = ckpt / first_shard(ckpt)
     data = bytearray(p.read_bytes())
     hlen = int.from_bytes(data[:8], "little")
     data[8 : 8 + hlen] = b"\xfe" * hlen
@@ -147,16 +159,16 @@ def garbage_header(ckpt: Path) -> None:
 
 def wrong_shape(ckpt: Path) -> None:
     def edit(t: dict[str, torch.Tensor]) -> None:
-        t["video_embed.bias"] = torch.zeros(t["video_embed.bias"].numel() + 1)
+        t["proj_out.bias"] = torch.zeros(t["proj_out.bias"].numel() + 1)
 
-    rewrite_shard(ckpt, SHARD1, edit)
+    rewrite_shard(ckpt, last_shard(ckpt), edit)
 
 
 def wrong_dtype(ckpt: Path) -> None:
     def edit(t: dict[str, torch.Tensor]) -> None:
-        t["video_embed.bias"] = t["video_embed.bias"].to(torch.bfloat16)
+        t["proj_out.bias"] = t["proj_out.bias"].to(torch.bfloat16)  # diffusers keeps proj_out in float32
 
-    rewrite_shard(ckpt, SHARD1, edit)
+    rewrite_shard(ckpt, last_shard(ckpt), edit)
 
 
 # ----------------------------------------------------------------------------- happy path
@@ -187,12 +199,38 @@ def test_update_to_b_and_back_to_a(pairs: StartPair, weights: Weights) -> None:
     assert pair.health() == SERVING and pair.sidecar_health() == SERVING
 
 
+def test_resident_update_to_b_and_refusals(pairs: StartPair, weights: Weights) -> None:
+    """Resident mode validates in process: a repository without native adaln_proj (diffusers' transformer needs it)
+    and an incompatible one are refused with nothing changed; B is served under generation 2."""
+    pair = pairs(weights.a, mode="resident")
+    r = pair.generate(REQ_FOX)
+    assert (r.generation, r.sha256) == (1, ref_sha(weights.a, REQ_FOX))
+    stripped, small = (
+        _bad_copy(strip_adaln)(weights, weights.root),
+        _other_repository("small", "mixed")(weights, weights.root),
+    )
+    for path, parts in ((stripped, ("adaln_proj", "missing tensor")), (small, ("incompatible", "num_layers"))):
+        with pytest.raises(grpc.RpcError) as ei:
+            pair.update(path)
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ei.value.details()
+        assert all(p in (ei.value.details() or "") for p in parts), ei.value.details()
+        st = pair.status()
+        assert (st.generation, real(st.weights_path), st.fingerprint) == (1, real(weights.a), fingerprint(weights.a))
+    up = pair.update("B")
+    assert (up.generation, up.previous_generation, up.fingerprint) == (2, 1, fingerprint(weights.b))
+    st = pair.status()
+    assert (st.generation, real(st.weights_path), st.fingerprint) == (2, real(weights.b), fingerprint(weights.b))
+    for req in (REQ_FOX, REQ_RAIN):
+        r = pair.generate(req)
+        assert (r.generation, r.sha256) == (2, ref_sha(weights.b, req))
+
+
 # ----------------------------------------------------------------------------- rejections
 @pytest.fixture(scope="module")
 def serving_a(weights: Weights) -> Iterator[Pair]:
     """One pair serving A for the whole rejection table: no rejection may change anything."""
     with Pair(weights.a, **updatable(weights)) as pair:
-        pair.start().generate(REQ_T2V, request_id="warm")
+        pair.start().generate(REQ_FOX, request_id="warm")
         yield pair
 
 
@@ -215,10 +253,15 @@ def _bad_copy(surgery: Callable[[Path], None]) -> Callable[[Weights, Path], str]
     return make
 
 
-def _small_preset(weights: Weights, tmp: Path) -> str:
-    d = Path(tempfile.mkdtemp(prefix="small-", dir=weights.root))
-    write_checkpoint(get_preset("small"), d, seed=0)
-    return d.name
+def _other_repository(preset: str, dtype: str) -> Callable[[Weights, Path], str]:
+    """A valid MiniMax-H3 repository under the root that cannot replace A: other shapes or other precision."""
+
+    def make(weights: Weights, tmp: Path) -> str:
+        d = Path(tempfile.mkdtemp(prefix=f"{preset}-{dtype}-", dir=weights.root))
+        write_repository(d, preset, seed=0, dtype=dtype, shards=2)
+        return d.name
+
+    return make
 
 
 def _outside_ckpt(weights: Weights, tmp: Path) -> Path:
@@ -237,15 +280,28 @@ CASES: dict[str, Case] = {
     "missing-adaln": Case(
         grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(strip_adaln), details_contain=("plan cache", "adaln_proj")
     ),
-    "truncated-shard": Case(grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(truncate_shard), details_contain=(SHARD2,)),
-    "garbage-header": Case(grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(garbage_header), details_contain=(SHARD1,)),
+    "truncated-shard": Case(
+        grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(truncate_shard), details_contain=("-of-", "truncated")
+    ),
+    "garbage-header": Case(
+        grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(garbage_header), details_contain=("00001-of-", "header")
+    ),
     "wrong-shape": Case(
-        grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(wrong_shape), details_contain=("video_embed.bias", "shape")
+        grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(wrong_shape), details_contain=("proj_out.bias", "shape")
     ),
     "wrong-dtype": Case(
-        grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(wrong_dtype), details_contain=("video_embed.bias", "dtype")
+        grpc.StatusCode.FAILED_PRECONDITION, _bad_copy(wrong_dtype), details_contain=("proj_out.bias", "dtype")
     ),
-    "incompatible-config": Case(grpc.StatusCode.FAILED_PRECONDITION, _small_preset, details_contain=("incompatible",)),
+    "incompatible-config": Case(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        _other_repository("small", "mixed"),
+        details_contain=("transformer/config.json", "incompatible", "num_layers"),
+    ),
+    "other-precision": Case(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        _other_repository("tiny", "float32"),
+        details_contain=("incompatible", "dtype"),
+    ),
     "missing-dir": Case(grpc.StatusCode.NOT_FOUND, lambda w, t: "no-such-checkpoint"),
     "dotdot": Case(grpc.StatusCode.PERMISSION_DENIED, lambda w, t: "A/../B", details_contain=("..",)),
     "symlink-escape": Case(grpc.StatusCode.PERMISSION_DENIED, _symlink_out, details_contain=("outside",)),
@@ -267,7 +323,7 @@ def test_refused_update_changes_nothing(serving_a: Pair, weights: Weights, tmp_p
     pair = serving_a
     path = case.make_path(weights, tmp_path)
     before = snapshot(pair)
-    assert before.generation == 1 and before.sha == ref_sha(weights.a, REQ_T2V)
+    assert before.generation == 1 and before.sha == ref_sha(weights.a, REQ_FOX)
 
     with pytest.raises(grpc.RpcError) as ei:
         pair.update(path, token=case.token, expected_generation=case.expected_generation)
@@ -288,16 +344,16 @@ def test_refused_update_changes_nothing(serving_a: Pair, weights: Weights, tmp_p
 
 def test_generate_with_stale_expected_generation_is_aborted(pairs: StartPair, weights: Weights) -> None:
     pair = pairs(weights.a)
-    assert pair.generate(REQ_T2V, expected_generation=1).sha256 == ref_sha(weights.a, REQ_T2V)
+    assert pair.generate(REQ_FOX, expected_generation=1).sha256 == ref_sha(weights.a, REQ_FOX)
     assert pair.update("B").generation == 2
     with pytest.raises(grpc.RpcError) as ei:
-        pair.generate(REQ_T2V, expected_generation=1)
+        pair.generate(REQ_FOX, expected_generation=1)
     assert ei.value.code() == grpc.StatusCode.ABORTED
     info = error_info(ei.value)
     assert info is not None and info.reason == "GENERATION_MISMATCH"
     assert info.metadata["current_generation"] == "2"
-    r = pair.generate(REQ_T2V, expected_generation=2)
-    assert (r.generation, r.sha256) == (2, ref_sha(weights.b, REQ_T2V))
+    r = pair.generate(REQ_FOX, expected_generation=2)
+    assert (r.generation, r.sha256) == (2, ref_sha(weights.b, REQ_FOX))
 
 
 # ----------------------------------------------------------------------------- concurrency with drain
@@ -338,9 +394,9 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     g = Gate()
     real_generate = executor_mod.generate
 
-    def gated(model: Any, request: GenerationRequest, plans: Any = None, on_step: Any = None) -> Any:
+    def gated(model: Any, request: GenerationRequest, plans: Any = None, on_step: Any = None, **kw: Any) -> Any:
         if not request.request_id.startswith("gated-"):
-            return real_generate(model, request, plans, on_step=on_step)
+            return real_generate(model, request, plans, on_step=on_step, **kw)
 
         def step(done: int, total: int) -> None:
             if on_step is not None:
@@ -349,7 +405,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
                 g.reached.set()
                 g.opened.wait(120)
 
-        return real_generate(model, request, plans, on_step=step)
+        return real_generate(model, request, plans, on_step=step, **kw)
 
     monkeypatch.setattr(executor_mod, "generate", gated)
     try:
@@ -407,13 +463,13 @@ def test_drain_timeout_aborts_and_serving_resumes(pairs: StartPair, weights: Wei
     # serving resumed at once: health back, nothing prepared at the sidecar, a queued request runs
     assert pair.health() == SERVING
     assert pair.state().pending_weights_path == ""
-    queued = background(lambda: pair.generate(REQ_T2V, request_id="after-abort", timeout=120), name="queued")
+    queued = background(lambda: pair.generate(REQ_FOX, request_id="after-abort", timeout=120), name="queued")
     wait_for(lambda: pair.status().queue_depth == 2, 10, "the request to queue behind the long one")
     gate.opened.set()
     long_resp = stream.result(120)
     assert (long_resp.generation, long_resp.sha256) == (1, long_ref)
     r = queued.result(120)
-    assert (r.generation, r.sha256) == (1, ref_sha(weights.a, REQ_T2V))
+    assert (r.generation, r.sha256) == (1, ref_sha(weights.a, REQ_FOX))
     assert_unchanged(pair, before)
 
     # the aborted update left nothing behind: the same update now succeeds
@@ -422,21 +478,32 @@ def test_drain_timeout_aborts_and_serving_resumes(pairs: StartPair, weights: Wei
 
 
 # ----------------------------------------------------------------------------- tensor-pushed updates
-BIAS = "final_layer.video_out.bias"
-TINY_PATCH = get_preset("tiny").video_patch_numel
+BIAS = "proj_out.bias"  # float32 (diffusers keeps proj_out in float32)
+PLAN_BIAS = "transformer_blocks.0.adaln_proj.linear.bias"  # bfloat16, a plan tensor: resident mode holds it
 
 
 def tensor_proto(name: str, t: torch.Tensor) -> gen_pb.Tensor:
-    t = t.contiguous()
-    return gen_pb.Tensor(name=name, dtype="float32", shape=list(t.shape), data=t.numpy().tobytes())
+    t = t.detach().contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    return gen_pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=t.view(torch.uint8).numpy().tobytes())
+
+
+@functools.cache
+def _resident_a(ckpt: str) -> Any:
+    return load_model(ckpt, "resident")
+
+
+def pushed(ckpt: Path) -> dict[str, torch.Tensor]:
+    """New values for a float32 and a bfloat16 transformer tensor of `ckpt`."""
+    state = _resident_a(str(ckpt)).transformer.state_dict()
+    return {BIAS: state[BIAS] + 0.05, PLAN_BIAS: (state[PLAN_BIAS].float() * 1.5).to(torch.bfloat16)}
 
 
 def test_tensor_update_is_refused_in_cached_mode(pairs: StartPair, weights: Weights) -> None:
     pair = pairs(weights.a)
     before = snapshot(pair)
-    new = torch.full((TINY_PATCH,), 0.25)
     with pytest.raises(grpc.RpcError) as ei:
-        pair.update("", tensors=[tensor_proto(BIAS, new)])
+        pair.update("", tensors=[tensor_proto(n, t) for n, t in pushed(weights.a).items()])
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ei.value.details()
     details = ei.value.details() or ""
     assert "tensor" in details and "refused in cached mode" in details, details
@@ -445,50 +512,75 @@ def test_tensor_update_is_refused_in_cached_mode(pairs: StartPair, weights: Weig
 
 def test_tensor_update_in_resident_mode(pairs: StartPair, weights: Weights) -> None:
     pair = pairs(weights.a, mode="resident")
-    r0 = pair.generate(REQ_T2V)
-    assert (r0.generation, r0.sha256) == (1, ref_sha(weights.a, REQ_T2V))
+    r0 = pair.generate(REQ_FOX)
+    assert (r0.generation, r0.sha256) == (1, ref_sha(weights.a, REQ_FOX))
+    st = pair.status()
+    assert (st.adaln_mode, st.model_preset, st.precision) == (gen_pb.ADALN_MODE_RESIDENT, "tiny", "mixed")
+    assert st.memory.held_plan_bytes == st.memory.plan_tensor_bytes > 0 and st.memory.saved_fraction == 0.0
 
-    model = load_model(weights.a, "resident")  # a private copy: it gets the new bias too
-    new = model.state_dict()[BIAS] + 0.05
-    up = pair.update("", tensors=[tensor_proto(BIAS, new)])
+    # refused pushes change nothing: every tensor is checked against the transformer's own before any copy
+    new = pushed(weights.a)
+    bad: dict[str, list[gen_pb.Tensor]] = {
+        "unknown name": [tensor_proto("final_layer.video_out.bias", new[BIAS])],
+        "wrong shape": [tensor_proto(BIAS, torch.zeros(new[BIAS].numel() + 1))],
+        "wrong dtype": [tensor_proto(BIAS, new[BIAS].to(torch.bfloat16))],
+        "bad byte count": [gen_pb.Tensor(name=BIAS, dtype="float32", shape=[96], data=b"\0" * 10)],
+        "unknown dtype": [gen_pb.Tensor(name=BIAS, dtype="int8", shape=[96], data=b"\0" * 96)],
+        "given twice": [tensor_proto(BIAS, new[BIAS]), tensor_proto(BIAS, new[BIAS])],
+        "not finite": [tensor_proto(BIAS, torch.full_like(new[BIAS], float("nan")))],
+    }
+    for why, tensors in bad.items():
+        with pytest.raises(grpc.RpcError) as ei:
+            pair.update("", tensors=tensors)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (why, ei.value.details())
+        _, violations = status_details(ei.value)
+        assert [f for f, _ in violations] == ["tensors"], (why, violations)
+        assert pair.status().generation == 1
+    assert pair.generate(REQ_FOX).sha256 == r0.sha256
+
+    up = pair.update("", tensors=[tensor_proto(n, t) for n, t in new.items()])
     assert (up.generation, up.previous_generation) == (2, 1)
     assert up.fingerprint.startswith("tensors:")
 
-    model.load_state_dict({**model.state_dict(), BIAS: new})
-    want = generate(model, GenerationRequest.from_dict({**REQ_T2V, "request_id": "ref"})).sha256
-    assert want != ref_sha(weights.a, REQ_T2V)
-    r1 = pair.generate(REQ_T2V)
+    model = _resident_a(str(weights.a)).with_tensors(new)  # diffusers' transformer with the same tensors
+    want = generate(model, GenerationRequest.from_dict({**REQ_FOX, "request_id": "ref"})).sha256
+    assert want != ref_sha(weights.a, REQ_FOX)
+    r1 = pair.generate(REQ_FOX)
     assert (r1.generation, r1.sha256) == (2, want)
-    assert pair.status().generation == 2
+    st = pair.status()
+    assert (st.generation, st.fingerprint) == (2, up.fingerprint)
+    # the same tensors again: same digest, next generation
+    assert pair.update("", tensors=[tensor_proto(n, t) for n, t in new.items()]).fingerprint == up.fingerprint
 
 
 # ----------------------------------------------------------------------------- in-place overwrite
 def test_overwritten_checkpoint_is_detected_before_rebuild(pairs: StartPair, weights: Weights) -> None:
     served = copy_into_root(weights, weights.a, "acopy-")
     pair = pairs(served)
-    r = pair.generate(REQ_T2V)
-    assert (r.generation, r.sha256) == (1, ref_sha(weights.a, REQ_T2V))
+    r = pair.generate(REQ_FOX)
+    assert (r.generation, r.sha256) == (1, ref_sha(weights.a, REQ_FOX))
 
-    # same layout, other bytes: B's shard 2 over the served copy's shard 2
-    assert (served / SHARD2).stat().st_size == (weights.b / SHARD2).stat().st_size
-    (served / SHARD2).write_bytes((weights.b / SHARD2).read_bytes())
+    # same layout, other bytes: B's last transformer shard over the served copy's
+    shard, others = last_shard(served), transformer_shards(served)[:-1]
+    assert (served / shard).stat().st_size == (weights.b / shard).stat().st_size
+    (served / shard).write_bytes((weights.b / shard).read_bytes())
 
-    new_schedule = {**REQ_T2V, "flow_shift": 2.5}  # plans never built: needs a rebuild pass
+    new_schedule = {**REQ_FOX, "flow_shift": 2.5}  # plans never built: needs a rebuild pass
     with pytest.raises(grpc.RpcError) as ei:
         pair.generate(new_schedule, request_id="after-overwrite")
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ei.value.details()
-    assert SHARD2 in (ei.value.details() or "")
-    assert SHARD1 not in (ei.value.details() or "")
+    assert shard in (ei.value.details() or "")
+    assert not any(other in (ei.value.details() or "") for other in others)
 
     # from now on every prepare is refused the same way (not UNAVAILABLE: retrying cannot help)
     with pytest.raises(grpc.RpcError) as ei:
-        pair.generate({**REQ_T2V, "flow_shift": 1.7}, request_id="after-overwrite-2")
+        pair.generate({**REQ_FOX, "flow_shift": 1.7}, request_id="after-overwrite-2")
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ei.value.details()
-    assert SHARD2 in (ei.value.details() or "")
+    assert shard in (ei.value.details() or "")
 
     st = pair.state()
     assert not st.serving
-    assert SHARD2 in st.not_serving_reason and SHARD1 not in st.not_serving_reason
+    assert shard in st.not_serving_reason and not any(other in st.not_serving_reason for other in others)
     assert pair.sidecar_health() == NOT_SERVING
     assert pair.status().generation == 1
 
@@ -503,28 +595,22 @@ def test_overwritten_checkpoint_is_detected_before_rebuild(pairs: StartPair, wei
 
 
 # ----------------------------------------------------------------------------- CLI
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.pop("DITSERVE_ADMIN_TOKEN", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run(
-        [sys.executable, "-m", "ditserve", *args],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120, check=False,
-    )  # fmt: skip
-
-
-def test_update_weights_cli(pairs: StartPair, weights: Weights) -> None:
+def test_update_weights_cli(
+    pairs: StartPair, weights: Weights, run_cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ditserve update-weights` (in this process: a fresh interpreter costs seconds of diffusers imports)."""
+    monkeypatch.delenv("DITSERVE_ADMIN_TOKEN", raising=False)
     pair = pairs(weights.a)
-    bad = _cli("update-weights", "--target", pair.target, "--path", "B", "--token", "wrong-token")
-    assert bad.returncode != 0
-    assert "failed: PERMISSION_DENIED" in bad.stderr, bad.stderr
-    assert bad.stdout.strip() == ""
+    bad = run_cli(["update-weights", "--target", pair.target, "--path", "B", "--token", "wrong-token"])
+    assert bad.code != 0
+    assert "failed: PERMISSION_DENIED" in bad.err, bad.err
+    assert bad.out.strip() == ""
     assert pair.status().generation == 1
 
-    ok = _cli("update-weights", "--target", pair.target, "--path", "B", "--token", TOKEN)
-    assert ok.returncode == 0, ok.stderr
-    lines = [json.loads(line) for line in ok.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, ok.stdout
+    ok = run_cli(["update-weights", "--target", pair.target, "--path", "B", "--token", TOKEN])
+    assert ok.code == 0, ok.err
+    lines = ok.json_lines()
+    assert len(lines) == 1, ok.out
     out = lines[0]
     assert set(out) == {"generation", "previous_generation", "weights_path", "fingerprint", "phase_ms"}
     assert (out["generation"], out["previous_generation"]) == (2, 1)
