@@ -1,4 +1,5 @@
-"""`ditserve bench --quick` runs end to end (so the harness cannot rot) and writes its outputs."""
+"""`ditserve bench --quick` runs end to end on a tiny MiniMax-H3 repository (so the harness cannot rot) and writes its
+outputs. Only the run's structure and its exact effects are asserted, never a timing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 SCENARIOS = {
     "repeat_vs_first_seen", "host_tier", "alternating", "cached_vs_resident",
-    "sidecar_overhead", "prepare_latency", "rebuild_efficiency", "rebuild_overlap",
+    "sidecar_overhead", "prepare_latency", "rebuild_efficiency", "rebuild_overlap", "generator_memory",
 }  # fmt: skip
 
 
@@ -28,11 +29,21 @@ def test_bench_quick_writes_table_json_and_chart(tmp_path: Path) -> None:
     for name in SCENARIOS:
         assert {"ratio", "target", "met"} <= set(doc[name]), name
         assert isinstance(doc[name]["met"], bool)
+    meta = doc["_meta"]
+    assert (meta["preset"], meta["precision"], meta["num_inference_steps"], meta["forwards"]) == ("tiny", "mixed", 8, 7)
     # the quick run still shows the headline effects
     assert doc["alternating"]["rebuilds_after_warmup"]["both_fit"] == 0
     assert doc["alternating"]["rebuilds_after_warmup"]["one_fits_host"] == 0
+    assert doc["alternating"]["rebuilds_after_warmup"]["one_fits_no_host"] == 4  # every request after warm-up
     assert doc["alternating"]["sha256_identical"] is True
     assert doc["cached_vs_resident"]["sha256_identical"] is True
+    memory = doc["generator_memory"]
+    assert memory["met"] is True and memory["ratio"] >= 0.95
+    assert memory["cached"]["held_plan_bytes"] == 0
+    assert memory["resident"]["held_plan_bytes"] == memory["plan_tensor_bytes"] > 0
+    assert memory["cached"]["precision"] == memory["resident"]["precision"] == "mixed"
+    # repeat arm: a new 8-point schedule builds its 7 keys (6 once t = 0 is cached); its repeat builds none
+    assert [r["cache"]["built_plans"] for r in doc["_requests"] if r["arm"] == "repeat"] == [7, 0, 6, 0]
     tiers = {r["tier"] for r in doc["_requests"]}
     assert {"built", "host", "slot", "resident"} <= tiers
     png = (out / "bench.png").read_bytes()

@@ -1,10 +1,12 @@
 """Benchmark harness: start real service pairs (sidecar + generator over a unix socket) with a
-given cache configuration, run requests through the Python client, record per-request stages.
+given cache configuration, run MiniMax-H3 requests through the Python client, record per-request
+stages, and read what each service process holds in memory.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,11 @@ from typing import Any
 from ditcore.report import CacheReport
 from ditserve.client import GeneratorClient
 from ditserve.launcher import terminate, wait_healthy
+from protos.ditserve.generator.v1 import generator_pb2 as pb
+
+from .measure import process_memory
+
+ARM_MODES = ("cached", "resident", "sidecar")
 
 
 @dataclass(frozen=True)
@@ -25,14 +32,18 @@ class Arm:
     name: str
     gpu_plans: int = 128
     host_cache_gb: float = 8.0
-    mode: str = "cached"  # or "resident"
+    mode: str = "cached"  # a pair; "resident": a lone resident generator; "sidecar": a lone sidecar
     prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ARM_MODES:
+            raise ValueError(f"arm {self.name}: mode must be one of {list(ARM_MODES)}, got {self.mode!r}")
 
 
 @dataclass
 class Record:
     arm: str
-    label: str  # schedule label, e.g. "A"
+    label: str  # schedule label, e.g. "A" (see scenarios.SCHEDULES)
     request_id: str
     latency_s: float  # client-side, submit to last chunk
     sha256: str
@@ -62,54 +73,79 @@ def tier_of(cache: CacheReport, mode: str) -> str:
 
 
 class Services:
-    """A running pair (or a lone resident generator) in subprocesses; a context manager."""
+    """A running pair (or a lone resident generator, or a lone sidecar) in subprocesses; a context manager.
+
+    A pair's two processes start together (their imports overlap); the generator attaches once the sidecar serves.
+    """
 
     def __init__(self, checkpoint: Path, arm: Arm, device: str, threads: int, workdir: Path) -> None:
         self.arm = arm
         self.dir = Path(tempfile.mkdtemp(prefix="ditbench-", dir="/tmp"))  # short socket path
         self.sock = self.dir / "plancache.sock"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.names: list[str] = []  # parallel to procs: "sidecar", "generator"
         self.logs = workdir
         py = sys.executable
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        port = _free_port()
-        self.target = f"127.0.0.1:{port}"
+        self.target = f"127.0.0.1:{_free_port()}"
         common = ["--device", device, "--threads", str(threads), "--log-level", "WARNING"]
         self.metrics_ports = {"generator": _free_port(), "sidecar": _free_port()}
-        gen = [py, "-m", "generator_service", "--listen", self.target, *common]
-        gen += ["--metrics-port", str(self.metrics_ports["generator"])]
-        if arm.mode == "resident":
-            gen += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
-        else:
-            side = [py, "-m", "plancache_service", "--checkpoint", str(checkpoint), "--socket", str(self.sock)]
-            side += ["--gpu-plans", str(arm.gpu_plans), "--host-cache-gb", str(arm.host_cache_gb), *common]
-            side += ["--metrics-port", str(self.metrics_ports["sidecar"])]
-            self._start(side, f"unix:{self.sock}", env, "sidecar")
-            gen += ["--sidecar", f"unix:{self.sock}"]
-            if not arm.prefetch:
-                gen.append("--no-prefetch")
-        self._start(gen, self.target, env, "generator")
-        self.client = GeneratorClient(self.target)
+        health: list[str] = []
+        try:
+            if arm.mode != "resident":
+                side = [py, "-m", "plancache_service", "--checkpoint", str(checkpoint), "--socket", str(self.sock)]
+                side += ["--gpu-plans", str(arm.gpu_plans), "--host-cache-gb", str(arm.host_cache_gb), *common]
+                side += ["--metrics-port", str(self.metrics_ports["sidecar"])]
+                self._spawn(side, env, "sidecar")
+                health.append(f"unix:{self.sock}")
+            if arm.mode != "sidecar":
+                gen = [py, "-m", "generator_service", "--listen", self.target, *common]
+                gen += ["--metrics-port", str(self.metrics_ports["generator"])]
+                if arm.mode == "resident":
+                    gen += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
+                else:
+                    gen += ["--sidecar", f"unix:{self.sock}"]
+                    if not arm.prefetch:
+                        gen.append("--no-prefetch")
+                self._spawn(gen, env, "generator")
+                health.append(self.target)
+            for target, proc in zip(health, self.procs, strict=True):
+                wait_healthy(target, 300, proc)
+        except BaseException:
+            self.close()
+            raise
+        self.client = GeneratorClient(self.target) if "generator" in self.names else None
 
-    def _start(self, argv: list[str], health: str, env: dict[str, str], name: str) -> None:
+    def _spawn(self, argv: list[str], env: dict[str, str], name: str) -> None:
         log = open(self.logs / f"{self.arm.name}-{name}.log", "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self.procs.append(proc)
-        try:
-            wait_healthy(health, 300, proc)
-        except Exception:
-            self.close()
-            raise
+        self.names.append(name)
+
+    @property
+    def generator(self) -> GeneratorClient:
+        if self.client is None:
+            raise RuntimeError(f"arm {self.arm.name} runs no generator")
+        return self.client
 
     def run(self, label: str, request: dict[str, Any], request_id: str) -> Record:
+        """One request (GenerationRequest fields) over GenerateStream, timed from the client."""
         t0 = time.perf_counter()
-        res = self.client.generate({**request, "request_id": request_id}, timeout=1800)
+        res = self.generator.generate({**request, "request_id": request_id}, timeout=1800)
         latency = time.perf_counter() - t0
         return Record(
             self.arm.name, label, request_id, latency, res.sha256, res.generation,
             res.timings_ms, res.cache, tier_of(res.cache, self.arm.mode),
         )  # fmt: skip
+
+    def status(self) -> pb.GetStatusResponse:
+        """The generator's GetStatus (mode, preset, precision, memory of its transformer)."""
+        return self.generator.status()
+
+    def process_memory(self) -> dict[str, dict[str, int]]:
+        """/proc memory of each running service process, by name ("sidecar", "generator")."""
+        return {name: process_memory(p.pid) for name, p in zip(self.names, self.procs, strict=True)}
 
     def scrape(self) -> str:
         """Both services' /metrics, as Prometheus would see them."""
@@ -117,17 +153,18 @@ class Services:
 
         out = []
         for name, port in self.metrics_ports.items():
-            if name == "sidecar" and self.arm.mode == "resident":
+            if name not in self.names:  # resident arms have no sidecar; a stopped generator has no metrics
                 continue
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
             out.append(f"# ---- {name} (:{port}/metrics, arm {self.arm.name})\n{body}")
         return "\n".join(out)
 
     def close(self) -> None:
-        if hasattr(self, "client"):
-            self.client.close()
+        if getattr(self, "client", None) is not None:
+            self.generator.close()
         for p in reversed(self.procs):
             terminate(p, 30)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> Services:
         return self

@@ -1,17 +1,24 @@
-"""Baselines the benchmarks compare against: reading adaln_proj bytes, and a plain memcpy."""
+"""Baselines the benchmarks compare against: reading the plan tensors' bytes, a plain memcpy, and what a process
+holds in memory (/proc)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from ditcore import CheckpointInfo
-from ditcore.checkpoint import CheckpointReader
-from ditcore.config import adaln_layer_names
+from ditcore.plans import shard_map
+from ditcore.rebuild import plan_tensor_names
+
+PROC_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+"""/proc/<pid>/status lines `process_memory` reads (kB there, bytes here)."""
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -20,16 +27,24 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def read_adaln_seconds(info: CheckpointInfo, device: str = "cpu") -> float:
-    """Best of 3 (after a warm-up read): every adaln_proj weight and bias read once onto
-    `device` — the least any rebuild must do. The page cache is warm, as for the rebuilds."""
+def read_plan_tensors_seconds(info: CheckpointInfo, device: str = "cpu") -> float:
+    """Best of 3 (after a warm-up read): every plan tensor (each block's `adaln_proj.linear` and `norm_out.linear`,
+    weight and bias) read once onto `device`, each shard opened once — the least any rebuild must do. The page cache
+    is warm, as for the rebuilds."""
+    transformer_dir = os.fspath(Path(info.path) / "transformer")
+    files = shard_map(transformer_dir)
+    by_file: dict[str, list[str]] = {}
+    for name in plan_tensor_names(transformer_dir):
+        by_file.setdefault(files[name], []).append(name)
+    dev = torch.device(device)
 
     def read() -> None:
-        with CheckpointReader(info) as reader:
-            for name in adaln_layer_names(info.config):
-                w, b = reader.adaln_layer(name)
-                w.to(device).sum()  # touch every byte
-                del w, b
+        for file, names in sorted(by_file.items()):
+            with safe_open(os.path.join(transformer_dir, file), "pt") as f:
+                for name in names:
+                    f.get_tensor(name).to(dev).sum()  # touch every byte
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     read()
     return min(timed(read) for _ in range(3))
@@ -56,3 +71,22 @@ def memcpy_bandwidth(nbytes: int, device: str = "cpu") -> float:
         flush.add_(1.0)
         times.append(timed(lambda: dst.copy_(src)))
     return n * 4 / statistics.median(times)
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """Bytes a live process holds, from /proc/<pid>/status: resident set (VmRSS), its peak (VmHWM), and its parts —
+    private memory (RssAnon: heap, tensors), file-backed pages (RssFile: libraries, mmapped files) and shared memory
+    (RssShmem: e.g. the /dev/shm slab a cached generator maps). Linux only; OSError if the process is gone."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in PROC_FIELDS:
+                amount, unit = value.split()
+                if unit != "kB":
+                    raise ValueError(f"/proc/{pid}/status: {key} in unexpected unit {unit!r}")
+                out[key] = int(amount) * 1024
+    missing = [k for k in PROC_FIELDS if k not in out]
+    if missing:
+        raise ValueError(f"/proc/{pid}/status lacks {', '.join(missing)}")
+    return out

@@ -1,7 +1,7 @@
-"""`ditserve bench [--quick] [--out DIR] [--checkpoint DIR] [--device cpu|cuda]`.
+"""`ditserve bench [--quick] [--out DIR] [--checkpoint DIR] [--preset P] [--dtype D] [--device cpu|cuda]`.
 
-Starts real service pairs (sidecar + generator over a unix socket) on the `bench` preset
-(or `tiny` with --quick, or a given checkpoint), runs the eight scenarios in one process
+Starts real service pairs (sidecar + generator over a unix socket) on a MiniMax-H3 repository of the `bench` preset
+in the released mixed precision (or `tiny` with --quick, or a given checkpoint), runs the scenarios in one process
 run, prints the table, writes OUT/bench.json and OUT/bench.png.
 """
 
@@ -17,43 +17,63 @@ from typing import Any
 
 import torch
 
-from ditcore import get_preset, write_checkpoint
-from ditcore.checkpoint import is_checkpoint_dir
+from ditcore import PresetError, write_repository
+from ditcore.checkpoint import is_repository_dir
+from ditcore.repo import DTYPES
 
 from . import report, scenarios
 from .harness import Record
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="tiny preset, few steps: under two minutes")
+    p.add_argument("--quick", action="store_true", help="tiny preset, 8-step requests: a few minutes")
     p.add_argument("--out", default="bench-out", help="output directory (default %(default)s)")
-    p.add_argument("--checkpoint", default=None, help="checkpoint to serve (default: a generated bench/tiny one)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="denoise steps per request (default 50; 8 with --quick)")
+    p.add_argument("--checkpoint", default=None, help="repository to serve (default: a generated one, see --preset)")
     p.add_argument(
-        "--preset", default=None, help="preset of the generated checkpoint (default bench; tiny with --quick)"
+        "--preset", default=None, help="preset of the generated repository (default bench; tiny with --quick)"
+    )
+    p.add_argument(
+        "--dtype", default="mixed", choices=DTYPES, help="precision of the generated repository (default %(default)s)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
+    p.add_argument(
+        "--num-inference-steps",
+        type=int,
+        default=None,
+        help="schedule points per request, N - 1 forwards (default 50; 8 with --quick)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads per service (default: cores / 2)")
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = args.steps or (8 if args.quick else 50)
+    steps = args.num_inference_steps or (8 if args.quick else 50)
+    if steps < 3:
+        raise SystemExit("ditserve bench: --num-inference-steps must be at least 3 (two forwards)")
     threads = args.threads or max(1, (os.cpu_count() or 2) // 2)  # two services share the cores
-    preset = args.preset or ("tiny" if args.quick else "h3lite" if args.device.startswith("cuda") else "bench")
+    preset = args.preset or ("tiny" if args.quick else "bench")
     if args.checkpoint:
         ckpt = Path(args.checkpoint)
     else:
-        ckpt = out / f"checkpoint-{preset}"
-        if not is_checkpoint_dir(ckpt):
-            write_checkpoint(get_preset(preset), ckpt, seed=0)
+        ckpt = out / f"checkpoint-{preset}-{args.dtype}"
+        if not is_repository_dir(ckpt):
+            try:
+                write_repository(ckpt, preset, seed=0, dtype=args.dtype)
+            except PresetError as e:
+                raise SystemExit(f"ditserve bench: --preset: {e}") from e
     records: list[Record] = []
     ctx = scenarios.BenchContext(
-        checkpoint=ckpt, steps=steps, device=args.device, threads=threads, workdir=out,
+        checkpoint=ckpt, num_inference_steps=steps, device=args.device, threads=threads, workdir=out,
         repeats=2 if args.quick else 3, records=records, log=lambda m: print(m, file=sys.stderr, flush=True),
     )  # fmt: skip
     t0 = time.perf_counter()
+    load_start = _loadavg()
+    info = ctx.model().info
     results: dict[str, dict[str, Any]] = {}
     ctx.log("1. repeat vs first-seen")
     results["repeat_vs_first_seen"] = scenarios.repeat_vs_first_seen(ctx)
@@ -62,8 +82,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     host, alt = scenarios.alternating(ctx)
     results["host_tier"] = host
     results["alternating"] = alt
-    ctx.log("4-5. cached vs resident, sidecar overhead (interleaved)")
-    results["cached_vs_resident"], results["sidecar_overhead"] = scenarios.steady_state(ctx)
+    ctx.log("4-5, 9. cached vs resident, sidecar overhead (interleaved); generator memory")
+    results["cached_vs_resident"], results["sidecar_overhead"], memory = scenarios.steady_state(ctx)
     ctx.log("6. PreparePlans latency")
     results["prepare_latency"] = scenarios.prepare_latency(ctx, calls=100 if args.quick else 300)
     ctx.log("7. rebuild efficiency")
@@ -71,10 +91,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["rebuild_efficiency"] = scenarios.rebuild_efficiency(ctx, first_seen, bit_exact)
     ctx.log("8. rebuild overlap")
     results["rebuild_overlap"] = scenarios.rebuild_overlap(ctx)
+    results["generator_memory"] = memory
     meta = {
-        "checkpoint": str(ckpt), "preset": preset, "steps": steps, "device": args.device, "threads": threads,
+        "checkpoint": str(ckpt), "preset": info.preset, "precision": info.precision,
+        "num_inference_steps": steps, "forwards": ctx.forwards, "device": args.device, "threads": threads,
         "quick": args.quick, "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_start": load_start, "loadavg_end": _loadavg(),
     }  # fmt: skip
     report.write_json(out / "bench.json", results, records, meta)
     report.chart(out / "bench.png", records)

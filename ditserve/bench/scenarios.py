@@ -1,5 +1,9 @@
-"""The benchmark scenarios (see README "Performance"). Each returns a dict with at least
-`ratio`, `target` and `met`, plus its raw numbers; all ratios come from this one run.
+"""The benchmark scenarios (see README "Performance"), on MiniMax-H3 t2va requests. Each returns a dict with at
+least `ratio`, `target` and `met`, plus its raw numbers; all ratios come from this one run.
+
+A request of `num_inference_steps` N runs N - 1 transformer forwards, one plan key per forward (`H3Model.plan_keys`).
+The schedules below give width-2 keys (video and audio timesteps differ) that no two schedules share, except the
+first step's (t = 0 for every schedule), so "a new schedule" means N - 2 plans to build.
 """
 
 from __future__ import annotations
@@ -8,15 +12,15 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
-from ditcore import GenerationRequest, generate, load_model, validate_checkpoint
-from ditcore.plans import distinct_keys
+from ditcore import GenerationRequest, H3Model, PlanBuilder, generate, load_model, validate_checkpoint
+from ditcore.plans import PlanKey, distinct_keys
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.embedded import EmbeddedPlanProvider
@@ -25,7 +29,7 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as ppb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as ppb_grpc
 
 from .harness import Arm, Record, Services
-from .measure import memcpy_bandwidth, read_adaln_seconds
+from .measure import memcpy_bandwidth, read_plan_tensors_seconds
 
 SCHEDULES = {  # label -> (flow_shift, audio_flow_shift); distinct shifts give width-2 plans
     "A": (5.0, 3.0),
@@ -36,22 +40,48 @@ SCHEDULES = {  # label -> (flow_shift, audio_flow_shift); distinct shifts give w
     "F": (8.0, 4.0),
     "G": (2.5, 1.2),
 }
+PROMPT = "a red fox runs through a snowy forest at dawn"
+MEMORY_TARGET = 0.95
+"""Share of the checkpoint's plan-tensor bytes a cached generator must not hold."""
 
 
 @dataclass
 class BenchContext:
     checkpoint: Path
-    steps: int
+    num_inference_steps: int
     device: str
     threads: int
     workdir: Path
     repeats: int
     records: list[Record]
     log: Callable[[str], None]
+    _model: H3Model | None = field(default=None, repr=False)
+
+    @property
+    def forwards(self) -> int:
+        """Transformer forwards (= plan keys, = slots a schedule needs at most) per request."""
+        return self.num_inference_steps - 1
 
     def request(self, label: str) -> dict[str, Any]:
+        """GenerationRequest fields of schedule `label` (request_id set per run); the default 32x32, 124 frames."""
         fs, afs = SCHEDULES[label]
-        return {"task": "t2va", "prompt": "a benchmark", "steps": self.steps, "flow_shift": fs, "audio_flow_shift": afs}
+        return {
+            "task": "t2va", "prompt": PROMPT, "num_inference_steps": self.num_inference_steps,
+            "flow_shift": fs, "audio_flow_shift": afs,
+        }  # fmt: skip
+
+    def generation_request(self, label: str, request_id: str = "bench-0") -> GenerationRequest:
+        return GenerationRequest(request_id=request_id, **self.request(label))
+
+    def model(self) -> H3Model:
+        """This process's cached H3Model of the checkpoint (loaded once): plan keys and the embedded runs."""
+        if self._model is None:
+            torch.set_num_threads(self.threads)
+            self._model = load_model(validate_checkpoint(self.checkpoint), "cached", self.device)
+        return self._model
+
+    def plan_keys(self, label: str) -> list[PlanKey]:
+        return self.model().plan_keys(self.generation_request(label))
 
     def services(self, arm: Arm) -> Services:
         self.log(f"  starting arm {arm.name}")
@@ -79,7 +109,7 @@ def _mean(xs: list[float]) -> float:
 # ------------------------------------------------------------------ 1. repeat vs first-seen
 def repeat_vs_first_seen(ctx: BenchContext) -> dict[str, Any]:
     labels = ["C", "D", "E"][: ctx.repeats]
-    with ctx.services(Arm("repeat", gpu_plans=4 * ctx.steps, prefetch=False)) as svc:
+    with ctx.services(Arm("repeat", gpu_plans=4 * ctx.forwards, prefetch=False)) as svc:
         recs = ctx.run(svc, [x for label in labels for x in (label, label)])
     firsts, repeats = recs[0::2], recs[1::2]
     # Both requests of a pair do the same encode + denoise work, whose run-to-run noise (about 1%
@@ -105,9 +135,9 @@ def _non_compute_s(r: Record) -> float:
 def alternating(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
     seq = ["A", "B"] * (ctx.repeats + 1)  # 2 warm-up requests, then repeats x (A, B)
     arms = {
-        "both_fit": Arm("both_fit", gpu_plans=2 * ctx.steps + 8),
-        "one_fits_host": Arm("one_fits_host", gpu_plans=ctx.steps),
-        "one_fits_no_host": Arm("one_fits_no_host", gpu_plans=ctx.steps, host_cache_gb=0.0),
+        "both_fit": Arm("both_fit", gpu_plans=2 * ctx.forwards + 8),
+        "one_fits_host": Arm("one_fits_host", gpu_plans=ctx.forwards),
+        "one_fits_no_host": Arm("one_fits_no_host", gpu_plans=ctx.forwards, host_cache_gb=0.0),
     }
     runs: dict[str, list[Record]] = {}
     swap_bytes = swap_s = 0.0
@@ -147,17 +177,16 @@ def alternating(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
     return host, alt
 
 
-# ------------------------------------------------------------------ 4 + 5. cached vs resident, sidecar overhead
-def steady_state(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
+# ------------------------------------------------------------------ 4 + 5 + 9. cached vs resident, sidecar overhead, memory
+def steady_state(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """All-hit requests on a cached pair, on a resident generator and on the embedded cache,
     interleaved (cached, resident, embedded, cached, ...) so slow drifts of the machine hit
-    all three alike; medians of each."""
-    torch.set_num_threads(ctx.threads)
-    info = validate_checkpoint(ctx.checkpoint)
-    model = load_model(info, "cached").to(ctx.device)
-    cfg = CacheConfig(gpu_plans=2 * ctx.steps + 8, host_cache_bytes=0, device=ctx.device)
+    all three alike; medians of each. Then what the two generators hold (see `generator_memory`)."""
+    model = ctx.model()
+    info = model.info
+    cfg = CacheConfig(gpu_plans=2 * ctx.forwards + 8, host_cache_bytes=0, device=ctx.device)
     cache = PlanCache(cfg, RebuildSource(info, torch.device(ctx.device)))
-    req = GenerationRequest(**ctx.request("A"))
+    req = ctx.generation_request("A", "embedded")
     rounds = ctx.repeats + 2
     cached: list[Record] = []
     resident: list[Record] = []
@@ -175,6 +204,7 @@ def steady_state(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
                 cached += ctx.run(cpair, ["A"])
                 resident += ctx.run(rgen, ["A"])
                 embedded.append(generate(model, req, provider).timings_ms["total"] / 1000)
+            memory = generator_memory(cpair, rgen)
     finally:
         cache.close()
     med = statistics.median
@@ -189,96 +219,118 @@ def steady_state(ctx: BenchContext) -> tuple[dict[str, Any], dict[str, Any]]:
         "ratio": round(c / e, 4), "target": "service pair / embedded <= 1.02", "met": c / e <= 1.02,
         "service_s": [round(x.service_s, 4) for x in cached], "embedded_s": [round(x, 4) for x in embedded],
     }  # fmt: skip
-    return cvr, ovh
+    return cvr, ovh, memory
+
+
+def _memory_dict(status: Any) -> dict[str, Any]:
+    m = status.memory
+    return {f.name: getattr(m, f.name) for f in m.DESCRIPTOR.fields}
+
+
+def _own_bytes(mem: dict[str, int]) -> int:
+    """Resident bytes that are the process's own: private pages and file-backed pages (diffusers maps safetensors
+    weights of an unchanged dtype straight from the file, so a resident transformer's plan tensors count there), not
+    the shared memory a cached generator maps from its sidecar (the slab)."""
+    return mem["VmRSS"] - mem["RssShmem"]
+
+
+def generator_memory(cached: Services, resident: Services) -> dict[str, Any]:
+    """What a cached generator holds against a resident one, after the same warm requests.
+
+    The ratio is the share of the checkpoint's plan-tensor bytes (every `adaln_proj` and `norm_out.linear`) the cached
+    generator's transformer does not hold, measured from the loaded modules of both (GetStatus `memory`: parameter and
+    buffer bytes of each transformer). The processes' resident memory (/proc) is reported beside it, as the difference
+    of their own bytes (VmRSS less the shared slab); on a small preset it moves by as much with the allocator and the
+    processes' other state, so it is shown, not judged. The slab the sidecar holds instead is reported too.
+    """
+    cs, rs = cached.status(), resident.status()
+    cm, rm = _memory_dict(cs), _memory_dict(rs)
+    plan_bytes = int(rm["plan_tensor_bytes"])
+    saved = int(rm["transformer_bytes"]) - int(cm["transformer_bytes"])
+    ratio = saved / plan_bytes if plan_bytes else float("nan")
+    procs = {"cached": cached.process_memory(), "resident": resident.process_memory()}
+    rss_saved = _own_bytes(procs["resident"]["generator"]) - _own_bytes(procs["cached"]["generator"])
+    slab_bytes = cs.slab.num_slots * cs.slab.width * cs.slab.page_bytes if cs.HasField("slab") else 0
+    consistent = cm["plan_tensor_bytes"] == rm["plan_tensor_bytes"] and rm["held_plan_bytes"] == plan_bytes
+    return {
+        "ratio": round(ratio, 4),
+        "target": f"cached generator does not hold >= {MEMORY_TARGET} of the plan-tensor bytes a resident one holds",
+        "met": bool(ratio >= MEMORY_TARGET and cm["held_plan_bytes"] == 0 and consistent),
+        "plan_tensor_bytes": plan_bytes, "saved_bytes": saved,
+        "cached": {**cm, "preset": cs.model_preset, "precision": cs.precision},
+        "resident": {**rm, "preset": rs.model_preset, "precision": rs.precision},
+        "process_bytes": procs, "rss_saved_bytes": rss_saved,
+        "rss_saved_over_plan_bytes": round(rss_saved / plan_bytes, 3) if plan_bytes else None,
+        "sidecar_slab_bytes": slab_bytes,
+    }  # fmt: skip
 
 
 # ------------------------------------------------------------------ 6. PreparePlans latency
 def prepare_latency(ctx: BenchContext, calls: int) -> dict[str, Any]:
-    keys = GenerationRequest(**ctx.request("A")).schedule_spec().plan_keys()
+    keys = ctx.plan_keys("A")
     pb_keys = [ppb.PlanKey(timestep_bits=list(k.bits)) for k in keys]
-    with ctx.services(Arm("prepare_latency")) as svc:
-        svc.client.close()  # the generator's session is in the way: stop it, keep the sidecar
-        gen = svc.procs.pop()
-        gen.terminate()
-        gen.wait(30)
-        with grpc.insecure_channel(f"unix:{svc.sock}") as ch:
-            stub = ppb_grpc.PlanCacheStub(ch)
-            stream = _attach(stub)
-            session = next(stream).session
-            lat = []
-            for i in range(calls + 1):
-                t0 = time.perf_counter()
-                resp = stub.PreparePlans(
-                    ppb.PreparePlansRequest(
-                        session_id=session.session_id, generation=session.generation, plan_keys=pb_keys
-                    ),
-                    timeout=600,
-                )
-                dt = (time.perf_counter() - t0) * 1000
-                stub.ReleasePlans(ppb.ReleasePlansRequest(session_id=session.session_id, lease_id=resp.lease_id))
-                if i > 0:  # the first call builds
-                    lat.append(dt)
-            stream.cancel()
+    with (
+        ctx.services(Arm("prepare_latency", mode="sidecar")) as svc,  # the bench is the sidecar's one session
+        grpc.insecure_channel(f"unix:{svc.sock}") as ch,
+    ):
+        stub = ppb_grpc.PlanCacheStub(ch)
+        stream = stub.Attach(ppb.AttachRequest(client_name="bench"))
+        session = next(stream).session
+        lat = []
+        for i in range(calls + 1):
+            t0 = time.perf_counter()
+            resp = stub.PreparePlans(
+                ppb.PreparePlansRequest(
+                    session_id=session.session_id, generation=session.generation, plan_keys=pb_keys
+                ),
+                timeout=600,
+            )
+            dt = (time.perf_counter() - t0) * 1000
+            stub.ReleasePlans(ppb.ReleasePlansRequest(session_id=session.session_id, lease_id=resp.lease_id))
+            if i > 0:  # the first call builds
+                lat.append(dt)
+        stream.cancel()
     lat.sort()
     p50, p99 = statistics.median(lat), lat[int(0.99 * (len(lat) - 1))]
     return {
-        "ratio": round(p50, 3), "target": "p50 <= 2 ms (all-hit, 50-step t2va, unix socket)", "met": p50 <= 2.0,
+        "ratio": round(p50, 3), "met": p50 <= 2.0,
+        "target": f"p50 <= 2 ms (all-hit, {ctx.num_inference_steps}-step t2va: {len(keys)} keys, unix socket)",
         "p50_ms": round(p50, 3), "p99_ms": round(p99, 3), "calls": len(lat), "plan_keys": len(keys),
     }  # fmt: skip
 
 
-def _attach(stub: ppb_grpc.PlanCacheStub) -> Any:
-    deadline = time.monotonic() + 30
-    while True:  # the generator's session may take a moment to be dropped
-        stream = stub.Attach(ppb.AttachRequest(client_name="bench"))
-        try:
-            first = next(stream)
-            return _Prepend(first, stream)
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-class _Prepend:
-    def __init__(self, first: Any, stream: Any) -> None:
-        self._first, self._stream = first, stream
-
-    def __next__(self) -> Any:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return next(self._stream)
-
-    def __iter__(self) -> _Prepend:
-        return self
-
-    def cancel(self) -> None:
-        self._stream.cancel()
-
-
 # ------------------------------------------------------------------ 7. rebuild efficiency
 def rebuild_efficiency(ctx: BenchContext, first_seen: list[Record], bit_exact: bool) -> dict[str, Any]:
+    """The sidecar's rebuild of a first-seen schedule against merely reading the plan tensors once, and against
+    ditcore's PlanBuilder doing the same pass in this process (what the sidecar adds: slots, bookkeeping, RPC)."""
     torch.set_num_threads(ctx.threads)
     info = validate_checkpoint(ctx.checkpoint)
-
-    read_s = read_adaln_seconds(info, ctx.device)
+    read_s = read_plan_tensors_seconds(info, ctx.device)
     rebuild_s = _mean([r.cache.rebuild_s for r in first_seen])
     plans = _mean([float(r.cache.built_plans) for r in first_seen])
-    source = RebuildSource(info, torch.device(ctx.device))
-    keys = distinct_keys(GenerationRequest(**ctx.request("A")).schedule_spec().plan_keys())
-    batched = source.probe.exact(2, len(keys) - 1)
+    builder = PlanBuilder(info.path / "transformer", ctx.device)
+    keys = distinct_keys(ctx.plan_keys("A"))[1:]  # what a first-seen schedule builds: all but t = 0
+    outs = [torch.empty(k.width, builder.layout.page_numel, dtype=builder.projection_dtype, device=builder.device)
+            for k in keys]  # fmt: skip
+    builder.build(keys, outs)  # warm-up
+    read0 = builder.bytes_read
+    t0 = time.perf_counter()
+    builder.build(keys, outs)
+    builder_s = time.perf_counter() - t0
     ratio = rebuild_s / read_s
     return {
-        "ratio": round(ratio, 2), "target": "rebuild / read adaln bytes <= 1.5, outputs bit-exact",
+        "ratio": round(ratio, 2), "target": "rebuild / read plan-tensor bytes <= 1.5, outputs bit-exact",
         "met": bool(ratio <= 1.5 and bit_exact), "rebuild_s": round(rebuild_s, 4), "read_s": round(read_s, 4),
-        "plans_per_rebuild": plans, "batched_gemm_bit_exact_here": batched, "bit_exact": bit_exact,
+        "plans_per_rebuild": plans, "plan_tensor_bytes": info.layout.plan_tensor_bytes(info.projection_dtype),
+        "in_process_builder_s": round(builder_s, 4), "in_process_builder_plans": len(keys),
+        "in_process_builder_bytes_read": builder.bytes_read - read0,
+        "gemms_per_projection": len(keys), "bit_exact": bit_exact,
     }  # fmt: skip
 
 
 # ------------------------------------------------------------------ 8. rebuild overlap
 def rebuild_overlap(ctx: BenchContext) -> dict[str, Any]:
-    with ctx.services(Arm("overlap", gpu_plans=2 * ctx.steps + 8)) as svc:
+    with ctx.services(Arm("overlap", gpu_plans=2 * ctx.forwards + 8)) as svc:
         ctx.run(svc, ["A"])  # X warm
         started = threading.Event()
         out: dict[str, Record] = {}
@@ -289,7 +341,9 @@ def rebuild_overlap(ctx: BenchContext) -> dict[str, Any]:
                     started.set()
 
             t0 = time.perf_counter()
-            res = svc.client.generate({**ctx.request("A"), "request_id": "overlap-X"}, progress=progress, timeout=1800)
+            res = svc.generator.generate(
+                {**ctx.request("A"), "request_id": "overlap-X"}, progress=progress, timeout=1800
+            )
             out["X"] = Record(
                 "overlap",
                 "A",
@@ -322,6 +376,7 @@ def rebuild_overlap(ctx: BenchContext) -> dict[str, Any]:
 __all__ = [
     "BenchContext",
     "alternating",
+    "generator_memory",
     "prepare_latency",
     "rebuild_efficiency",
     "rebuild_overlap",

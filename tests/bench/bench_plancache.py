@@ -1,9 +1,10 @@
 """Plan-cache core benchmark (issue: plan-cache core). Not part of the default test suite.
 
-    .venv/bin/python tests/bench/bench_plancache.py [--preset bench] [--checkpoint DIR] [--steps 50]
+    .venv/bin/python tests/bench/bench_plancache.py [--preset bench] [--dtype mixed] [--checkpoint DIR]
+                                                    [--num-inference-steps 50]
 
-Prints, from one run: rebuild seconds vs the time to merely read the same adaln_proj bytes
-from the checkpoint (ratio), host swap-in bandwidth vs a plain memcpy of the same bytes
+Prints, from one run on a MiniMax-H3 repository: rebuild seconds vs the time to merely read the plan tensors
+(adaln_proj, norm_out.linear) from the checkpoint (ratio), host swap-in bandwidth vs a plain memcpy of the same bytes
 (ratio), and the cost of a prepare that is all slot hits (microseconds, p50/p99).
 """
 
@@ -18,24 +19,25 @@ from pathlib import Path
 
 import torch
 
-from ditcore import get_preset, validate_checkpoint, write_checkpoint
-from ditcore.plans import ScheduleSpec
-from ditserve.bench.measure import memcpy_bandwidth, read_adaln_seconds
+from ditcore import GenerationRequest, load_model, validate_checkpoint, write_repository
+from ditserve.bench.measure import memcpy_bandwidth, read_plan_tensors_seconds
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.rebuild import RebuildSource
 
 
-def run(checkpoint: Path, steps: int) -> dict[str, float]:
+def run(checkpoint: Path, num_inference_steps: int, prepares: int = 200) -> dict[str, float | str]:
+    """Schedules A and B (distinct shifts, width-2 keys) through a cache whose slab holds one of them."""
     info = validate_checkpoint(checkpoint)
-    cfg = info.config
-    a = ScheduleSpec("t2va", steps, 5.0, 3.0).plan_keys()
-    b = ScheduleSpec("t2va", steps, 4.0, 2.0).plan_keys()
-    read_s = read_adaln_seconds(info)
-    source = RebuildSource(info, torch.device("cpu"))
-    cache = PlanCache(
-        CacheConfig(gpu_plans=steps, plan_width=2, host_cache_bytes=4 * steps * 2 * cfg.page_bytes), source
+    page_bytes = info.layout.page_bytes(info.projection_dtype)
+    model = load_model(info, "cached")  # for plan_keys: the schedulers alone, nothing else runs
+    a = model.plan_keys(GenerationRequest(prompt="a", num_inference_steps=num_inference_steps, flow_shift=5.0))
+    b = model.plan_keys(
+        GenerationRequest(prompt="b", num_inference_steps=num_inference_steps, flow_shift=4.0, audio_flow_shift=2.0)
     )
+    read_s = read_plan_tensors_seconds(info)
+    source = RebuildSource(info, torch.device("cpu"))
+    cache = PlanCache(CacheConfig(gpu_plans=len(a), plan_width=2, host_cache_bytes=4 * len(a) * 2 * page_bytes), source)
     try:
         la = cache.prepare(cache.generation, a, "bench")
         rebuild_s = la.report.rebuild_s
@@ -45,11 +47,11 @@ def run(checkpoint: Path, steps: int) -> dict[str, float]:
         la = cache.prepare(cache.generation, a, "bench")
         assert la.report.built_plans == 0 and la.report.host_hit_plans > 0, la.report
         swap_s = la.report.swap_in_s
-        swapped = sum(k.width for k in dict.fromkeys(a) if k not in set(b)) * cfg.page_bytes
+        swapped = sum(k.width for k in dict.fromkeys(a) if k not in set(b)) * page_bytes
         cache.release(la.lease_id)
         memcpy_bw = memcpy_bandwidth(swapped)
         hit_us = []
-        for _ in range(200):
+        for _ in range(prepares):
             t0 = time.perf_counter()
             lease = cache.prepare(cache.generation, a, "bench")
             hit_us.append((time.perf_counter() - t0) * 1e6)
@@ -59,8 +61,10 @@ def run(checkpoint: Path, steps: int) -> dict[str, float]:
     hit_us.sort()
     swap_bw = swapped / swap_s
     return {
-        "steps": steps,
-        "read_adaln_s": round(read_s, 4),
+        "num_inference_steps": num_inference_steps,
+        "plan_keys": len(a),
+        "precision": info.precision,
+        "read_plan_tensors_s": round(read_s, 4),
         "rebuild_s": round(rebuild_s, 4),
         "rebuild_over_read": round(rebuild_s / read_s, 2),
         "swap_in_bytes": swapped,
@@ -76,12 +80,17 @@ def run(checkpoint: Path, steps: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench")
-    ap.add_argument("--checkpoint", default=None, help="use this checkpoint instead of generating one")
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--dtype", default="mixed", choices=("mixed", "float32"))
+    ap.add_argument("--checkpoint", default=None, help="use this repository instead of generating one")
+    ap.add_argument("--num-inference-steps", type=int, default=50)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(args.checkpoint) if args.checkpoint else write_checkpoint(get_preset(args.preset), tmp, seed=0)
-        out = run(ckpt, args.steps)
+        ckpt = (
+            Path(args.checkpoint)
+            if args.checkpoint
+            else write_repository(Path(tmp) / "repo", args.preset, seed=0, dtype=args.dtype)
+        )
+        out = run(ckpt, args.num_inference_steps)
     width = max(len(k) for k in out)
     for k, v in out.items():
         print(f"{k:<{width}}  {v}")
