@@ -38,7 +38,7 @@ class ReferenceProcessor:
 
 
 def stored_precision(repo: Path) -> str:
-    """"mixed" if the repository's transformer is stored in bfloat16 (the release), else "float32"."""
+    """The stored precision: "mixed" if the transformer is stored in bfloat16 (the release), else "float32"."""
     from safetensors import safe_open
 
     transformer = Path(repo) / "transformer"

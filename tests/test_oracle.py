@@ -83,3 +83,19 @@ def test_generate_local_cached_equals_diffusers_cold_slot_and_host(
     assert (cache["rain"]["built_plans"], cache["rain"]["gpu_hit_plans"]) == (4, 1)
     fox_host = cache["fox-host"]
     assert (fox_host["host_hit_plans"], fox_host["gpu_hit_plans"], fox_host["built_plans"]) == (3, 1, 0)
+
+
+def test_ditserve_generate_through_the_service_pair_equals_diffusers(
+    run_cli: CliRunner, pairs: Any, weights: Any, tmp_path: Path
+) -> None:
+    """`ditserve generate` (GenerateStream through a cached sidecar + generator pair) writes diffusers' latents."""
+    pair = pairs(weights.a)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(r) + "\n" for r in RUN[:3]))
+    res = run_cli(["generate", "--target", pair.target, "--requests", requests, "--out", tmp_path / "out"])
+    assert res.code == 0, res.err
+    lines = res.json_lines()
+    assert [line["request_id"] for line in lines] == ["fox-cold", "fox-slot", "rain"]
+    expected = {name: diffusers_request_latents(weights.a, req) for name, req in (("fox", FOX), ("rain", RAIN))}
+    check_against_diffusers(lines, tmp_path / "out", expected)
+    assert lines[1]["cache"]["gpu_hit_plans"] == 4 and lines[1]["cache"]["built_plans"] == 0
