@@ -1,9 +1,12 @@
 """Deployment files (docker/): the linters (scripts/validate_deploy.sh), the structure the
 services depend on (shared namespaces, /dev/shm, one socket path, native sidecar, headless
-Service), and docker/healthcheck.py against a real sidecar."""
+Service), docker/healthcheck.py against a real sidecar, and the installs (lock files with hashes,
+exact dev-tool pins, torch chosen per image, the CUDA image's allocator guard)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from plancache_service.app import build_server
 from plancache_service.cli import build_parser, config_from_args
@@ -23,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 K8S = DOCKER / "k8s"
 HEALTHCHECK = DOCKER / "healthcheck.py"
+CUDA_ENTRYPOINT = DOCKER / "cuda-entrypoint.sh"
 SIDECAR_SERVICE = "ditserve.plancache.v1.PlanCache"
 GENERATOR_SERVICE = "ditserve.generator.v1.Generator"
 
@@ -157,6 +162,131 @@ def test_cpu_image_pins_the_torch_of_requirements_cpu() -> None:
     [pin] = [ln for ln in (REPO / "requirements-cpu.txt").read_text().splitlines() if ln.startswith("torch==")]
     match = re.search(r"^ARG TORCH_VERSION=(\S+)$", (DOCKER / "Dockerfile.cpu").read_text(), re.M)
     assert match and f"torch=={match.group(1)}" == pin
+
+
+# ----------------------------------------------------------------------------- installs
+def _lock_module() -> Any:
+    spec = importlib.util.spec_from_file_location("ditserve_lock", REPO / "scripts" / "lock.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pip_installs(dockerfile: str) -> list[str]:
+    """Each `pip install ...` command of a Dockerfile's RUN instructions (continuations joined)."""
+    text = (DOCKER / dockerfile).read_text().replace("\\\n", " ")
+    return [m.group(0) for m in re.finditer(r"pip install[^&\n]*", text)]
+
+
+def test_lock_files_are_current() -> None:
+    lock = _lock_module()
+    assert lock.check() == []
+
+
+def test_lock_check_fails_when_pyproject_moves_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What CI runs (scripts/test.sh: lock.py --check) refuses a lock compiled from other dependencies."""
+    lock = _lock_module()
+    edited = tmp_path / "pyproject.toml"
+    edited.write_text((REPO / "pyproject.toml").read_text().replace('"tqdm>=4.66"', '"tqdm>=4.66", "rich>=13"'))
+    monkeypatch.setattr(lock, "PYPROJECT", edited)
+    problems = lock.check()
+    assert problems and all("stale" in p for p in problems), problems
+    # a hand-edited pin that no longer satisfies pyproject.toml is named too, even under a matching digest
+    bad = tmp_path / "requirements.lock"
+    bad.write_text(
+        re.sub(r"^diffusers==\S+", "diffusers==0.41.0", (REPO / "requirements.lock").read_text(), flags=re.M)
+    )
+    monkeypatch.setattr(lock, "PYPROJECT", REPO / "pyproject.toml")
+    monkeypatch.setattr(lock, "RUNTIME_LOCK", bad)
+    monkeypatch.setattr(lock, "LOCKS", (bad, lock.DEV_LOCK, lock.CUDA_LOCK))
+    assert any("diffusers==0.41.0" in p for p in lock.check())
+
+
+def test_locks_pin_everything_with_hashes_and_leave_torch_to_each_target() -> None:
+    lock = _lock_module()
+    for path in lock.LOCKS:
+        entries = lock.blocks(path.read_text())
+        assert entries, path.name
+        for name, lines in entries.items():
+            assert "==" in lines[0] and any("--hash=sha256:" in ln for ln in lines), f"{path.name}: {name}"
+        gpu = {n for n in entries if lock.GPU_ONLY.match(n)}
+        assert gpu == (set(entries) if path == lock.CUDA_LOCK else set()), path.name
+    [pin] = lock.torch_requirements()
+    assert lock.pins(lock.CUDA_LOCK.read_text())["torch"] == [(pin.split("==")[1], "")]
+
+
+def test_dev_tools_are_pinned_exactly() -> None:
+    import tomllib
+
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    for text in dev:
+        [spec] = Requirement(text).specifier
+        assert spec.operator == "==", text
+
+
+def test_bootstrap_installs_the_locks_with_hashes() -> None:
+    script = (REPO / "scripts" / "bootstrap.sh").read_text()
+    assert "--require-hashes --no-deps -r requirements.lock -r requirements-dev.lock" in script
+    assert "--no-deps -r requirements-cpu.txt" in script  # torch apart, without resolving anything
+    assert "--no-deps --no-build-isolation -e ." in script
+    assert "pip check" in script
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "locks"),
+    [("Dockerfile.cpu", ["requirements.lock"]), ("Dockerfile.cuda", ["requirements-cuda.lock", "requirements.lock"])],
+)
+def test_images_install_only_from_hashed_locks(dockerfile: str, locks: list[str]) -> None:
+    installs = _pip_installs(dockerfile)
+    assert all("--no-deps" in cmd for cmd in installs), installs  # nothing resolved at build time
+    hashed = [cmd for cmd in installs if "--require-hashes" in cmd]
+    assert [re.search(r"-r (\S+)", cmd).group(1) for cmd in hashed] == locks  # type: ignore[union-attr]
+    others = [cmd for cmd in installs if "--require-hashes" not in cmd]
+    if dockerfile == "Dockerfile.cpu":  # + torch's CPU build from its own index, and ditserve
+        assert [("torch==" in c, "--no-build-isolation ." in c) for c in others] == [(True, False), (False, True)]
+    else:  # torch comes from requirements-cuda.lock
+        assert len(others) == 1 and "--no-build-isolation ." in others[0]
+
+
+def test_cuda_image_base_matches_the_cuda_of_the_locked_torch() -> None:
+    lock = _lock_module()
+    m = re.search(
+        r"^ARG CUDA_IMAGE=nvidia/cuda:(\d+)\.(\d+)\.\d+-base-\S+$", (DOCKER / "Dockerfile.cuda").read_text(), re.M
+    )
+    assert m, "CUDA_IMAGE is an nvidia/cuda base image"
+    [runtime] = {version for version, _ in lock.pins(lock.CUDA_LOCK.read_text())["nvidia-cuda-runtime"]}
+    assert runtime.split(".")[:2] == [m.group(1), m.group(2)], f"torch's CUDA runtime {runtime} vs {m.group(0)}"
+
+
+def test_cuda_image_starts_through_the_allocator_guard() -> None:
+    text = (DOCKER / "Dockerfile.cuda").read_text()
+    assert "COPY --chmod=0755 docker/cuda-entrypoint.sh /opt/ditserve/entrypoint.sh" in text
+    assert re.search(r'^ENTRYPOINT \["/opt/ditserve/entrypoint.sh"\]$', text, re.M)
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "refused"),
+    [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", True),
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments : true", True),
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:True", True),
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False", False),
+        ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6,max_split_size_mb:64", False),
+        ("PYTORCH_CUDA_ALLOC_CONF", "", False),
+    ],
+)
+def test_cuda_entrypoint_refuses_expandable_segments(var: str, value: str, refused: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update({var: value, "DITSERVE_BIN": "echo"})  # `echo` stands in for ditserve
+    res = subprocess.run(
+        ["sh", str(CUDA_ENTRYPOINT), "serve", "--device", "cuda"], env=env, capture_output=True, text=True
+    )
+    if refused:
+        assert res.returncode == 2 and res.stdout == ""
+        assert f"{var}=" in res.stderr and "expandable_segments:True" in res.stderr and "CUDA IPC" in res.stderr
+    else:
+        assert res.returncode == 0 and res.stdout == "serve --device cuda\n", res.stderr
 
 
 # ----------------------------------------------------------------------------- healthcheck.py
