@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from ditcore import CheckpointError, PresetError, RequestError
 from ditcore.repo import DTYPES as PRECISIONS
 from ditruntime.flags import add_flags
+from ditruntime.paths import DirectoryFlagError
 from plancache_service.config import CacheConfig
 from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, PlanCapacityError
 
@@ -138,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 USAGE_ERRORS = (
+    DirectoryFlagError,
     RequestError,
     CheckpointError,
     PresetError,

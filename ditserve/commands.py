@@ -27,6 +27,7 @@ from ditcore.checkpoint import is_repository_dir
 from ditcore.plans import dtype_name
 from ditcore.repo import PRESETS
 from ditruntime.flags import from_args
+from ditruntime.paths import check_dir
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.embedded import EmbeddedPlanProvider
@@ -206,6 +207,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_generate_local(args: argparse.Namespace) -> int:
     requests = requests_from_args(args)
     validate_all(requests)
+    if args.out:  # refused now; created (0700) at the first result, so a refused run writes nothing
+        check_dir(args.out, "--out")
     quiet_model_libraries()
     info = validate_checkpoint(args.checkpoint, require_adaln=True)
     if args.adaln_mode == "resident":

@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ditcore import validate_checkpoint, write_repository
 from ditcore.checkpoint import is_repository_dir
 from ditruntime.flags import LaunchOptions, add_flags, from_args, to_argv
-from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir
+from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir, prepare_dir, require_dir
 from generator_service.config import GeneratorConfig
 from plancache_service.config import CacheConfig, SidecarConfig
 
@@ -224,6 +224,10 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[Child]]:
         gen, side = child_configs(args, run_dir, checkpoint)
     except ValueError as e:  # a combination of flags no config accepts
         raise UsageError(str(e)) from e
+    if side is not None and side.state_dir is not None:  # every directory flag, before any child starts
+        prepare_dir(side.state_dir, "--state-dir")
+    if gen.weights_root is not None:
+        require_dir(gen.weights_root, "--weights-root")
     if not args.checkpoint:
         demo_checkpoint(run_dir)
     validate_checkpoint(checkpoint)

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from ditcore import GenerationRequest, GenerationResult
+from ditruntime.paths import check_dir
 
 from .client import ClientResult, GeneratorClient
 from .commands import UsageError
@@ -90,6 +91,8 @@ def check_client_args(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     check_client_args(args)
     requests = requests_from_args(args)
+    if args.out:  # refused now; created (0700) at the first result, so a refused run writes nothing
+        check_dir(args.out, "--out")
     with client_from_args(args) as client:
         for req in requests:
             try:

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from ditcore import H3_LIMITS, GenerationRequest, GenerationResult, RequestError, RequestLimits
 from ditcore.request import MAX_FRAMES, MAX_STEPS, MIN_FRAMES, MIN_STEPS, TASKS
+from ditruntime.paths import prepare_dir
 
 _DEFAULTS = GenerationRequest()
 REQUEST_FIELDS = (
@@ -136,7 +137,7 @@ def result_line(result: GenerationResult, request: GenerationRequest, **extra: A
 
 def write_result(out_dir: Path, result: GenerationResult, request: GenerationRequest) -> Path:
     """OUT/<request_id>.safetensors with tensors `video` and `audio`; metadata = the request (JSON values) + sha256."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_dir(out_dir, "--out")
     tensors = {"video": result.video.contiguous(), "audio": result.audio.contiguous()}
     meta = {k: json.dumps(v) for k, v in request.to_dict().items()}
     meta["sha256"] = result.sha256

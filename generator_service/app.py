@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ditruntime.paths import require_dir
+
 from .backend import Backend
 from .cached import CachedBackend, CachedWeights
 from .config import GeneratorConfig
@@ -19,6 +21,8 @@ from .updates import UpdateCoordinator
 
 
 def build_server(cfg: GeneratorConfig) -> GeneratorServer:
+    if cfg.weights_root is not None:  # read, never created: it must exist
+        require_dir(cfg.weights_root, "--weights-root")
     device = torch.device(cfg.device)
     publisher = HealthPublisher()
     backend: Backend

@@ -4,14 +4,15 @@ leased from the sidecar's slab over the injected `SidecarSession`, and the weigh
 through the sidecar. No grpc here.
 
 `CachedWeights` loads whatever checkpoint the sidecar's session names (so both sides always
-serve one weight version) and checks that the slab's pages (numel, dtype, device) are the ones
-the model reads before it accepts the attachment.
+serve one weight version) and checks that the slab's pages (numel, dtype, device and, on cuda,
+the device's UUID) are the ones the model reads before it accepts the attachment.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from ditcore import CheckpointInfo, GenerationRequest, H3Model, load_model, validate_checkpoint
 from ditcore.plans import PlanKey, distinct_keys, dtype_name
 from ditruntime.faults import crash_point
+from ditruntime.slab import device_uuid
 
 from .backend import Backend, BackendStatus, Rollback, ServedLease, StagedWeights, validate_compatible
 from .errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
@@ -62,14 +64,39 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
-def check_slab(model: H3Model, att: Attachment) -> None:
-    """The slab's pages are what the model's plan modules read: page_numel, projection dtype, device."""
+def check_slab(model: H3Model, att: Attachment, uuid_of: Callable[[torch.device], str] = device_uuid) -> None:
+    """The slab's pages are what the model's plan modules read: page_numel, projection dtype, device,
+    and on cuda the very GPU (the descriptor's device UUID is the model device's UUID)."""
     d, info = att.descriptor, model.info
     numel, dtype = info.layout.page_numel, dtype_name(info.projection_dtype)
     if d.page_numel != numel or d.dtype != dtype:
         raise ValueError(f"slab pages are {d.page_numel} x {d.dtype} but {info.path} needs {numel} x {dtype}")
+    check_slab_device(d.transport, d.device, d.device_uuid, model.device, uuid_of)
     if not _same_device(att.slab.device, model.device):
         raise ValueError(f"the slab is on {att.slab.device} but the model runs on {model.device} (--device)")
+
+
+def check_slab_device(
+    transport: str, slab_device: str, slab_uuid: str, model_device: torch.device, uuid_of: Callable[[torch.device], str]
+) -> None:
+    """Refuse a slab on another device than the model's, naming both (cuda: by device UUID, since
+    the two processes may number their GPUs differently)."""
+    if transport != "cuda_ipc":
+        if model_device.type != "cpu":
+            raise ValueError(
+                f"the slab is on {slab_device} (shared memory) but the model runs on {model_device} (--device)"
+            )
+        return
+    if model_device.type != "cuda":
+        raise ValueError(
+            f"the slab is on {slab_device} (UUID {slab_uuid}) but the model runs on {model_device} (--device)"
+        )
+    model_uuid = uuid_of(model_device)
+    if model_uuid != slab_uuid:
+        raise ValueError(
+            f"the slab is on GPU UUID {slab_uuid} ({slab_device} at the sidecar) but the model runs on "
+            f"{model_device}, GPU UUID {model_uuid}: start both services on the same GPU (--device)"
+        )
 
 
 class CachedBackend(Backend):

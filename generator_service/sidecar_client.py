@@ -25,7 +25,7 @@ from ditcore.report import CacheReport
 from ditruntime.convert import from_proto
 from ditruntime.errors import GenerationMismatchError, ServiceError
 from ditruntime.rpc_errors import error_info
-from ditruntime.slab import descriptor_from_proto, map_slab
+from ditruntime.slab import SlabMapping, descriptor_from_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
@@ -80,6 +80,7 @@ class SidecarClient(SidecarSession):
         self._state = state
         self._lock = threading.Lock()
         self._att: Attachment | None = None
+        self._mapping: SlabMapping | None = None  # the latest mapped slab (released on detach)
         self._epoch = 0
         self._stop = threading.Event()
         self._stream: Any = None  # the Attach call (a grpc iterator that can be cancelled)
@@ -143,13 +144,15 @@ class SidecarClient(SidecarSession):
         self._last_error = msg
 
     def _attach(self, session: pb.Session) -> None:
-        desc = descriptor_from_proto(session.slab)
-        slab, table, maps = map_slab(desc)
+        old, self._mapping = self._mapping, None
+        if old is not None:  # a sidecar restart: unmap the old slab before mapping the new one
+            old.close()
+        self._mapping = SlabMapping.open(descriptor_from_proto(session.slab))  # validates every field first
         with self._lock:
             self._epoch += 1
             att = Attachment(
-                self._epoch, session.session_id, desc, slab, table,
-                session.generation, session.weights_path, session.fingerprint, maps,
+                self._epoch, session.session_id, self._mapping,
+                session.generation, session.weights_path, session.fingerprint,
             )  # fmt: skip
         self._on_attach(att)  # may load weights; raising keeps us detached
         self._att = att
@@ -161,6 +164,8 @@ class SidecarClient(SidecarSession):
         was = self._att
         self._att = None
         self._stream = None
+        if self._mapping is not None:  # readers of the old session fail from here on
+            self._mapping.release()
         if was is not None:
             log.warning("sidecar session %s ended", was.session_id)
             self._state.set_attached(False)

@@ -14,33 +14,50 @@ or SidecarError for any other refusal.
 
 from __future__ import annotations
 
-import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
-from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, READY, ROW_WORDS, SlabDescriptor
+from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, READY, ROW_WORDS, SlabDescriptor, SlabMapping
 
-from .errors import LeaseCheckError
+from .errors import LeaseCheckError, SidecarUnavailableError
 
 
 @dataclass(frozen=True, eq=False)
 class Attachment:
-    """One live session: its id, the mapped slab and table, and what the sidecar serves."""
+    """One live session: its id, the mapped slab and table, and what the sidecar serves.
+
+    The mapping is closed when the session ends (before another slab is mapped); reading a
+    closed one is SidecarUnavailableError."""
 
     epoch: int
     session_id: str
-    descriptor: SlabDescriptor
-    slab: torch.Tensor  # (S, W, P) model dtype, read-only view
-    table: torch.Tensor  # (S, ROW_WORDS + W) int64, read-only view
+    mapping: SlabMapping
     generation: int
     weights_path: str
     fingerprint: str
-    keepalive: list[mmap.mmap] = field(default_factory=list)  # mmaps backing the CPU views
+
+    @property
+    def descriptor(self) -> SlabDescriptor:
+        return self.mapping.descriptor
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """(S, W, P) in the model dtype, read-only view."""
+        if self.mapping.closed:
+            raise SidecarUnavailableError(f"the sidecar session {self.session_id} ended; its slab is unmapped")
+        return self.mapping.slab
+
+    @property
+    def table(self) -> torch.Tensor:
+        """(S, ROW_WORDS + W) int64, read-only view."""
+        if self.mapping.closed:
+            raise SidecarUnavailableError(f"the sidecar session {self.session_id} ended; its slab is unmapped")
+        return self.mapping.table
 
 
 class RemoteLease:

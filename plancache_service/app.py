@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ditruntime.paths import prepare_dir
+
 from .cache import PlanCache
 from .config import SidecarConfig
 from .metrics import sidecar_registry
@@ -56,6 +58,8 @@ def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
 
 
 def build_server(cfg: SidecarConfig) -> SidecarServer:
+    if cfg.state_dir is not None:  # created 0700, or refused naming the flag, before anything reads it
+        prepare_dir(cfg.state_dir, "--state-dir")
     source, generation = open_source(cfg)
     manifest = shm_manifest(cfg)
     if manifest is not None:

@@ -12,10 +12,14 @@ state; touch slot hits (LRU); take free slots, else evict least-recently-used pl
 lease holds; ask `self.tiers` in order (host memory, then the rebuild) for the first that
 holds every missing plan, and let it fill them; publish READY; let each tier store the group
 (the host tier skips it when it cannot fit); return the lease. A failed prepare returns its
-slots to the free list and is retryable.
+slots to the free list (or, after publishing, just unpins them) and is retryable.
 
 Locking: `_prepare_lock` serializes prepares (and invalidation); `_state` guards bookkeeping
-and is not held while pages are filled, so `release` never waits for a rebuild.
+(the tiers' too) and is never held while pages are copied: not during a fill (rebuild or
+swap-in) nor during a tier's store copy, so `release` never waits on a copy. The store copy
+reads the group's slots while the prepare still holds their pins (taken by `_reserve`, handed
+to the lease only after the copy), and under `_prepare_lock`, so no prepare can evict or
+refill them while they are read.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from .errors import (
 )
 from .host_tier import HostTier
 from .rebuild import RebuildSource
-from .tiers import CacheCounters, HostMemoryTier, RebuildTier, SlabPages, Tier
+from .tiers import CacheCounters, HostMemoryTier, RebuildTier, SlabPages, Tier, TierStore
 
 MAX_KEYS = 1000  # one key per step; steps are capped at 1000
 
@@ -157,7 +161,21 @@ class PlanCache:
             with self._state:
                 for k, s in zip(missing, new_slots, strict=True):
                     self._publish(s, k)
-                report = report.replace(host_stored=self._store(group))
+                stores = self._book_stores(group)
+            try:
+                for st in stores:
+                    st.copy()  # outside `_state`: releases and stats go on meanwhile
+            except BaseException as e:
+                with self._state:
+                    for st in stores:
+                        st.undo()
+                    self._unpin(group)
+                    self.counters.failed_prepares += 1
+                if not isinstance(e, Exception):
+                    raise
+                raise RebuildError(f"prepare failed: storing the group in a tier: {e}") from e
+            with self._state:
+                report = report.replace(host_stored=any(st.kept for st in stores))
                 lease = Lease(
                     next(self._ids), owner, generation, tuple(keys), tuple(self._key_slot[k] for k in keys), report
                 )
@@ -225,6 +243,7 @@ class PlanCache:
 
     def close(self) -> None:
         self.memory.close()
+        self.host.buffer.close()
 
     # ================================================================ queries
     def leases(self) -> list[Lease]:
@@ -353,6 +372,7 @@ class PlanCache:
             return CacheReport(gpu_hit_plans=n_hits)
         filled = tier.fill(missing, slots, self._pages)
         with self._state:
+            filled.commit()
             self.counters.add(filled.counts)
         return filled.report.replace(gpu_hit_plans=n_hits)
 
@@ -378,8 +398,12 @@ class PlanCache:
         row[COL_SEQ] += 1
         row[COL_STATE] = state
 
-    def _store(self, group: list[PlanKey]) -> bool:
-        """Offer the published group to every tier; True if one of them now holds it."""
+    def _book_stores(self, group: list[PlanKey]) -> list[TierStore]:
+        """Offer the published group to every tier (under `_state`); their copies run after it is dropped."""
         slots = [self._key_slot[k] for k in group]
-        stored = [tier.store(group, slots, self._pages) for tier in self.tiers]
-        return any(stored)
+        return [tier.store(group, slots, self._pages) for tier in self.tiers]
+
+    def _unpin(self, group: list[PlanKey]) -> None:
+        """Drop the pins `_reserve` took on a published group's slots (a prepare failed after publishing)."""
+        for s in {self._key_slot[k] for k in group}:
+            self._pins[s] -= 1

@@ -40,7 +40,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         address = args.listen
     else:
         sock = Path(args.socket) if args.socket else default_socket(args.run_dir)
-        ensure_private_dir(sock.parent)
+        ensure_private_dir(sock.parent, "--socket" if args.socket else "--run-dir")
         address = f"unix:{sock}"
     return from_args(SidecarConfig, args, address=address)
 

@@ -26,9 +26,13 @@ class CacheConfig:
         8 * GB, "host tier cap, 0 = off (default %(default)s)", name="--host-cache-gb", scale=GB, flag_type=float, low=0
     )
     """Byte cap of the host tier (`--host-cache-gb`, decimal GB); 0 disables it. Clipped at start to
-    the available memory minus `host_reserve_bytes`."""
+    the memory budget (MemAvailable, and every cgroup limit above the process minus its working set)
+    minus `host_reserve_bytes`; the tier is then exactly the whole pages that fit."""
     host_reserve_bytes: int = 2 * 1024**3
     """Memory left to everything else when clipping the host tier to available memory."""
+    host_chunk_bytes: int = 64 * 1024**2
+    """The host tier is allocated (and on cuda page-locked) in chunks of as many whole pages as fit
+    in this many bytes (at least one page), so the pinned bytes are the tier's bytes, not a power of two."""
     device: str = flag("cpu", "cpu or cuda[:N] (default %(default)s)")
     """Where the slab lives: "cpu" (a /dev/shm file) or "cuda[:N]" (device memory)."""
     shm_dir: str = "/dev/shm"
@@ -38,6 +42,8 @@ class CacheConfig:
         check_bounds(self)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device (--device) must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.host_chunk_bytes < 1:
+            raise ValueError(f"host_chunk_bytes must be positive, got {self.host_chunk_bytes}")
 
 
 @dataclass(frozen=True)

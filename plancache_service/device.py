@@ -4,10 +4,12 @@ This is the one module of the cache that touches device memory and `torch.cuda`.
 
 - Slab: `[num_slots, width, page_numel]` in the checkpoint's projection dtype, allocated once, never moved.
   `cpu`: a file in /dev/shm (mode 0600, random name, unlinked on close) mapped shared;
-  `cuda`: device memory (exported by CUDA IPC handle, see `export_ipc`).
+  `cuda`: device memory, exported once per Attach session (`SlabMemory.export`, `export_ipc`: typed
+  fields, no pickle), the export closed when the session ends.
 - Slot table: int64 `[num_slots, ROW_WORDS + width]` in host shared memory (always a file),
   one row per slot: state, generation, length, publish sequence, key words.
-- Host buffer: `[n_pages, page_numel]`; pinned on cuda (halving fallback, then pageable).
+- Host buffer: pages in chunks of whole pages (`HostBuffer`); on cuda each chunk is page-locked by
+  `cudaHostRegister` of exactly its bytes (torch's pinned allocator rounds up to a power of two).
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import logging
 import os
 import tempfile
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from ditcore.plans import dtype_name
-from ditruntime.slab import ROW_WORDS, SlabDescriptor, device_uuid
+from ditruntime.slab import ROW_WORDS, CudaIpcHandle, SlabDescriptor, device_uuid, validate_descriptor
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,6 @@ class SlabMemory:
         else:
             self.slab = torch.empty((num_slots, width, page_numel), dtype=dtype, device=self.device)
             transport = "cuda_ipc"
-        ipc = export_ipc(self.slab) if transport == "cuda_ipc" else b""
         self.descriptor = SlabDescriptor(
             transport=transport,
             slab_path=slab_path,
@@ -85,62 +89,339 @@ class SlabMemory:
             page_numel=page_numel,
             device=str(self.device),
             device_uuid=device_uuid(self.device),
-            ipc_handle=ipc,
         )
+        self._exports: set[SlabExport] = set()
 
     @property
     def paths(self) -> list[str]:
         return list(self._paths)
 
+    def export(self) -> SlabExport:
+        """One Attach session's descriptor. On cuda it carries an IPC export of its own: torch gives
+        every export its own reference counter, which one consumer releases once, so an export is
+        never handed to a second session. Close it when the session ends."""
+        desc = self.descriptor
+        if desc.transport == "cuda_ipc":
+            desc = replace(desc, cuda_ipc=export_ipc(self.slab))
+        validate_descriptor(desc)  # what the generator will check, checked here first
+        export = SlabExport(self, desc)
+        self._exports.add(export)
+        return export
+
+    @property
+    def live_exports(self) -> int:
+        """Exports handed out and not closed yet (at most one per live session)."""
+        return len(self._exports)
+
+    def _closed(self, export: SlabExport) -> None:
+        self._exports.discard(export)
+        if self.device.type == "cuda":
+            # frees torch's bookkeeping of exports whose consumers have released their mapping
+            torch.cuda.ipc_collect()
+
     def close(self) -> None:
-        """Unlink the shared files (mappings already handed out stay valid until dropped)."""
+        """Close every export and unlink the shared files (mappings already handed out stay valid until dropped)."""
+        for export in list(self._exports):
+            export.close()
         self._finalizer()
 
 
-# ---------------------------------------------------------------------------- host buffer
-@dataclass
-class HostBuffer:
-    pages: torch.Tensor  # (n_pages, page_numel)
-    pinned: bool
+class SlabExport:
+    """The slab as one Attach session sees it; `close()` (idempotent) ends that session's export."""
+
+    def __init__(self, memory: SlabMemory, descriptor: SlabDescriptor) -> None:
+        self._memory: SlabMemory | None = memory
+        self.descriptor = descriptor
 
     @property
-    def n_pages(self) -> int:
-        return int(self.pages.shape[0])
+    def closed(self) -> bool:
+        return self._memory is None
+
+    def close(self) -> None:
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            memory._closed(self)
 
 
-def available_memory_bytes() -> int:
-    """Free host memory, bounded by the cgroup (container) limit when there is one."""
+# ---------------------------------------------------------------------------- host buffer
+HOST_CHUNK_BYTES = 64 * 1024**2
+"""Target size of one host-tier chunk; a chunk holds whole pages (at least one), so a page never straddles two."""
+
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def chunk_pages(page_bytes: int, chunk_bytes: int = HOST_CHUNK_BYTES) -> int:
+    """Pages per chunk: as many whole pages as fit in `chunk_bytes`, at least one."""
+    if page_bytes <= 0 or chunk_bytes <= 0:
+        raise ValueError(f"page_bytes and chunk_bytes must be positive, got {page_bytes} and {chunk_bytes}")
+    return max(1, chunk_bytes // page_bytes)
+
+
+def chunk_sizes(n_pages: int, per_chunk: int) -> list[int]:
+    """Pages of each chunk: full chunks of `per_chunk`, then the remainder (no empty chunk)."""
+    full, rest = divmod(max(0, n_pages), per_chunk)
+    return [per_chunk] * full + ([rest] if rest else [])
+
+
+class Pinner(Protocol):
+    """Page-locks (and unlocks) exactly a tensor's bytes; `pin` raises on failure."""
+
+    def pin(self, t: torch.Tensor) -> None: ...
+
+    def unpin(self, t: torch.Tensor) -> None: ...
+
+
+class CudaHostRegister:
+    """`cudaHostRegister` of exactly a chunk's bytes. torch's pinned allocator (`pin_memory=True`) rounds every
+    allocation up to a power of two (a 10 GiB tier would pin 16 GiB); registering pageable memory does not."""
+
+    def pin(self, t: torch.Tensor) -> None:
+        # On a thread of its own: a failed runtime call leaves its error as the calling thread's "last error",
+        # which torch's next kernel-launch check on that thread would raise as its own.
+        cudart = torch.cuda.cudart()
+        with ThreadPoolExecutor(1, thread_name_prefix="host-register") as ex:
+            err = int(ex.submit(cudart.cudaHostRegister, t.data_ptr(), t.nbytes, _CUDA_HOST_REGISTER_PORTABLE).result())
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed (cudaError {err})")
+
+    def unpin(self, t: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def _unpin_all(pinner: Pinner | None, chunks: list[torch.Tensor]) -> None:
+    if pinner is not None:
+        for c in chunks:
+            pinner.unpin(c)
+
+
+class HostBuffer:
+    """The host tier's pages in chunks of whole pages: page `p` is row `p % chunk_pages` of chunk
+    `p // chunk_pages`, so a page never straddles two chunks. Every chunk but the last holds `chunk_pages` pages.
+    `pinned`: every chunk is page-locked, exactly its own bytes (`pinned_bytes`); `close()` unlocks them."""
+
+    def __init__(
+        self,
+        chunks: list[torch.Tensor],
+        chunk_pages: int,
+        page_numel: int,
+        dtype: torch.dtype,
+        pinner: Pinner | None = None,
+    ) -> None:
+        if chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be at least 1, got {chunk_pages}")
+        for i, c in enumerate(chunks):
+            rows = chunk_pages if i < len(chunks) - 1 else int(c.shape[0])
+            if (
+                c.dim() != 2
+                or c.dtype != dtype
+                or c.shape[1] != page_numel
+                or not 1 <= rows == c.shape[0] <= chunk_pages
+            ):
+                raise ValueError(f"chunk {i} has shape {tuple(c.shape)} {c.dtype}; {chunk_pages} pages per chunk")
+        self.chunks = chunks
+        self.chunk_pages = chunk_pages
+        self.page_numel = page_numel
+        self.dtype = dtype
+        self.pinned = pinner is not None and bool(chunks)
+        self.n_pages = sum(int(c.shape[0]) for c in chunks)
+        self._finalizer = weakref.finalize(self, _unpin_all, pinner, chunks)
+
+    @classmethod
+    def of(cls, pages: torch.Tensor, chunk_pages: int) -> HostBuffer:
+        """Pageable pages split into chunks (views of `pages`): tests, and tiers without pinning."""
+        n = int(pages.shape[0])
+        chunks = [pages[i : i + chunk_pages] for i in range(0, n, chunk_pages)]
+        return cls(chunks, chunk_pages, int(pages.shape[1]), pages.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_numel * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_pages * self.page_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.nbytes if self.pinned else 0
+
+    def locate(self, page: int) -> tuple[int, int]:
+        """(chunk, row in chunk) of `page`."""
+        if not 0 <= page < self.n_pages:
+            raise IndexError(f"page {page} out of range (0..{self.n_pages - 1})")
+        return divmod(page, self.chunk_pages)
+
+    def page(self, page: int) -> torch.Tensor:
+        """(page_numel,) view of one page."""
+        c, r = self.locate(page)
+        return self.chunks[c][r]
+
+    def by_chunk(self, pairs: Iterable[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+        """Split (other row, page) pairs per chunk as (other row, row in chunk), for `Copier.copy_rows`."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for other, page in pairs:
+            c, r = self.locate(page)
+            out.setdefault(c, []).append((other, r))
+        return out
+
+    def gather(self) -> torch.Tensor:
+        """A (n_pages, page_numel) copy of every page, in page order."""
+        if not self.chunks:
+            return torch.empty((0, self.page_numel), dtype=self.dtype)
+        return torch.cat(self.chunks)
+
+    def close(self) -> None:
+        """Unlock pinned chunks (their memory is freed when the last view is dropped)."""
+        self._finalizer()
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Host memory this process can still take, and what bounds it (`bytes` 0 with `source` "unknown": no bound
+    could be read)."""
+
+    bytes: int
+    source: str
+
+
+def _read_int(path: Path) -> int | None:
     try:
-        avail = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):  # pragma: no cover - non-Linux
-        return 0
-    try:  # cgroup v2: memory.max minus what the group already uses
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            avail = min(avail, max(0, int(limit) - used))
-    except (OSError, ValueError):
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat_value(path: Path, name: str) -> int:
+    """One field of a cgroup memory.stat file (0 when absent)."""
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == name and v.strip().isdigit():
+                return int(v)
+    except OSError:
         pass
-    return avail
+    return 0
 
 
-def allocate_host_pages(n_pages: int, page_numel: int, dtype: torch.dtype, pin: bool) -> HostBuffer:
-    """Allocate the host tier. With `pin`, try pinned memory, halving on failure; then pageable."""
-    if n_pages <= 0:
-        return HostBuffer(torch.empty((0, page_numel), dtype=dtype), pinned=False)
-    if pin:
-        n = n_pages
-        while n >= 1:
+def _meminfo_available(proc: Path) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes: free memory plus the page cache and slab the kernel can reclaim
+    (free pages alone, SC_AVPHYS_PAGES, read almost nothing on a host with a full page cache)."""
+    try:
+        lines = (proc / "meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, rest = line.partition(":")
+        if name == "MemAvailable":
+            fields = rest.split()
+            if fields and fields[0].isdigit():
+                return int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return None
+
+
+def _cgroup_dirs(proc: Path, root: Path) -> tuple[list[Path], list[Path]]:
+    """The process's cgroup v2 directories and v1 memory-controller directories, innermost first, each followed
+    by its ancestors up to the mount (a container's own cgroup is usually the mount itself)."""
+
+    def chain(mount: Path, rel: str) -> list[Path]:
+        parts = [p for p in rel.split("/") if p and p not in (".", "..")]
+        dirs = [mount.joinpath(*parts[:i]) for i in range(len(parts), 0, -1)]
+        return [d for d in dirs if d.is_dir()] + [mount]
+
+    v2: list[Path] = []
+    v1: list[Path] = []
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if hid == "0" and controllers == "":
+            v2 = chain(root, rel)
+        elif "memory" in controllers.split(","):
+            v1 = chain(root / "memory", rel)
+    if not lines:
+        v2, v1 = [root], [root / "memory"]
+    return v2, v1
+
+
+_V1_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge page-rounded number
+
+
+def host_memory_budget(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> MemoryBudget:
+    """What the host tier may take: MemAvailable (/proc/meminfo), bounded by every cgroup limit above this process
+    (v2 memory.max, v1 memory.limit_in_bytes) minus that cgroup's working set (usage less its inactive page cache,
+    which the kernel reclaims before it OOM-kills)."""
+    avail = _meminfo_available(proc)
+    best = MemoryBudget(avail, f"MemAvailable {avail} bytes ({proc / 'meminfo'})") if avail is not None else None
+    v2, v1 = _cgroup_dirs(proc, cgroup_root)
+    candidates: list[MemoryBudget] = []
+    for d in v2:
+        limit_text = ""
+        with contextlib.suppress(OSError):
+            limit_text = (d / "memory.max").read_text().strip()
+        usage = _read_int(d / "memory.current")
+        if not limit_text.isdigit() or usage is None:
+            continue  # "max" (no limit) or no such controller here
+        working = max(0, usage - _stat_value(d / "memory.stat", "inactive_file"))
+        limit = int(limit_text)
+        candidates.append(
+            MemoryBudget(max(0, limit - working), f"cgroup v2 {d / 'memory.max'} {limit} bytes, {working} in use")
+        )
+    for d in v1:
+        limit_v1 = _read_int(d / "memory.limit_in_bytes")
+        usage = _read_int(d / "memory.usage_in_bytes")
+        if limit_v1 is None or usage is None or limit_v1 >= _V1_UNLIMITED:
+            continue
+        working = max(0, usage - _stat_value(d / "memory.stat", "total_inactive_file"))
+        candidates.append(
+            MemoryBudget(
+                max(0, limit_v1 - working),
+                f"cgroup v1 {d / 'memory.limit_in_bytes'} {limit_v1} bytes, {working} in use",
+            )
+        )
+    for c in candidates:
+        if best is None or c.bytes < best.bytes:
+            best = c
+    return best if best is not None else MemoryBudget(0, "unknown")
+
+
+def allocate_host_pages(
+    n_pages: int,
+    page_numel: int,
+    dtype: torch.dtype,
+    pin: bool,
+    chunk_bytes: int = HOST_CHUNK_BYTES,
+    pinner: Pinner | None = None,
+) -> HostBuffer:
+    """Allocate the host tier: `n_pages` pages in chunks of `chunk_pages(page_bytes, chunk_bytes)` whole pages.
+
+    With `pin`, each chunk is allocated pageable and page-locked by `pinner` (default `cudaHostRegister`), exactly
+    its own bytes, one chunk at a time: the pinned bytes are the tier's bytes. If pinning fails, the chunks pinned
+    so far are the tier (logged); with none pinned, the tier is pageable memory."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_chunk = chunk_pages(page_numel * elem, chunk_bytes)
+    sizes = chunk_sizes(n_pages, per_chunk)
+    if pin and sizes:
+        pinner = pinner if pinner is not None else CudaHostRegister()
+        chunks: list[torch.Tensor] = []
+        for n in sizes:
+            chunk = torch.empty((n, page_numel), dtype=dtype)
             try:
-                buf = torch.empty((n, page_numel), dtype=dtype, pin_memory=True)
-                if n < n_pages:
-                    log.warning("host tier: pinned %d of %d pages (pinning more failed)", n, n_pages)
-                return HostBuffer(buf, pinned=True)
-            except RuntimeError as e:
-                log.warning("host tier: pinning %d pages failed (%s); halving", n, e)
-                n //= 2
+                pinner.pin(chunk)
+            except (RuntimeError, OSError, AssertionError) as e:
+                log.warning("host tier: pinning chunk %d of %d failed (%s)", len(chunks) + 1, len(sizes), e)
+                break
+            chunks.append(chunk)
+        if chunks:
+            buf = HostBuffer(chunks, per_chunk, page_numel, dtype, pinner)
+            if buf.n_pages < n_pages:
+                log.warning("host tier: pinned %d of %d pages (pinning more failed)", buf.n_pages, n_pages)
+            return buf
         log.warning("host tier: pinned memory unavailable; using %d pageable pages", n_pages)
-    return HostBuffer(torch.empty((n_pages, page_numel), dtype=dtype), pinned=False)
+    return HostBuffer([torch.empty((n, page_numel), dtype=dtype) for n in sizes], per_chunk, page_numel, dtype)
 
 
 # ---------------------------------------------------------------------------- copies and fences
@@ -186,14 +467,28 @@ class Copier:
 
 
 # ---------------------------------------------------------------------------- CUDA IPC
-def export_ipc(slab: torch.Tensor) -> bytes:
-    """Serialize the slab's CUDA IPC handle (torch's own reduction) for the Attach descriptor.
+def export_ipc(slab: torch.Tensor) -> CudaIpcHandle:
+    """A new CUDA IPC export of the slab's storage (torch's `UntypedStorage._share_cuda_()`, what
+    `reduce_tensor` calls), as typed fields for the Attach descriptor: nothing is pickled.
 
-    Only ever sent over the sidecar's 0700 unix socket to the co-located generator.
+    Each call registers a new reference counter with torch, so the slab outlives every consumer
+    that opened this export. Expandable segments cannot be shared this way and are refused.
     """
-    import pickle
-
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(slab)
-    return pickle.dumps(args)
+    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        raise ValueError(
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the cuda slab cannot be shared by CUDA IPC; "
+            "unset it for the plan-cache sidecar"
+        )
+    if not slab.is_contiguous() or slab.storage_offset() != 0:
+        raise ValueError("the slab must be a contiguous tensor at storage offset 0 to be exported")
+    storage = slab.untyped_storage()
+    (_device, handle, size, offset, ref_counter, ref_offset, event, event_sync) = storage._share_cuda_()  # type: ignore[no-untyped-call]
+    return CudaIpcHandle(
+        mem_handle=bytes(handle),
+        storage_size_bytes=int(size),
+        storage_offset_bytes=int(offset),
+        ref_counter_handle=bytes(ref_counter),
+        ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event),
+        event_sync_required=bool(event_sync),
+    )

@@ -1,12 +1,15 @@
 """Host tier: plan pages kept in host memory, with LRU at group (schedule) granularity.
 
-Bookkeeping only: `tiers.HostMemoryTier` allocates the page buffer and does the copies
-through the cache's `Copier`. A group is one request's ordered distinct plan keys: a rebuild
-pass streams every layer however few plans miss, so a partial hit saves nothing and the
-unit of retention is the whole group. Plans shared by groups are refcounted.
+Bookkeeping only: `tiers.HostMemoryTier` allocates the page buffer (`device.HostBuffer`, pages
+in chunks of whole pages) and does the copies through the cache's `Copier`. A group is one
+request's ordered distinct plan keys: a rebuild pass streams every layer however few plans miss,
+so a partial hit saves nothing and the unit of retention is the whole group. Plans shared by
+groups are refcounted.
 
 Admission is all-or-nothing per group: if the group's new pages cannot fit even after
 evicting every other group, it is skipped and counted (`pressure_skips`), never an error.
+`admit` only books pages; the caller copies into them (after dropping its own lock) and calls
+`forget` if that copy fails.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 
 from ditcore.plans import PlanKey
 
+from .device import HostBuffer
+
 Group = tuple[PlanKey, ...]
 
 
@@ -29,9 +34,9 @@ class _HostPlan:
 
 
 class HostTier:
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.buffer = buffer  # (n_pages, page_numel)
-        self._free: list[int] = list(range(int(buffer.shape[0])))[::-1]
+    def __init__(self, buffer: HostBuffer) -> None:
+        self.buffer = buffer  # page p: buffer.page(p)
+        self._free: list[int] = list(range(buffer.n_pages))[::-1]
         self._plans: dict[PlanKey, _HostPlan] = {}
         self._groups: OrderedDict[Group, None] = OrderedDict()  # LRU order: oldest first
         self.group_evictions = 0
@@ -40,7 +45,7 @@ class HostTier:
     # ---------------------------------------------------------------- queries
     @property
     def capacity_pages(self) -> int:
-        return int(self.buffer.shape[0])
+        return self.buffer.n_pages
 
     @property
     def used_pages(self) -> int:
@@ -48,7 +53,7 @@ class HostTier:
 
     @property
     def page_bytes(self) -> int:
-        return int(self.buffer.shape[1]) * self.buffer.element_size()
+        return self.buffer.page_bytes
 
     def holds(self, key: PlanKey) -> bool:
         return key in self._plans
@@ -65,10 +70,10 @@ class HostTier:
 
     def page_rows(self, key: PlanKey) -> list[torch.Tensor]:
         """The held plan's pages as (page_numel,) row views, one per timestep of the key."""
-        return [self.buffer[p] for p in self._plans[key].pages]
+        return [self.buffer.page(p) for p in self._plans[key].pages]
 
     def page_indices(self, key: PlanKey) -> list[int]:
-        """Rows of `buffer` holding the plan's pages, one per timestep of the key."""
+        """Pages of `buffer` holding the plan's pages, one per timestep of the key."""
         return list(self._plans[key].pages)
 
     # ---------------------------------------------------------------- updates
@@ -79,7 +84,8 @@ class HostTier:
             self._groups.move_to_end(g)
 
     def admit(self, group: Sequence[PlanKey], write: Callable[[PlanKey, list[int]], None]) -> bool:
-        """Store `group`; `write(key, rows)` must fill `buffer[rows]` for each plan not yet held.
+        """Store `group`; `write(key, pages)` must fill those pages of `buffer` for each plan not yet held
+        (or arrange for them to be filled before the tier is next read).
 
         Returns False (and counts a pressure skip) when the group cannot fit even after
         evicting every other group; the tier is then left exactly as it was.
@@ -105,6 +111,21 @@ class HostTier:
             write(k, pages)
         self._groups[g] = None
         return True
+
+    def forget(self, keys: Iterable[PlanKey]) -> None:
+        """Drop `keys` and every group holding any of them (their pages were never filled)."""
+        gone = set(keys)
+        for g in [g for g in self._groups if gone.intersection(g)]:
+            del self._groups[g]
+            for k in dict.fromkeys(g):
+                if k in self._plans:
+                    self._plans[k].refs -= 1
+        for k in gone:
+            hp = self._plans.pop(k, None)
+            if hp is not None:
+                self._free.extend(hp.pages)
+        for k in [k for k, hp in self._plans.items() if hp.refs == 0]:
+            self._free.extend(self._plans.pop(k).pages)
 
     def clear(self) -> None:
         self._plans.clear()

@@ -98,7 +98,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
             yield pb.AttachResponse(
                 session=pb.Session(
                     session_id=session.session_id,
-                    slab=descriptor_to_proto(self.sidecar.cache.memory.descriptor),
+                    slab=descriptor_to_proto(session.slab),
                     generation=st.generation,
                     weights_path=st.weights_path,
                     fingerprint=st.fingerprint,

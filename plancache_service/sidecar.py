@@ -2,7 +2,8 @@
 generation, its persistence, and the two-phase weight update.
 
 A session is tied to an open Attach stream: `attach()` opens it (refused while another is
-live), `detach()` releases every lease it holds and drops an uncommitted update. Plan calls
+live) with a slab export of its own (`SlabMemory.export`), `detach()` releases every lease it
+holds, closes that export and drops an uncommitted update. Plan calls
 must name the live session. Weight updates: `prepare_update` validates the new rebuild
 source and changes nothing served; `commit_update` persists (generation + 1, path, digests)
 first, then invalidates every tier and retargets rebuilds (docs/architecture.md, "Weight
@@ -23,8 +24,10 @@ from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.faults import crash_point
+from ditruntime.slab import SlabDescriptor
 
 from .cache import CacheStats, Lease, PlanCache
+from .device import SlabExport
 from .errors import CheckpointChangedError, SessionError, UpdateConflictError
 from .rebuild import RebuildSource, open_checkpoint
 from .state import PersistedState, save_state
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 class SessionInfo:
     session_id: str
     client_name: str
+    slab: SlabDescriptor  # this session's descriptor (on cuda: its own IPC export)
 
 
 @dataclass
@@ -75,6 +79,7 @@ class Sidecar:
         self._lock = threading.Lock()
         self._update_lock = threading.Lock()
         self._session: SessionInfo | None = None
+        self._export: SlabExport | None = None
         self._not_serving = ""
         self._pending: RebuildSource | None = None
         self.update_outcomes = UpdateOutcomes()
@@ -88,7 +93,9 @@ class Sidecar:
                 raise SessionError(
                     f"a generator session is already attached ({self._session.client_name}); one session at a time"
                 )
-            self._session = SessionInfo(uuid.uuid4().hex, client_name)
+            export = self.cache.memory.export()
+            self._session = SessionInfo(uuid.uuid4().hex, client_name, export.descriptor)
+            self._export = export
             log.info("session %s attached by %s", self._session.session_id, client_name)
             return self._session
 
@@ -99,6 +106,9 @@ class Sidecar:
                 return 0
             self._session = None
             self._pending = None
+            export, self._export = self._export, None
+        if export is not None:
+            export.close()
         released = self.cache.release_owner(session_id)
         log.info("session %s detached; released %d lease(s)", session_id, released)
         return released

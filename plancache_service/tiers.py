@@ -2,9 +2,14 @@
 
 The cache asks each tier of its list `holds_all(missing)`; the first that answers yes fills
 every missing plan's FILLING slot in one go (`fill`, fenced before it returns). After the
-slots are published, each tier may keep the group (`store`; a capacity miss is False, never
+slots are published, each tier may keep the group (`store`; a capacity miss is not kept, never
 an error). The list ends with the rebuild tier, which holds every plan. A new tier (a disk
 tier of built plans) is one class here plus one entry in the cache's list. No gRPC here.
+
+Locking: every call comes under the cache's prepare lock, so a tier's bookkeeping never changes
+under a `fill` or a copy. Bookkeeping changes only under the cache's state lock too (`store`'s
+booking, `fill`'s `commit`), so stats are consistent; page copies (`fill`, `TierStore.copy`) run
+without the state lock, so a release never waits on a copy.
 See docs/architecture.md, "Plans, slots, pages and groups".
 """
 
@@ -14,7 +19,7 @@ import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +28,7 @@ from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
 
 from .config import CacheConfig
-from .device import Copier, allocate_host_pages, available_memory_bytes
+from .device import Copier, MemoryBudget, allocate_host_pages, host_memory_budget
 from .host_tier import HostTier
 from .rebuild import RebuildSource
 
@@ -50,12 +55,32 @@ class CacheCounters:
             setattr(self, f.name, getattr(self, f.name) + getattr(delta, f.name))
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class TierFill:
-    """What one `fill` did: its part of the request's report, and the counters it adds."""
+    """What one `fill` did: its part of the request's report, the counters it adds, and the bookkeeping the cache
+    runs under its state lock (`commit`)."""
 
     report: CacheReport
     counts: CacheCounters
+    commit: Callable[[], None] = _nothing
+
+
+@dataclass(frozen=True)
+class TierStore:
+    """A tier's answer to `store`: whether it holds the group once `copy` has run. The booking is done (under the
+    cache's state lock); the cache runs `copy` after dropping that lock, with the group's slots still pinned, and
+    `undo` (under the lock again) if the copy raised."""
+
+    kept: bool
+    copy: Callable[[], None] = _nothing
+    undo: Callable[[], None] = _nothing
+
+
+NOT_KEPT = TierStore(False)
 
 
 @dataclass(frozen=True)
@@ -91,9 +116,10 @@ class Tier(ABC):
     def fill(self, keys: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierFill:
         """Write each key's pages into its slot (`slots[i]` for `keys[i]`), then fence."""
 
-    def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> bool:
-        """Keep a copy of the published `group` (`slots[i]` holds `group[i]`); False if not kept."""
-        return False
+    def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierStore:
+        """Book a copy of the published `group` (`slots[i]` holds `group[i]`); called under the cache's state
+        lock, so it only books: the page copy is the returned `TierStore.copy`, run after the lock is dropped."""
+        return NOT_KEPT
 
     @abstractmethod
     def clear(self) -> None:
@@ -101,16 +127,19 @@ class Tier(ABC):
 
 
 # ---------------------------------------------------------------------------- host memory
-def host_tier_pages(config: CacheConfig, page_bytes: int) -> int:
-    """Pages the host tier gets: the byte cap clipped to available memory minus the reserve."""
+def host_tier_pages(config: CacheConfig, page_bytes: int, budget: MemoryBudget | None = None) -> tuple[int, str]:
+    """Pages the host tier gets (the byte cap clipped to the memory budget minus the reserve), and why."""
     cap = config.host_cache_bytes
-    avail = available_memory_bytes()
-    if avail:
-        clipped = max(0, avail - config.host_reserve_bytes)
+    if cap <= 0:
+        return 0, "off (host cache 0)"
+    budget = host_memory_budget() if budget is None else budget
+    why = f"not clipped; budget: {budget.source}"
+    if budget.bytes:
+        clipped = max(0, budget.bytes - config.host_reserve_bytes)
         if clipped < cap:
-            log.warning("host tier: clipping %d bytes to %d (available memory minus reserve)", cap, clipped)
+            why = f"clipped to {clipped} bytes = budget minus reserve {config.host_reserve_bytes}; budget: {budget.source}"
             cap = clipped
-    return cap // page_bytes
+    return cap // page_bytes, why
 
 
 class HostMemoryTier(Tier):
@@ -118,16 +147,34 @@ class HostMemoryTier(Tier):
 
     name = "host"
 
-    def __init__(self, host: HostTier, pinned: bool) -> None:
+    def __init__(self, host: HostTier) -> None:
         self.host = host
-        self.pinned = pinned
+
+    @property
+    def pinned(self) -> bool:
+        return self.host.buffer.pinned
 
     @classmethod
     def allocate(cls, config: CacheConfig, page_numel: int, dtype: torch.dtype, device: torch.device) -> HostMemoryTier:
         """A tier of `page_numel`-element pages in `dtype` (the slab's), as many as the byte cap allows."""
-        pages = host_tier_pages(config, page_numel * dtype.itemsize)
-        buf = allocate_host_pages(pages, page_numel, dtype, pin=device.type == "cuda")
-        return cls(HostTier(buf.pages), buf.pinned)
+        page_bytes = page_numel * dtype.itemsize
+        pages, why = host_tier_pages(config, page_bytes)
+        buf = allocate_host_pages(
+            pages, page_numel, dtype, pin=device.type == "cuda", chunk_bytes=config.host_chunk_bytes
+        )
+        log.info(
+            "host tier: %d bytes in %d pages of %d bytes, %d chunk(s) of up to %d pages; pinned %d bytes; "
+            "configured %d bytes, %s",
+            buf.nbytes,
+            buf.n_pages,
+            page_bytes,
+            len(buf.chunks),
+            buf.chunk_pages,
+            buf.pinned_bytes,
+            config.host_cache_bytes,
+            why,
+        )
+        return cls(HostTier(buf))
 
     def holds_all(self, keys: Sequence[PlanKey]) -> bool:
         return self.host.holds_all(keys)
@@ -139,30 +186,44 @@ class HostMemoryTier(Tier):
             for k, s in zip(keys, slots, strict=True)
             for j, page in enumerate(self.host.page_indices(k))
         ]
-        nbytes = slab.copier.copy_rows(slab.rows, self.host.buffer, pairs)
+        chunks = self.host.buffer.chunks
+        nbytes = sum(
+            slab.copier.copy_rows(slab.rows, chunks[c], rows) for c, rows in self.host.buffer.by_chunk(pairs).items()
+        )
         slab.copier.fence()
-        self.host.touch(keys)
         dt = time.perf_counter() - t0
+        touched = list(keys)
         return TierFill(
             CacheReport(host_hit_plans=len(keys), swap_in_s=round(dt, 6)),
             CacheCounters(host_hit_plans=len(keys), swap_in_bytes=nbytes, swap_in_s=dt),
+            commit=lambda: self.host.touch(touched),
         )
 
-    def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> bool:
-        """Copy the group's plans not yet held out of their slots (all or nothing)."""
+    def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierStore:
+        """Book the group's plans not yet held (all or nothing); the copy out of their slots is `copy`."""
         if self.host.capacity_pages == 0:
-            return False
+            return NOT_KEPT
         slot_of = dict(zip(group, slots, strict=True))
-        pairs: list[tuple[int, int]] = []
+        pairs: list[tuple[int, int]] = []  # (slab row, host page)
+        written: list[PlanKey] = []
 
-        def write(key: PlanKey, rows: list[int]) -> None:
-            pairs.extend((row, slab.row(slot_of[key], j)) for j, row in enumerate(rows))
+        def write(key: PlanKey, pages: list[int]) -> None:
+            written.append(key)
+            pairs.extend((slab.row(slot_of[key], j), page) for j, page in enumerate(pages))
 
-        stored = self.host.admit(group, write)
-        if pairs:
-            slab.copier.copy_rows(self.host.buffer, slab.rows, pairs)
+        if not self.host.admit(group, write):
+            return NOT_KEPT
+        if not pairs:
+            return TierStore(True)
+        buffer = self.host.buffer
+        per_chunk = buffer.by_chunk(pairs)  # chunk -> [(slab row, row in chunk)]
+
+        def copy() -> None:
+            for c, rows in per_chunk.items():
+                slab.copier.copy_rows(buffer.chunks[c], slab.rows, [(dst, src) for src, dst in rows])
             slab.copier.fence()
-        return stored
+
+        return TierStore(True, copy, lambda: self.host.forget(written))
 
     def clear(self) -> None:
         self.host.clear()

@@ -13,8 +13,9 @@ import torch
 from servicekit import FOX_REQUEST, RAIN_REQUEST, ProcessGroup, distinct_plans
 
 from ditcore import GenerationRequest, generate, load_model, validate_checkpoint, write_repository
-from ditruntime.slab import READY, map_slab
+from ditruntime.slab import READY, SlabMapping, device_uuid, map_slab
 from ditserve.client import GeneratorClient
+from generator_service.cached import check_slab_device
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.device import SlabMemory, allocate_host_pages
@@ -29,27 +30,75 @@ def _consumer(desc, q) -> None:  # type: ignore[no-untyped-def]
     q.put((slab.sum().item(), int(table[0, 0].item()), str(slab.device)))
 
 
+def _session_consumer(descs, q) -> None:  # type: ignore[no-untyped-def]
+    """One generator across a sidecar restart: map, read, close, then map the next session's export."""
+    out = []
+    for desc in descs:
+        mapping = SlabMapping.open(desc)
+        out.append((mapping.slab.sum().item(), str(mapping.slab.device)))
+        out.append(mapping.close())
+    q.put(out)
+
+
 def test_cuda_slab_is_shared_by_ipc_handle(tmp_path: Path) -> None:
     mem = SlabMemory(4, 2, 1024, torch.float32, "cuda", "/dev/shm")
     try:
         mem.slab.fill_(1.5)
         mem.table[0, 0] = READY
         torch.cuda.synchronize()
+        export = mem.export()
+        desc = export.descriptor
+        assert desc.transport == "cuda_ipc" and desc.device_uuid and desc.cuda_ipc is not None
+        assert desc.cuda_ipc.storage_size_bytes == desc.slab_bytes
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        p = ctx.Process(target=_consumer, args=(mem.descriptor, q))
+        p = ctx.Process(target=_consumer, args=(desc, q))
         p.start()
         total, state, device = q.get(timeout=120)
         p.join(60)
         assert total == 1.5 * 4 * 2 * 1024 and state == READY and device.startswith("cuda")
-        assert mem.descriptor.transport == "cuda_ipc" and mem.descriptor.device_uuid
+        export.close()
+        assert mem.live_exports == 0
     finally:
         mem.close()
 
 
+def test_each_attach_gets_its_own_ipc_export_and_the_consumer_closes_each_mapping() -> None:
+    mem = SlabMemory(4, 2, 1024, torch.bfloat16, "cuda", "/dev/shm")
+    try:
+        mem.slab.fill_(2.0)
+        torch.cuda.synchronize()
+        first, second = mem.export(), mem.export()
+        a, b = first.descriptor.cuda_ipc, second.descriptor.cuda_ipc
+        assert a is not None and b is not None
+        # one reference counter per export: a consumer's release never counts for another session's
+        assert (a.ref_counter_handle, a.ref_counter_offset) != (b.ref_counter_handle, b.ref_counter_offset)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_session_consumer, args=([first.descriptor, second.descriptor], q))
+        p.start()
+        out = q.get(timeout=120)
+        p.join(60)
+        assert out == [(2.0 * 8 * 1024, "cuda:0"), True, (2.0 * 8 * 1024, "cuda:0"), True]
+        first.close()
+        second.close()
+        assert mem.live_exports == 0
+    finally:
+        mem.close()
+
+
+def test_slab_device_uuid_check_on_the_real_gpu() -> None:
+    dev = torch.device("cuda", 0)
+    uuid = device_uuid(dev)
+    assert uuid
+    check_slab_device("cuda_ipc", "cuda:0", uuid, dev, device_uuid)
+    with pytest.raises(ValueError, match=rf"GPU UUID GPU-not-this-one .*GPU UUID {uuid}"):
+        check_slab_device("cuda_ipc", "cuda:0", "GPU-not-this-one", dev, device_uuid)
+
+
 def test_pinned_host_tier() -> None:
     buf = allocate_host_pages(8, 1024, torch.bfloat16, pin=True)
-    assert buf.pinned and buf.pages.is_pinned() and buf.n_pages == 8
+    assert buf.pinned and all(c.is_pinned() for c in buf.chunks) and buf.n_pages == 8
 
 
 def _request(req: dict[str, Any], **overrides: Any) -> GenerationRequest:

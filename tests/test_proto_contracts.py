@@ -15,7 +15,7 @@ from ditcore import GenerationRequest, ModelMemory, RequestError
 from ditcore.report import CacheReport
 from ditcore.request import TASKS
 from ditruntime.convert import FieldMismatchError, from_proto, to_proto
-from ditruntime.slab import ROW_WORDS, SlabDescriptor, descriptor_from_proto, descriptor_to_proto
+from ditruntime.slab import ROW_WORDS, CudaIpcHandle, SlabDescriptor, descriptor_from_proto, descriptor_to_proto
 from ditserve.client import request_to_proto
 from generator_service.server import request_from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
@@ -43,13 +43,22 @@ def test_slab_descriptor_round_trips_through_attach(transport: str) -> None:
     d = SlabDescriptor(
         transport=transport, slab_path="/dev/shm/ditserve-slab-x", table_path="/dev/shm/ditserve-table-y",
         slab_bytes=4 * 2 * 16 * 4, table_bytes=4 * (ROW_WORDS + 2) * 8, dtype="float32", num_slots=4, width=2,
-        page_numel=16, device="cpu", device_uuid="GPU-1234", ipc_handle=b"\x01\x02",
+        page_numel=16, device="cpu", device_uuid="GPU-1234",
+        cuda_ipc=CudaIpcHandle(
+            mem_handle=b"\x02c" + bytes(64), storage_size_bytes=512, storage_offset_bytes=0,
+            ref_counter_handle=b"/torch_1_2_3", ref_counter_offset=7, event_handle=bytes(64), event_sync_required=True,
+        ) if transport == "cuda_ipc" else None,
     )  # fmt: skip
     msg = descriptor_to_proto(d)
     assert msg.table_row_words == d.table_words
+    assert msg.HasField("cuda_ipc") == (transport == "cuda_ipc")
     assert descriptor_from_proto(msg) == d
     carried = set(cache_pb.SlabDescriptor.DESCRIPTOR.fields_by_name) - {"table_row_words"}
     assert carried == {f.name for f in dataclasses.fields(SlabDescriptor)}
+    assert set(cache_pb.CudaIpcHandle.DESCRIPTOR.fields_by_name) == {f.name for f in dataclasses.fields(CudaIpcHandle)}
+    # the retired pickled field stays reserved: no field may reuse its number or name
+    assert "ipc_handle" not in cache_pb.SlabDescriptor.DESCRIPTOR.fields_by_name
+    assert 12 not in cache_pb.SlabDescriptor.DESCRIPTOR.fields_by_number
 
 
 def test_generate_request_carries_every_generation_request_field() -> None:

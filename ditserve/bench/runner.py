@@ -20,6 +20,7 @@ import torch
 from ditcore import PresetError, write_repository
 from ditcore.checkpoint import is_repository_dir
 from ditcore.repo import DTYPES
+from ditruntime.paths import prepare_dir
 
 from . import report, scenarios
 from .harness import Record
@@ -50,8 +51,7 @@ def _loadavg() -> list[float]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_dir(args.out, "--out")
     steps = args.num_inference_steps or (8 if args.quick else 50)
     if steps < 3:
         raise SystemExit("ditserve bench: --num-inference-steps must be at least 3 (two forwards)")

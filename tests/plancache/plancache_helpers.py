@@ -247,7 +247,7 @@ def snapshot(cache: PlanCache) -> dict[str, Any]:
         "leases": [(lease.lease_id, lease.slots) for lease in cache.leases()],
         "host_groups": cache.host.groups(),
         "host_plans": cache.host.plan_keys(),
-        "host_buffer": cache.host.buffer.clone(),
+        "host_buffer": cache.host.buffer.gather(),
     }
 
 

@@ -1,7 +1,8 @@
 """HostTier on its own: group LRU, refcounted shared plans, all-or-nothing admission, the cap.
 
-A small float buffer stands in for the page buffer; `write` fills each page row with a value
-derived from (key, row) so page contents can be checked after evictions and re-admissions.
+A small float buffer stands in for the page buffer, split into chunks of 3 pages (a plan's pages
+may sit in two chunks; a page never straddles two); `write` fills each page with a value derived
+from (key, page) so page contents can be checked after evictions and re-admissions.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from ditcore.plans import PlanKey
+from plancache_service.device import HostBuffer
 from plancache_service.host_tier import HostTier
 
 PAGE_NUMEL = 3
@@ -36,11 +38,11 @@ class Writer:
         assert len(rows) == k.width
         self.written.append(k)
         for j, row in enumerate(rows):
-            self.tier.buffer[row].fill_(k.bits[j] + 0.5)
+            self.tier.buffer.page(row).fill_(k.bits[j] + 0.5)
 
 
 def tier(pages: int) -> HostTier:
-    return HostTier(torch.full((pages, PAGE_NUMEL), -1.0))
+    return HostTier(HostBuffer.of(torch.full((pages, PAGE_NUMEL), -1.0), chunk_pages=3))
 
 
 def expect_tier(t: HostTier, groups: list[tuple[PlanKey, ...]], evictions: int = 0, skips: int = 0) -> None:
@@ -128,11 +130,11 @@ def test_group_over_the_cap_is_skipped_and_tier_unchanged() -> None:
     t = tier(3)
     w = Writer(t)
     t.admit([A, B], w)
-    before = t.buffer.clone()
+    before = t.buffer.gather()
     w.written.clear()
     assert not t.admit([C, D, E, key(9)], w)  # 4 pages > 3
     assert w.written == []
-    assert torch.equal(t.buffer, before)
+    assert torch.equal(t.buffer.gather(), before)
     expect_tier(t, [(A, B)], skips=1)
 
 
@@ -147,9 +149,9 @@ def test_admission_is_all_or_nothing_when_shared_pages_cannot_be_reclaimed() -> 
     assert t.admit([A, E, key(8, 9)], w)
     expect_tier(t, [(A, E, key(8, 9))], evictions=2)
     # (A, key(10, 11), key(12, 13)) needs 4 new; free 0 + reclaimable 3: skipped, nothing evicted
-    before = t.buffer.clone()
+    before = t.buffer.gather()
     assert not t.admit([A, key(10, 11), key(12, 13)], w)
-    assert torch.equal(t.buffer, before)
+    assert torch.equal(t.buffer.gather(), before)
     expect_tier(t, [(A, E, key(8, 9))], evictions=2, skips=1)
 
 

@@ -20,7 +20,7 @@ from plancache_service.errors import (
     SlabBusyError,
 )
 from plancache_service.rebuild import RebuildSource
-from plancache_service.tiers import CacheCounters, SlabPages, Tier, TierFill
+from plancache_service.tiers import NOT_KEPT, CacheCounters, SlabPages, Tier, TierFill, TierStore
 
 from plancache_helpers import (  # isort: skip
     PAGE_BYTES,
@@ -164,14 +164,14 @@ def test_host_admission_is_all_or_nothing(make: MakeCache) -> None:
     cache = make(gpu_plans=8, host_pages=5)
     run(cache, X)
     expect(cache, host_groups=[group_of(X)], host_used_bytes=4 * PAGE_BYTES)
-    host_before = (cache.host.groups(), cache.host.plan_keys(), cache.host.used_pages, cache.host.buffer.clone())
+    host_before = (cache.host.groups(), cache.host.plan_keys(), cache.host.used_pages, cache.host.buffer.gather())
 
     lease = run(cache, w)  # 6 new pages > 1 free + X's 3 evictable: skipped, X kept
     assert lease.report.host_stored is False
     assert cache.host.groups() == host_before[0]
     assert cache.host.plan_keys() == host_before[1]
     assert cache.host.used_pages == host_before[2]
-    assert same_bits(cache.host.buffer, host_before[3])
+    assert same_bits(cache.host.buffer.gather(), host_before[3])
     expect(cache, host_pressure_skips=1, host_group_evictions=0)
 
 
@@ -278,9 +278,9 @@ class OnlyTheseTier(Tier):
         self.filled.append(list(keys))
         return TierFill(CacheReport(built_plans=len(keys)), CacheCounters(built_plans=len(keys)))
 
-    def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> bool:
+    def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierStore:
         self.offered.append(tuple(group))
-        return False
+        return NOT_KEPT
 
     def clear(self) -> None:
         self.clears += 1

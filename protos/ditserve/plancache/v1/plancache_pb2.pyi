@@ -23,7 +23,7 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ...) -> None: ...
 
 class SlabDescriptor(_message.Message):
-    __slots__ = ("transport", "slab_path", "table_path", "slab_bytes", "table_bytes", "dtype", "num_slots", "width", "page_numel", "device", "device_uuid", "ipc_handle", "table_row_words")
+    __slots__ = ("transport", "slab_path", "table_path", "slab_bytes", "table_bytes", "dtype", "num_slots", "width", "page_numel", "device", "device_uuid", "table_row_words", "cuda_ipc")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SLAB_PATH_FIELD_NUMBER: _ClassVar[int]
     TABLE_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -35,8 +35,8 @@ class SlabDescriptor(_message.Message):
     PAGE_NUMEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
-    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     TABLE_ROW_WORDS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     slab_path: str
     table_path: str
@@ -48,9 +48,27 @@ class SlabDescriptor(_message.Message):
     page_numel: int
     device: str
     device_uuid: str
-    ipc_handle: bytes
     table_row_words: int
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., slab_path: _Optional[str] = ..., table_path: _Optional[str] = ..., slab_bytes: _Optional[int] = ..., table_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., table_row_words: _Optional[int] = ...) -> None: ...
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., slab_path: _Optional[str] = ..., table_path: _Optional[str] = ..., slab_bytes: _Optional[int] = ..., table_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., table_row_words: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("mem_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    mem_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, mem_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("session_id", "slab", "generation", "weights_path", "fingerprint")
