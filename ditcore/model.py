@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .checkpoint import CheckpointInfo, validate_checkpoint
 from .pipeline import ScheduleKeys, generate_latents, load_pipeline, use_cached_transformer
-from .plans import PlanKey, is_plan_tensor
+from .plans import PlanKey, SlotReads, is_plan_tensor
 from .report import CacheReport
 from .request import H3_LIMITS, GenerationRequest, RequestLimits
 
@@ -41,6 +41,26 @@ class PlanLease(Protocol):
         ...
 
     def release(self) -> None: ...
+
+
+@runtime_checkable
+class SlabPlanLease(PlanLease, Protocol):
+    """A lease whose pages are rows of a slab: the served path reads them with SlotReads (one indexed read per step,
+    no host sync) instead of calling `pages(step)`."""
+
+    def slab_slots(self) -> tuple[torch.Tensor, Sequence[int]]:
+        """The (S, W, P) slab on the model's device and the slot of every step."""
+        ...
+
+
+def reads_finished(device: torch.device) -> None:
+    """Return once every kernel queued so far on `device`'s current stream has finished: an event recorded after the
+    last kernel that reads a leased slot, then waited on. A lease may be released (its slots reused) only after this.
+    CPU: kernels run synchronously, nothing is outstanding (a no-op, kept so the ordering is explicit)."""
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
 
 
 class PlanProvider(Protocol):
@@ -216,10 +236,11 @@ def generate(
         transformer.register_forward_pre_hook(forward_started),
         transformer.register_forward_hook(forward_done),
     ]
+    reads = None
     try:
         t0 = time.perf_counter()
-        pages = (lambda i, key: lease.pages(i)) if lease is not None else None
-        video, audio = generate_latents(model.pipe, request, pages, keys)
+        reads = _plan_reads(lease, keys)
+        video, audio = generate_latents(model.pipe, request, reads, keys)
         end = time.perf_counter()
         first = marks[0] if marks else end
         timings["encode"] = round((first - t0) * 1000.0, 3)
@@ -229,8 +250,23 @@ def generate(
             h.remove()
         report = lease.report if lease is not None else None
         if lease is not None:
+            # In every outcome (a step callback may abort with kernels still queued): no slot of the lease is
+            # released before the last kernel that reads one has finished (docs/architecture.md, "The slab and the
+            # lease protocol").
+            reads_finished(model.device)
+            reads = None  # no slab view outlives the request (an exception's traceback keeps this frame)
             lease.release()
     timings["total"] = _ms(t_start)
     v_out = video.detach().cpu().contiguous()
     a_out = audio.detach().cpu().contiguous()
     return GenerationResult(request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report)
+
+
+def _plan_reads(lease: PlanLease | None, keys: Sequence[PlanKey]) -> Any:
+    """How the loop reads the lease: SlotReads over its slab (prepared here, once per request), else `pages(i)`."""
+    if lease is None:
+        return None
+    if isinstance(lease, SlabPlanLease):
+        slab, slots = lease.slab_slots()
+        return SlotReads(slab, slots, [k.width for k in keys])
+    return lambda i, key: lease.pages(i)

@@ -11,7 +11,6 @@ Protocol for one request on one pipeline (the pipeline's schedulers are stateful
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from transformers.processing_utils import ProcessorMixin
 
-from .plans import PlanKey, PlanLinear, PlanPages, load_transformer_without_adaln
+from .plans import PlanKey, PlanLinear, PlanPages, SlotReads, load_transformer_without_adaln
 from .request import GenerationRequest
 
 PagesForStep = Callable[[int, PlanKey], torch.Tensor]
@@ -210,37 +209,91 @@ def _run(pipe: Any, request: GenerationRequest) -> tuple[torch.Tensor, torch.Ten
     return out["latents"], out["audio_latents"]  # (1, 24, F, h, w), (2, 32, N)
 
 
+class StepPlans:
+    """What the transformer's forward pre-hook does at each step of one cached request, with no host sync.
+
+    Per step, in the loop (`before_forward`): the forward's `timestep` is checked on its metadata alone (1-D float32,
+    as many values as the step's key: the page rows the forward will index), a reference to it is kept, and the step's
+    pages are read (`read(i)`: one indexed read of the slab for a SlotReads lease). No tensor value is read on the host.
+    After the loop (`verify`, once per request): every kept `timestep` is copied to the host in one read and compared
+    bit for bit with the step's expected key; a mismatch raises PlanKeyMismatchError naming the first wrong step, so a
+    result computed with pages of another plan is never returned. (A width mismatch is refused before the forward,
+    so pages of the wrong shape are never indexed.)
+    """
+
+    def __init__(self, expected: Sequence[PlanKey], read: Callable[[int], torch.Tensor]) -> None:
+        self.expected = list(expected)
+        self._read = read
+        self.seen: list[torch.Tensor] = []
+
+    def before_forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        i = len(self.seen)
+        if i >= len(self.expected):
+            raise PlanKeyMismatchError(f"step {i}: the transformer ran a forward the plan has no step for")
+        want = self.expected[i]
+        if timestep.dtype != torch.float32 or timestep.ndim != 1 or timestep.shape[0] != want.width:
+            raise PlanKeyMismatchError(
+                f"step {i}: the transformer got timesteps {timestep.dtype} of shape {tuple(timestep.shape)}, "
+                f"the plan has {want.width} ({want})"
+            )
+        self.seen.append(timestep)
+        return self._read(i)
+
+    def verify(self) -> None:
+        """After the loop: the forwards' timesteps were exactly the plan's keys (one device-to-host read)."""
+        if len(self.seen) != len(self.expected):
+            raise PlanKeyMismatchError(
+                f"the loop ran {len(self.seen)} forwards, the plan has {len(self.expected)} steps"
+            )
+        got = torch.cat([t.detach() for t in self.seen]).cpu()  # the request's one read of timestep values
+        offset = 0
+        for i, want in enumerate(self.expected):
+            key = plan_key(got[offset : offset + want.width])
+            offset += want.width
+            if key != want:
+                raise PlanKeyMismatchError(f"step {i}: the transformer got plan key {key}, the plan has {want}")
+
+
+PlanReads = PagesForStep | SlotReads
+"""How a cached request's steps get their pages: a callable (pages built or held elsewhere, e.g. in tests), or
+SlotReads over a leased slab (one indexed read per step, no host sync: the served path)."""
+
+
 def generate_latents(
     pipe: Any,
     request: GenerationRequest,
-    pages_for_step: PagesForStep | None = None,
+    pages_for_step: PlanReads | None = None,
     keys: Sequence[PlanKey] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the t2va loop; returns the final (video latents (1, C, F, h, w), audio latents (2, C_a, N)).
 
     Resident when `pages_for_step` is None. Otherwise `pipe.transformer` must be cached (use_cached_transformer) and
-    a forward pre-hook sets its pages to `pages_for_step(i, key)` before step i's forward, after checking that the
-    forward's timesteps have the key `keys[i]` (computed with plan_keys when not given). Not reentrant: the
-    schedulers and the holder are the pipeline's, so a pipeline serves one request at a time.
+    a forward pre-hook sets its pages before step i's forward: `pages_for_step.read(i)` for SlotReads, else
+    `pages_for_step(i, keys[i])`. The forward's timesteps are checked against `keys` (computed with plan_keys when
+    not given) as StepPlans describes: shape per step, values once after the loop. Not reentrant: the schedulers and
+    the holder are the pipeline's, so a pipeline serves one request at a time. The holder is cleared on return.
     """
     if pages_for_step is None:
         return _run(pipe, request)
     holder = _plan_holder(pipe.transformer)
     expected = list(keys) if keys is not None else plan_keys(pipe, request)
-    steps = itertools.count()
+    source = pages_for_step
+    if isinstance(source, SlotReads):
+        if source.steps != len(expected):
+            raise PlanKeyMismatchError(f"the lease reads {source.steps} steps, the plan has {len(expected)}")
+        read: Callable[[int], torch.Tensor] = source.read
+    else:
+        read = lambda i: source(i, expected[i])  # noqa: E731
+    plans = StepPlans(expected, read)
 
     def set_pages(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        i, got = next(steps), plan_key(kwargs["timestep"])
-        if i >= len(expected) or got != expected[i]:
-            want = expected[i] if i < len(expected) else "no step"
-            raise PlanKeyMismatchError(f"step {i}: the transformer got plan key {got}, the plan has {want}")
-        holder.set(pages_for_step(i, got))
+        holder.set(plans.before_forward(kwargs["timestep"]))
 
     handle = pipe.transformer.register_forward_pre_hook(set_pages, with_kwargs=True)
     try:
         latents = _run(pipe, request)
     finally:
         handle.remove()
-    if (ran := next(steps)) != len(expected):
-        raise PlanKeyMismatchError(f"the loop ran {ran} forwards, the plan has {len(expected)} steps")
+        holder.clear()
+    plans.verify()
     return latents

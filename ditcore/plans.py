@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +226,52 @@ class PlanPages:
         if self._pages is None:
             raise RuntimeError("no plan pages set for this step: call PlanPages.set(pages) before the forward")
         return self._pages
+
+    def clear(self) -> None:
+        """Drop the last step's pages (after a request: no reference to a lease's memory outlives it)."""
+        self._pages = None
+
+
+class SlotReads:
+    """One request's plan reads from a slab, prepared once before the denoise loop; one indexed read per step.
+
+    slab: (S, W, P), contiguous, on the model's device. `slots[i]` is step i's slot and `widths[i]` its plan width.
+    Before the loop (host work, once): every step's flat row indices `slot·W + j` (j < width) go to the slab's device
+    in one int64 tensor, and a (max width, P) page buffer is allocated there. In the loop, `read(i)` is one
+    `index_select` of step i's rows (a slice of that device index tensor, bounds known on the host) into the buffer:
+    no `.item()`, no host copy, no allocation, fixed addresses (a CUDA graph can capture it). Docs:
+    docs/architecture.md, "The slab and the lease protocol".
+    """
+
+    def __init__(self, slab: torch.Tensor, slots: Sequence[int], widths: Sequence[int]) -> None:
+        if slab.ndim != 3:
+            raise ValueError(f"the slab must be (slots, width, page_numel), got shape {tuple(slab.shape)}")
+        if len(slots) != len(widths) or not slots:
+            raise ValueError(f"{len(slots)} slots for {len(widths)} steps")
+        n, w, p = slab.shape
+        rows: list[int] = []
+        self.spans: list[tuple[int, int]] = []
+        for step, (slot, width) in enumerate(zip(slots, widths, strict=True)):
+            if not 0 <= slot < n:
+                raise ValueError(f"step {step}: slot {slot} is outside the slab's {n} slots")
+            if not 1 <= width <= w:
+                raise ValueError(f"step {step}: plan width {width} does not fit a slot of {w} pages")
+            self.spans.append((len(rows), len(rows) + width))
+            rows.extend(slot * w + j for j in range(width))
+        self.source = slab.view(n * w, p)  # rows of pages; a view, never a copy (the slab never moves)
+        self.index = torch.tensor(rows, dtype=torch.int64).to(slab.device)  # the one host-to-device copy
+        self.buffer = torch.empty(max(widths), p, dtype=slab.dtype, device=slab.device)
+
+    @property
+    def steps(self) -> int:
+        return len(self.spans)
+
+    def read(self, step: int) -> torch.Tensor:
+        """(width, P) pages of step `step`: one gather from the slab into the request's page buffer."""
+        a, b = self.spans[step]
+        out = self.buffer[: b - a]
+        torch.index_select(self.source, 0, self.index[a:b], out=out)
+        return out
 
 
 class PlanLinear(nn.Module):

@@ -5,7 +5,11 @@ fit the slab, check `expected_generation`, then enqueue (bounded; full -> QueueF
 executor thread runs jobs in order: lease plans (or take the prefetched lease), check the
 lease's slot-table rows, run `ditcore.generate` (diffusers' t2va loop) with cancellation /
 deadline / sidecar-session checks after every transformer forward, release the lease in every
-outcome. While a job denoises, a prefetch thread prepares the next queued job's plans, so a
+outcome. The release comes after the reading is finished: `generate` waits for an event
+recorded after the last kernel that reads a leased slot (`ditcore.model.reads_finished`)
+before it releases, in every outcome. On session loss (the check after a step fails) the job
+stops issuing work, `generate` synchronizes, and only then is the lease released and the
+failure acknowledged to the client. While a job denoises, a prefetch thread prepares the next queued job's plans, so a
 rebuild overlaps compute (both leases must fit the slab; if not, the next job simply prepares
 when it starts).
 """

@@ -113,6 +113,10 @@ class RemoteLease:
         """(width, page_numel) pages of step `step`: a view into the slab, no copy (on the slab's device)."""
         return self.att.slab[self.slots[step], : self.keys[step].width]
 
+    def slab_slots(self) -> tuple[torch.Tensor, list[int]]:
+        """The mapped slab and every step's slot (ditcore.model.SlabPlanLease: read by ditcore.plans.SlotReads)."""
+        return self.att.slab, self.slots
+
     def release(self) -> None:
         if self._released:
             return

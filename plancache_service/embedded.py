@@ -34,6 +34,10 @@ class EmbeddedLease(PlanLease):
     def pages(self, step: int) -> torch.Tensor:
         return self._cache.slab[self.lease.slots[step], : self.lease.keys[step].width]
 
+    def slab_slots(self) -> tuple[torch.Tensor, list[int]]:
+        """The local slab and every step's slot (ditcore.model.SlabPlanLease: one indexed read per step)."""
+        return self._cache.slab, list(self.lease.slots)
+
     def release(self) -> None:
         self._cache.release(self.lease.lease_id)
 

@@ -2,8 +2,12 @@
 generation, its persistence, and the two-phase weight update.
 
 A session is tied to an open Attach stream: `attach()` opens it (refused while another is
-live) with a slab export of its own (`SlabMemory.export`), `detach()` releases every lease it
-holds, closes that export and drops an uncommitted update. Plan calls
+live) with a slab export of its own (`SlabMemory.export`), `detach()` closes that export, drops
+an uncommitted update and *retires* the session's leases: their slots stay pinned (never
+evicted nor refilled, still readable as slot hits) until the peer process is known to be gone
+or `grace_s` has passed, because a vanished session's kernels may still read them
+(docs/architecture.md, "The slab and the lease protocol"). Retired leases are reaped lazily,
+before every attach, prepare, commit and state query. Plan calls
 must name the live session. Weight updates: `prepare_update` validates the new rebuild
 source and changes nothing served; `commit_update` persists (generation + 1, path, digests)
 first, then invalidates every tier and retargets rebuilds (docs/architecture.md, "Weight
@@ -14,10 +18,12 @@ every change of it goes to the `on_serving_change` listener given at constructio
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ditcore.checkpoint import CheckpointError
@@ -27,12 +33,16 @@ from ditruntime.faults import crash_point
 from ditruntime.slab import SlabDescriptor
 
 from .cache import CacheStats, Lease, PlanCache
+from .config import SidecarConfig
 from .device import SlabExport
 from .errors import CheckpointChangedError, SessionError, UpdateConflictError
 from .rebuild import RebuildSource, open_checkpoint
 from .state import PersistedState, save_state
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SESSION_GRACE_S = float(next(f.default for f in fields(SidecarConfig) if f.name == "session_grace_s"))  # type: ignore[arg-type]
+"""SidecarConfig.session_grace_s's default (`--session-grace-s`)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,33 @@ class UpdateOutcomes:
     committed: int = 0
     aborted: int = 0
     refused: int = 0
+
+
+@dataclass(frozen=True)
+class RetiredSession:
+    """A vanished session whose leases still pin their slots (see the module doc)."""
+
+    session_id: str
+    client_name: str
+    leases: int
+    deadline: float  # on the sidecar's clock: the grace period's end
+    peer_pid: int | None  # the peer process, when the transport knows it (unix-socket credentials)
+
+
+def process_gone(pid: int) -> bool:
+    """True when no process `pid` runs any more (or only its zombie: it issues no work). A pid that looks alive
+    (possibly reused) is not proof of anything: the grace period still bounds the wait."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 ServingListener = Callable[[bool], None]
@@ -71,9 +108,23 @@ class SidecarState:
 
 class Sidecar:
     def __init__(
-        self, cache: PlanCache, state_dir: Path | None = None, on_serving_change: ServingListener | None = None
+        self,
+        cache: PlanCache,
+        state_dir: Path | None = None,
+        on_serving_change: ServingListener | None = None,
+        *,
+        grace_s: float = DEFAULT_SESSION_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+        peer_gone: Callable[[int], bool] = process_gone,
     ) -> None:
+        """`grace_s` (SidecarConfig.session_grace_s): how long a vanished session's slots stay pinned when its
+        process is not known to be gone; `clock` and `peer_gone` are injected by tests."""
         self.cache = cache
+        self.grace_s = grace_s
+        self._clock = clock
+        self._peer_gone = peer_gone
+        self._retired: dict[str, RetiredSession] = {}
+        self._peer_pids: dict[str, int] = {}
         self.state_dir = state_dir
         self._on_serving_change = on_serving_change
         self._lock = threading.Lock()
@@ -87,7 +138,10 @@ class Sidecar:
             self._persist(cache.generation, cache.source)
 
     # ---------------------------------------------------------------- sessions
-    def attach(self, client_name: str) -> SessionInfo:
+    def attach(self, client_name: str, peer_pid: int | None = None) -> SessionInfo:
+        """Open the session; `peer_pid` is the peer process when the transport knows it (unix-socket
+        credentials), so that its leases end as soon as it is gone once the session vanishes."""
+        self.reap()
         with self._lock:
             if self._session is not None:
                 raise SessionError(
@@ -96,22 +150,66 @@ class Sidecar:
             export = self.cache.memory.export()
             self._session = SessionInfo(uuid.uuid4().hex, client_name, export.descriptor)
             self._export = export
+            if peer_pid is not None:
+                self._peer_pids[self._session.session_id] = peer_pid
             log.info("session %s attached by %s", self._session.session_id, client_name)
             return self._session
 
-    def detach(self, session_id: str) -> int:
-        """End the session; release its leases and drop its uncommitted update."""
+    def detach(self, session_id: str, peer_pid: int | None = None) -> int:
+        """End the session: close its export, drop its uncommitted update and retire its leases (released at once
+        only when its peer process is known to be gone, or `grace_s` is 0). Returns how many leases it held.
+
+        `peer_pid` (or the one given to attach) names the peer process; without one the grace period alone decides.
+        """
         with self._lock:
             if self._session is None or self._session.session_id != session_id:
                 return 0
+            client_name = self._session.client_name
             self._session = None
             self._pending = None
             export, self._export = self._export, None
+            pid = peer_pid if peer_pid is not None else self._peer_pids.pop(session_id, None)
+            self._peer_pids.pop(session_id, None)
         if export is not None:
             export.close()
-        released = self.cache.release_owner(session_id)
-        log.info("session %s detached; released %d lease(s)", session_id, released)
+        held = sum(1 for lease in self.cache.leases() if lease.owner == session_id)
+        if held == 0:
+            log.info("session %s detached; it held no lease", session_id)
+            return 0
+        with self._lock:
+            self._retired[session_id] = RetiredSession(session_id, client_name, held, self._clock() + self.grace_s, pid)
+        log.info(
+            "session %s detached holding %d lease(s): their slots stay pinned until %s",
+            session_id, held, f"process {pid} is gone or {self.grace_s:g} s pass" if pid else f"{self.grace_s:g} s pass",
+        )  # fmt: skip
+        self.reap()
+        return held
+
+    def reap(self) -> int:
+        """Release the leases of every retired session whose peer is gone or whose grace period ended; returns how
+        many leases were released."""
+        now = self._clock()
+        with self._lock:
+            done = [
+                r
+                for r in self._retired.values()
+                if now >= r.deadline or (r.peer_pid is not None and self._peer_gone(r.peer_pid))
+            ]
+            for r in done:
+                del self._retired[r.session_id]
+        released = 0
+        for r in done:
+            n = self.cache.release_owner(r.session_id)
+            released += n
+            why = "its grace period ended" if now >= r.deadline else f"its process {r.peer_pid} is gone"
+            log.info("session %s: released %d lease(s): %s", r.session_id, n, why)
         return released
+
+    def retired(self) -> list[RetiredSession]:
+        """Vanished sessions whose leases still pin their slots (after reaping)."""
+        self.reap()
+        with self._lock:
+            return list(self._retired.values())
 
     def _check_session(self, session_id: str) -> None:
         live = self._session
@@ -121,6 +219,7 @@ class Sidecar:
     # ---------------------------------------------------------------- plans
     def prepare(self, session_id: str, generation: int, keys: Sequence[PlanKey]) -> Lease:
         self._check_session(session_id)
+        self.reap()
         if self._not_serving:
             # The one reason not to serve is a rebuild source that changed on disk: the same
             # (non-retryable) FAILED_PRECONDITION the first refusal had, not UNAVAILABLE, so a
@@ -192,6 +291,7 @@ class Sidecar:
             if from_generation != self.cache.generation:
                 raise GenerationMismatchError(self.cache.generation, from_generation, field="from_generation")
             pending.check_unchanged()
+            self.reap()  # a retired session's leases block the retarget until they are reaped
             new_generation = self.cache.generation + 1
 
             def persist() -> None:
@@ -221,6 +321,7 @@ class Sidecar:
 
     # ---------------------------------------------------------------- state
     def state(self) -> SidecarState:
+        self.reap()
         stats = self.cache.stats()
         pending = self._pending
         return SidecarState(
