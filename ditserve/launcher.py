@@ -141,8 +141,12 @@ class Child:
         return self.proc is not None and self.proc.poll() is not None
 
 
-SERVE_GENERATOR_EXCLUDE = ("checkpoint", "sidecar", "listen", "metrics_port", "max_message_bytes", "prefetch")
-"""GeneratorConfig fields that are not `serve` flags: derived from serve's own options, or left at default."""
+SERVE_GENERATOR_EXCLUDE = (
+    "checkpoint", "sidecar", "listen", "metrics_port", "max_message_bytes", "prefetch",
+    "sidecar_tls_ca", "sidecar_tls_cert", "sidecar_tls_key",
+)  # fmt: skip
+"""GeneratorConfig fields that are not `serve` flags: derived from serve's own options, or left at
+default (serve's sidecar is always on the run dir's unix socket, so no sidecar TLS)."""
 SERVE_CACHE_EXCLUDE = ("device",)
 """One --device (GeneratorConfig's) places both the transformer and the slab."""
 SERVE_SIDECAR_ONLY = ("state_dir",)

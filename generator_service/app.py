@@ -4,9 +4,11 @@ passes each its collaborators; nothing is wired after construction."""
 
 from __future__ import annotations
 
+import grpc
 import torch
 
 from ditruntime.paths import require_dir
+from ditruntime.tls import mutual_tls_channel_credentials
 
 from .backend import Backend
 from .cached import CachedBackend, CachedWeights
@@ -18,6 +20,16 @@ from .resident import ResidentBackend
 from .server import GeneratorServer, HealthPublisher
 from .sidecar_client import SidecarClient
 from .updates import UpdateCoordinator
+
+
+def sidecar_credentials(cfg: GeneratorConfig) -> grpc.ChannelCredentials | None:
+    """Mutual TLS to a TCP sidecar (GeneratorConfig insists on all three files); None on a unix socket."""
+    if not cfg.sidecar_tcp:
+        return None
+    assert cfg.sidecar_tls_ca is not None and cfg.sidecar_tls_cert is not None and cfg.sidecar_tls_key is not None
+    return mutual_tls_channel_credentials(
+        cfg.sidecar_tls_ca, cfg.sidecar_tls_cert, cfg.sidecar_tls_key, "--sidecar-tls"
+    )
 
 
 def build_server(cfg: GeneratorConfig) -> GeneratorServer:
@@ -34,7 +46,10 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     else:
         state = ServingState(attached=False, listener=publisher.publish)
         weights = CachedWeights(device)
-        link = SidecarClient(cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state)
+        link = SidecarClient(
+            cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state,
+            credentials=sidecar_credentials(cfg), admin_token=cfg.admin_token,
+        )  # fmt: skip
         backend = CachedBackend(link, weights)
         prefetch = cfg.prefetch
     metrics = GeneratorMetrics()

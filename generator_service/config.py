@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ditcore.request import CANVAS_MULTIPLE, MAX_FRAMES, MAX_PROMPT_BYTES, MAX_SIDE, MIN_FRAMES, RequestLimits
+from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP
 from ditruntime.flags import check_bounds, flag
 
-TOKEN_ENV = "DITSERVE_ADMIN_TOKEN"
+TOKEN_ENV = ADMIN_TOKEN_ENV
 MIB = 2**20
 
 LIMITED_FIELDS = {
@@ -53,10 +54,9 @@ class GeneratorConfig:
     """Prepare the next queued request's plans while the current one denoises (`--no-prefetch`: don't)."""
     workers: int = 32
     """gRPC server threads (one per in-flight RPC, streams included)."""
-    admin_token: str = flag(
-        "", f"UpdateWeights bearer token (default: ${TOKEN_ENV}); unset = updates off", env=TOKEN_ENV
-    )
-    """Bearer token UpdateWeights requires (`--admin-token` or DITSERVE_ADMIN_TOKEN); empty = updates off."""
+    admin_token: str = flag("", ADMIN_TOKEN_HELP, env=TOKEN_ENV)
+    """Bearer token UpdateWeights requires (`--admin-token` or DITSERVE_ADMIN_TOKEN); empty = updates off.
+    Also presented to a TCP sidecar, whose weight-update RPCs require the same token."""
     weights_root: Path | None = flag(None, "UpdateWeights paths must resolve inside this directory")
     """UpdateWeights paths must resolve inside this directory."""
     drain_timeout_s: float = flag(60.0, "update drain bound (default %(default)s)")
@@ -85,6 +85,21 @@ class GeneratorConfig:
     """PEM private key of tls_cert."""
     tls_client_ca: Path | None = flag(None, "PEM CA: require client certificates (mutual TLS)")
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    sidecar_tls_ca: Path | None = flag(
+        None, "PEM CA that signed a TCP sidecar's certificate (required with TCP --sidecar)"
+    )
+    """TCP sidecar only: verify the sidecar's certificate against this CA (mutual TLS)."""
+    sidecar_tls_cert: Path | None = flag(
+        None, "PEM client certificate presented to a TCP sidecar (required with TCP --sidecar)"
+    )
+    """TCP sidecar only: the generator's client certificate (signed by the sidecar's --tls-client-ca)."""
+    sidecar_tls_key: Path | None = flag(None, "PEM private key of --sidecar-tls-cert (required with TCP --sidecar)")
+    """TCP sidecar only: the PEM private key of sidecar_tls_cert."""
+
+    @property
+    def sidecar_tcp(self) -> bool:
+        """The sidecar target is TCP (mutual TLS + admin token), not a unix socket (peer uid)."""
+        return bool(self.sidecar) and not self.sidecar.startswith("unix")
 
     @property
     def limits(self) -> RequestLimits:
@@ -103,5 +118,20 @@ class GeneratorConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        side_tls = {
+            "--sidecar-tls-ca": self.sidecar_tls_ca,
+            "--sidecar-tls-cert": self.sidecar_tls_cert,
+            "--sidecar-tls-key": self.sidecar_tls_key,
+        }
+        if self.adaln_mode == "cached" and self.sidecar_tcp:
+            missing = [name for name, value in side_tls.items() if value is None]
+            if missing:
+                raise ValueError(
+                    f"--sidecar {self.sidecar} (TCP) needs mutual TLS: --sidecar-tls-ca, --sidecar-tls-cert and "
+                    f"--sidecar-tls-key are required ({', '.join(missing)} missing)"
+                )
+        elif any(value is not None for value in side_tls.values()):
+            given = ", ".join(name for name, value in side_tls.items() if value is not None)
+            raise ValueError(f"{given}: apply only to a TCP --sidecar HOST:PORT in cached mode")
         if not 1024 <= self.chunk_bytes < self.max_message_bytes:
             raise ValueError("chunk_bytes must be in [1024, max_message_bytes (--max-message-mb))")

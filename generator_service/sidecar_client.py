@@ -22,6 +22,7 @@ import grpc
 
 from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
+from ditruntime.auth import bearer_metadata
 from ditruntime.convert import from_proto
 from ditruntime.errors import GenerationMismatchError, ServiceError
 from ditruntime.rpc_errors import error_info
@@ -54,27 +55,39 @@ def domain_error(err: grpc.RpcError, sent_generation: int | None = None, field: 
     return SidecarError(code.name, reason, err.details() or code.name, meta)
 
 
-def _channel(target: str, reconnect_s: float) -> grpc.Channel:
-    return grpc.insecure_channel(
-        target,
-        options=[
-            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            # gRPC's default reconnect backoff grows to 120 s: after a long sidecar outage the
-            # generator would reattach up to minutes late. Cap it near our own retry pause.
-            ("grpc.max_reconnect_backoff_ms", max(1000, int(reconnect_s * 2000))),
-        ],
-    )
+def _channel(target: str, reconnect_s: float, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    options = [
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC's default reconnect backoff grows to 120 s: after a long sidecar outage the
+        # generator would reattach up to minutes late. Cap it near our own retry pause.
+        ("grpc.max_reconnect_backoff_ms", max(1000, int(reconnect_s * 2000))),
+    ]
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
 class SidecarClient(SidecarSession):
-    """Keeps a session with the sidecar at `target`; `on_attach` vets each attachment (may raise)."""
+    """Keeps a session with the sidecar at `target`; `on_attach` vets each attachment (may raise).
+
+    A TCP sidecar needs `credentials` (mutual TLS); its weight-update RPCs then carry
+    `admin_token` as `authorization: Bearer` metadata. A unix socket needs neither (the sidecar
+    checks this process's uid)."""
 
     def __init__(
-        self, target: str, reconnect_s: float, on_attach: Callable[[Attachment], None], state: ServingState
+        self,
+        target: str,
+        reconnect_s: float,
+        on_attach: Callable[[Attachment], None],
+        state: ServingState,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        admin_token: str = "",
     ) -> None:
         self.target = target
+        self._admin_metadata = bearer_metadata(admin_token) if credentials is not None and admin_token else None
         self.reconnect_s = reconnect_s
         self._on_attach = on_attach
         self._state = state
@@ -85,7 +98,7 @@ class SidecarClient(SidecarSession):
         self._stop = threading.Event()
         self._stream: Any = None  # the Attach call (a grpc iterator that can be cancelled)
         self._last_error = ""
-        self._channel = _channel(target, reconnect_s)
+        self._channel = _channel(target, reconnect_s, credentials)
         self._stub = pb_grpc.PlanCacheStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="sidecar-link", daemon=True)
 
@@ -209,7 +222,7 @@ class SidecarClient(SidecarSession):
     def prepare_update(self, from_generation: int, weights_path: str) -> str:
         req = pb.PrepareWeightUpdateRequest(from_generation=from_generation, weights_path=weights_path)
         try:
-            resp = self._stub.PrepareWeightUpdate(req, timeout=120)
+            resp = self._stub.PrepareWeightUpdate(req, timeout=120, metadata=self._admin_metadata)
         except grpc.RpcError as e:
             raise domain_error(e, from_generation, "from_generation") from e
         return str(resp.fingerprint)
@@ -217,7 +230,7 @@ class SidecarClient(SidecarSession):
     def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> tuple[int, str]:
         req = pb.CommitWeightUpdateRequest(from_generation=from_generation, weights_path=weights_path)
         try:
-            resp = self._stub.CommitWeightUpdate(req, timeout=timeout_s)
+            resp = self._stub.CommitWeightUpdate(req, timeout=timeout_s, metadata=self._admin_metadata)
         except grpc.RpcError as e:
             if e.code() in ANSWER_LOST:
                 raise CommitOutcomeUnknownError(e.code().name) from e
@@ -226,7 +239,9 @@ class SidecarClient(SidecarSession):
 
     def abort_update(self, weights_path: str) -> None:
         try:
-            self._stub.AbortWeightUpdate(pb.AbortWeightUpdateRequest(weights_path=weights_path), timeout=10)
+            self._stub.AbortWeightUpdate(
+                pb.AbortWeightUpdateRequest(weights_path=weights_path), timeout=10, metadata=self._admin_metadata
+            )
         except grpc.RpcError as e:
             log.warning("AbortWeightUpdate failed: %s", e.details())
 

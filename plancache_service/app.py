@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import grpc
 import torch
 
 from ditruntime.paths import prepare_dir
+from ditruntime.tls import mutual_tls_server_credentials
 
 from .cache import PlanCache
 from .config import SidecarConfig
@@ -57,7 +59,16 @@ def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
     return RebuildSource(state.weights_path, device, committed_digests=state.digests), state.generation
 
 
+def server_tls(cfg: SidecarConfig) -> grpc.ServerCredentials | None:
+    """Mutual TLS for a TCP sidecar (SidecarConfig insists on all three files); None on the unix socket."""
+    if not cfg.tcp:
+        return None
+    assert cfg.tls_cert is not None and cfg.tls_key is not None and cfg.tls_client_ca is not None
+    return mutual_tls_server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+
+
 def build_server(cfg: SidecarConfig) -> SidecarServer:
+    tls = server_tls(cfg)  # unreadable or non-PEM files are refused before anything is built
     if cfg.state_dir is not None:  # created 0700, or refused naming the flag, before anything reads it
         prepare_dir(cfg.state_dir, "--state-dir")
     source, generation = open_source(cfg)
@@ -69,10 +80,13 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
         manifest.write_text("\n".join(cache.memory.paths) + "\n")
     try:
         health = SidecarHealth()
-        sidecar = Sidecar(cache, cfg.state_dir, on_serving_change=health.plans_serving)
+        sidecar = Sidecar(cache, cfg.state_dir, on_serving_change=health.plans_serving, grace_s=cfg.session_grace_s)
         sidecar.check_source()
         registry = sidecar_registry(sidecar)
-        return SidecarServer(sidecar, health, registry, cfg.address, cfg.heartbeat_s, cfg.metrics_port)
+        return SidecarServer(
+            sidecar, health, registry, cfg.address, cfg.heartbeat_s, cfg.metrics_port,
+            tls=tls, admin_token=cfg.admin_token,
+        )  # fmt: skip
     except BaseException:
         cache.close()
         raise

@@ -2,7 +2,8 @@
 declared on SidecarConfig / CacheConfig (plancache_service/config.py) and LaunchOptions.
 
 ditserve plancache --checkpoint ./ckpt                     # unix socket in the run dir
-ditserve plancache --checkpoint ./ckpt --listen 127.0.0.1:50052   # TCP, opt-in
+ditserve plancache --checkpoint ./ckpt --listen 10.0.0.5:50052 \
+    --tls-cert sidecar.pem --tls-key sidecar.key --tls-client-ca clients-ca.pem   # TCP: mutual TLS only
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, SidecarConfig)
     # where to listen: becomes SidecarConfig.address
     p.add_argument("--socket", default=None, help="unix socket path (default <run-dir>/plancache.sock)")
-    p.add_argument("--listen", default=None, help="listen on TCP HOST:PORT instead of the unix socket")
+    p.add_argument("--listen", default=None, help="listen on TCP HOST:PORT instead of the unix socket (needs --tls-*)")
     add_flags(p, LaunchOptions)
     return p
 

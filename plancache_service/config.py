@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP
 from ditruntime.flags import check_bounds, flag, flag_metadata
 
 GB = 1000**3
@@ -60,12 +61,49 @@ class SidecarConfig:
     launch options --socket / --listen / --run-dir, not a flag of its own."""
     heartbeat_s: float = flag(1.0, "session heartbeat interval (default %(default)s)", low=0.05, high=60)
     """Interval of Attach-stream heartbeats."""
+    session_grace_s: float = flag(
+        2.0, "keep a vanished session's slots pinned this long unless its process is gone (default %(default)s)",
+        low=0, high=3600,
+    )  # fmt: skip
+    """How long the slots a vanished session leased stay unusable (never evicted nor refilled) when its
+    peer process is not known to be gone: a bound on how long its already-queued kernels may still read
+    them (docs/architecture.md, "The slab and the lease protocol"). Raise it above the longest denoise
+    step where the peer's pid is unknown (TCP)."""
     state_dir: Path | None = flag(
         None, "persist the weight generation here (state file wins over --checkpoint; serve: default <run-dir>/state)"
     )
     """Where (generation, weights_path, digests) persist; its state file wins over `checkpoint`."""
     metrics_port: int | None = flag(None, "serve Prometheus /metrics on this port (default off)")
     """Prometheus /metrics HTTP port (off when None)."""
+    tls_cert: Path | None = flag(None, "PEM server certificate (required with --listen)")
+    """TCP only: the sidecar's PEM certificate (mutual TLS with tls_key and tls_client_ca)."""
+    tls_key: Path | None = flag(None, "PEM private key of --tls-cert (required with --listen)")
+    """TCP only: the PEM private key of tls_cert."""
+    tls_client_ca: Path | None = flag(
+        None, "PEM CA that must have signed the client's certificate (required with --listen)"
+    )
+    """TCP only: clients (the generator) must present a certificate this CA signed."""
+    admin_token: str = flag("", ADMIN_TOKEN_HELP, env=ADMIN_TOKEN_ENV)
+    """TCP only: Prepare/Commit/AbortWeightUpdate need `authorization: Bearer <admin_token>` (empty:
+    refused). On the unix socket the peer's uid is the credential and the token is not asked."""
+
+    @property
+    def tcp(self) -> bool:
+        """Listening on TCP (mutual TLS + admin token), not on the unix socket (peer uid)."""
+        return not self.address.startswith("unix")
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        tls = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-client-ca": self.tls_client_ca}
+        if self.tcp:
+            missing = [name for name, value in tls.items() if value is None]
+            if missing:
+                raise ValueError(
+                    f"--listen {self.address} (TCP) needs mutual TLS: --tls-cert, --tls-key and --tls-client-ca "
+                    f"are required ({', '.join(missing)} missing); the unix socket (--socket) needs none"
+                )
+        elif any(value is not None for value in tls.values()):
+            given = ", ".join(name for name, value in tls.items() if value is not None)
+            raise ValueError(
+                f"{given}: TLS applies only with --listen HOST:PORT (the unix socket checks the peer's uid)"
+            )

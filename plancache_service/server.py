@@ -2,7 +2,9 @@
 
 Thin: converts proto <-> core objects and maps errors through `ditruntime.rpc_errors`.
 Health is derived in one place (`SidecarHealth`). Listens on a unix socket in a 0700
-directory by default; TCP is opt-in.
+directory by default, whose peers must run as the sidecar's uid (`ditruntime.peercred.UdsRelay`
+checks SO_PEERCRED at accept; `CallGuard` refuses calls that did not come through it). TCP is
+opt-in and only with mutual TLS; there the weight-update RPCs also need the admin token.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from prometheus_client import CollectorRegistry
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
+from ditruntime.auth import check_bearer
 from ditruntime.convert import to_proto
 from ditruntime.errors import ServiceError
 from ditruntime.obs import MetricsServer, RpcMetrics
+from ditruntime.peercred import PeerCred, PeerRefusedError, UdsRelay
 from ditruntime.rpc_errors import abort
 from ditruntime.slab import descriptor_to_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
@@ -80,17 +84,57 @@ class SidecarHealth:
             self.servicer.set(name, status)
 
 
+class CallGuard:
+    """Who may call. On the unix socket (`relay` set): a connection the relay admitted, i.e. whose
+    peer runs as the sidecar's uid; its credentials are returned. Over TCP (`relay` None): mutual
+    TLS already verified the client's certificate; the weight-update RPCs also need the admin
+    token (`admin_token` not None; empty refuses them all)."""
+
+    def __init__(self, relay: UdsRelay | None, admin_token: str | None) -> None:
+        self.relay = relay
+        self.admin_token = admin_token
+
+    def peer(self, context: grpc.ServicerContext) -> PeerCred | None:
+        if self.relay is None:
+            return None
+        cred = self.relay.peer(context.peer())
+        if cred is None:  # reached the private socket some other way: refuse
+            abort(context, PeerRefusedError("the call did not come through the sidecar's checked unix socket"))
+        return cred
+
+    def admin(self, context: grpc.ServicerContext, what: str) -> None:
+        self.peer(context)
+        if self.admin_token is None:
+            return  # the unix socket: the peer's uid is the credential
+        try:
+            check_bearer(self.admin_token, dict(context.invocation_metadata()).get("authorization"), what)
+        except ServiceError as e:
+            log.warning("refused %s from %s: %s", what, context.peer(), e)
+            abort(context, e)
+
+
 class PlanCacheServicer(pb_grpc.PlanCacheServicer):
-    def __init__(self, sidecar: Sidecar, heartbeat_s: float, stopping: threading.Event) -> None:
+    def __init__(
+        self, sidecar: Sidecar, heartbeat_s: float, stopping: threading.Event, guard: CallGuard | None = None
+    ) -> None:
         self.sidecar = sidecar
         self.heartbeat_s = heartbeat_s
         self.stopping = stopping
+        self.guard = guard or CallGuard(None, None)
+        self.session_peers: dict[str, PeerCred] = {}
+        """The kernel's credentials (pid, uid, gid) of each live session's peer (unix socket only)."""
 
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.AttachResponse]:
+        peer = self.guard.peer(context)
         try:
-            session = self.sidecar.attach(request.client_name or context.peer())
+            session = self.sidecar.attach(
+                request.client_name or context.peer(), peer_pid=peer.pid if peer is not None and peer.pid > 0 else None
+            )  # pid 0: the peer is in a pid namespace this one cannot see
         except ServiceError as e:
             abort(context, e)
+        if peer is not None:
+            self.session_peers[session.session_id] = peer
+            log.info("session %s: peer pid %d uid %d", session.session_id, peer.pid, peer.uid)
         ended = threading.Event()
         context.add_callback(ended.set)
         try:
@@ -108,8 +152,10 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
                 yield pb.AttachResponse(heartbeat=pb.Heartbeat(generation=self.sidecar.cache.generation))
         finally:
             self.sidecar.detach(session.session_id)
+            self.session_peers.pop(session.session_id, None)
 
     def PreparePlans(self, request: pb.PreparePlansRequest, context: grpc.ServicerContext) -> pb.PreparePlansResponse:
+        self.guard.peer(context)
         keys = [PlanKey(tuple(k.timestep_bits)) for k in request.plan_keys]
         try:
             lease = self.sidecar.prepare(request.session_id, request.generation, keys)
@@ -124,6 +170,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
         )
 
     def ReleasePlans(self, request: pb.ReleasePlansRequest, context: grpc.ServicerContext) -> pb.ReleasePlansResponse:
+        self.guard.peer(context)
         try:
             self.sidecar.release(request.session_id, request.lease_id)
         except ServiceError as e:
@@ -131,6 +178,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
         return pb.ReleasePlansResponse()
 
     def GetState(self, request: pb.GetStateRequest, context: grpc.ServicerContext) -> pb.GetStateResponse:
+        self.guard.peer(context)
         st = self.sidecar.state()
         return pb.GetStateResponse(
             generation=st.generation,
@@ -147,6 +195,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     def PrepareWeightUpdate(
         self, request: pb.PrepareWeightUpdateRequest, context: grpc.ServicerContext
     ) -> pb.PrepareWeightUpdateResponse:
+        self.guard.admin(context, "PrepareWeightUpdate")
         try:
             source = self.sidecar.prepare_update(request.from_generation, request.weights_path)
         except (ServiceError, CheckpointError) as e:
@@ -156,6 +205,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     def CommitWeightUpdate(
         self, request: pb.CommitWeightUpdateRequest, context: grpc.ServicerContext
     ) -> pb.CommitWeightUpdateResponse:
+        self.guard.admin(context, "CommitWeightUpdate")
         try:
             generation, fingerprint = self.sidecar.commit_update(request.from_generation, request.weights_path)
         except (ServiceError, CheckpointError, StateFileError, OSError) as e:
@@ -165,12 +215,17 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     def AbortWeightUpdate(
         self, request: pb.AbortWeightUpdateRequest, context: grpc.ServicerContext
     ) -> pb.AbortWeightUpdateResponse:
+        self.guard.admin(context, "AbortWeightUpdate")
         self.sidecar.abort_update(request.weights_path)
         return pb.AbortWeightUpdateResponse()
 
 
 class SidecarServer:
-    """A running sidecar: the grpc server over an assembled `Sidecar`, its health, the stop event."""
+    """A running sidecar: the grpc server over an assembled `Sidecar`, its health, the stop event.
+
+    `address` 'unix:PATH': the public socket is a `UdsRelay` (peer uid checked) in front of the
+    grpc server's private socket. 'HOST:PORT': TCP, only with `tls` (mutual TLS server
+    credentials); the weight-update RPCs then also need `admin_token` (empty: refused)."""
 
     def __init__(
         self,
@@ -180,37 +235,62 @@ class SidecarServer:
         address: str,
         heartbeat_s: float = 1.0,
         metrics_port: int | None = None,
+        *,
+        tls: grpc.ServerCredentials | None = None,
+        admin_token: str = "",
     ) -> None:
         self.sidecar = sidecar
         self.health = health
         self.registry = registry
         self.stopping = threading.Event()
+        self.socket_path: Path | None = None
+        self.relay: UdsRelay | None = None
+        if address.startswith("unix:"):
+            self.socket_path = Path(address[len("unix:") :])
+            self.relay = UdsRelay(self.socket_path)  # replaces a stale socket from a crashed sidecar
+        elif tls is None:
+            raise ValueError(f"--listen {address}: TCP needs mutual TLS (--tls-cert, --tls-key, --tls-client-ca)")
+        try:
+            self._build(address, heartbeat_s, tls, admin_token)
+        except BaseException:
+            if self.relay is not None:
+                self.relay.close()
+            raise
+        self.metrics_port = metrics_port
+        self.metrics: MetricsServer | None = None
+        self.address = address
+
+    def _build(self, address: str, heartbeat_s: float, tls: grpc.ServerCredentials | None, admin_token: str) -> None:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="plancache"),
             interceptors=[RpcMetrics(self.registry, "ditserve_plancache")],
             options=SERVER_OPTIONS,
         )
-        pb_grpc.add_PlanCacheServicer_to_server(PlanCacheServicer(sidecar, heartbeat_s, self.stopping), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.servicer, self.server)
+        guard = CallGuard(self.relay, None if self.relay is not None else admin_token)
+        self.servicer = PlanCacheServicer(self.sidecar, heartbeat_s, self.stopping, guard)
+        pb_grpc.add_PlanCacheServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        self.socket_path: Path | None = None
-        if address.startswith("unix:"):
-            self.socket_path = Path(address[len("unix:") :])
-            if self.socket_path.exists():
-                self.socket_path.unlink()  # a stale socket from a crashed sidecar
-        self.metrics_port = metrics_port
-        self.metrics: MetricsServer | None = None
-        self.port = self.server.add_insecure_port(address)
+        if self.relay is not None:
+            self.port = self.server.add_insecure_port(self.relay.backend_address)  # private: 0700 dir
+        else:
+            assert tls is not None
+            self.port = self.server.add_secure_port(address, tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
-        self.address = address
+
+    def session_peer(self, session_id: str) -> PeerCred | None:
+        """The kernel's credentials of a live session's peer (unix socket; None over TCP)."""
+        return self.servicer.session_peers.get(session_id)
 
     def start(self) -> None:
         self.metrics = MetricsServer(self.registry, self.metrics_port)
         self.server.start()
+        if self.relay is not None:
+            self.relay.start()
         self.health.server_up(True)
         log.info("plancache sidecar listening on %s", self.address)
 
@@ -223,6 +303,8 @@ class SidecarServer:
         self.set_serving(False)
         self.stopping.set()
         self.server.stop(grace_s).wait()
+        if self.relay is not None:
+            self.relay.close()
         if self.metrics is not None:
             self.metrics.close()
         self.sidecar.cache.close()

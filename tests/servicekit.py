@@ -437,8 +437,9 @@ class Pair:
             gpu_plans=gpu_plans, plan_width=plan_width, host_cache_bytes=host_cache_bytes, device=sidecar_device
         )
         self.sidecar_config = SidecarConfig(
-            checkpoint, cache, self.sidecar_target, heartbeat_s, self.state_dir, sidecar_metrics_port
-        )
+            checkpoint, cache, self.sidecar_target,
+            heartbeat_s=heartbeat_s, state_dir=self.state_dir, metrics_port=sidecar_metrics_port,
+        )  # fmt: skip
         self.generator_config = GeneratorConfig(
             adaln_mode=mode, checkpoint=checkpoint if mode == "resident" else None,
             sidecar=self.sidecar_target if mode == "cached" else "", listen=f"127.0.0.1:{self.port}",

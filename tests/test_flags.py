@@ -43,7 +43,10 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 # ----------------------------------------------------------------------------- round trips
 def _sidecar_config(tmp_path: Path) -> SidecarConfig:
     cache = CacheConfig(gpu_plans=33, plan_width=1, host_cache_bytes=290_000_000, device="cuda:1")
-    return SidecarConfig(tmp_path / "ckpt", cache, f"unix:{tmp_path / 'run' / 'p.sock'}", 0.25, tmp_path / "st", 9401)
+    return SidecarConfig(
+        tmp_path / "ckpt", cache, f"unix:{tmp_path / 'run' / 'p.sock'}",
+        heartbeat_s=0.25, state_dir=tmp_path / "st", metrics_port=9401,
+    )  # fmt: skip
 
 
 def test_sidecar_round_trip(tmp_path: Path) -> None:
@@ -51,7 +54,8 @@ def test_sidecar_round_trip(tmp_path: Path) -> None:
     argv = [*to_argv(cfg, exclude=("address",)), "--socket", cfg.address.removeprefix("unix:")]
     assert plancache_cli.config_from_args(plancache_cli.build_parser().parse_args(argv)) == cfg
     # and over TCP
-    tcp = replace(cfg, address="127.0.0.1:50052")
+    tls = {"tls_cert": Path("/c.pem"), "tls_key": Path("/k.pem"), "tls_client_ca": Path("/ca.pem")}
+    tcp = replace(cfg, address="127.0.0.1:50052", admin_token="t0k", **tls)
     argv = [*to_argv(tcp, exclude=("address",)), "--listen", tcp.address]
     assert plancache_cli.config_from_args(plancache_cli.build_parser().parse_args(argv)) == tcp
 
@@ -79,7 +83,12 @@ def test_sidecar_round_trip(tmp_path: Path) -> None:
             tls_client_ca=Path("/ca.pem"),
         ),
         GeneratorConfig(adaln_mode="resident", checkpoint=Path("/ckpt")),
-        GeneratorConfig(sidecar="10.0.0.2:50052"),
+        GeneratorConfig(
+            sidecar="10.0.0.2:50052",
+            sidecar_tls_ca=Path("/sca.pem"),
+            sidecar_tls_cert=Path("/gc.pem"),
+            sidecar_tls_key=Path("/gk.pem"),
+        ),
     ],
     ids=["cached-everything", "resident", "tcp-sidecar"],
 )
@@ -288,8 +297,14 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
             own,
             {"--max-num-frames", "--max-prompt-bytes", "--admin-token", "--device", "--log-format", "--run-dir"},
         ),
-        # serve's --device is the generator's declaration (one device for both processes)
-        (plancache_cli.build_parser(), own | {"--device"}, {"--gpu-plans", "--plan-width", "--host-cache-gb"}),
+        # serve's --device is the generator's declaration (one device for both processes); the
+        # sidecar's TLS and admin-token flags are for `plancache --listen` (TCP), which serve never
+        # starts: serve's --tls-* / --admin-token are the generator's.
+        (
+            plancache_cli.build_parser(),
+            own | {"--device", "--tls-cert", "--tls-key", "--tls-client-ca", "--admin-token"},
+            {"--gpu-plans", "--plan-width", "--host-cache-gb"},
+        ),
     ]
     for child, skip, expected in cases:
         theirs = _options(child)

@@ -1,0 +1,62 @@
+"""Credentials both services share, free of grpc (configs import it): PEM files read with the
+flag that named them, and the admin bearer token (`authorization: Bearer <token>`). The mutual-TLS
+credentials built from those files are in `ditruntime.tls`."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from .errors import ServiceError
+
+ADMIN_TOKEN_ENV = "DITSERVE_ADMIN_TOKEN"
+"""The environment variable both services read their admin token from (`--admin-token` wins)."""
+ADMIN_TOKEN_HELP = (
+    f"admin bearer token (default: ${ADMIN_TOKEN_ENV}): the generator's UpdateWeights, a TCP sidecar's "
+    "weight-update RPCs; unset = updates off"
+)
+"""One help text: `serve` declares the generator's --admin-token, the sidecar inherits the variable."""
+
+
+class MissingTokenError(ServiceError):
+    reason = "MISSING_TOKEN"
+    grpc_code = "UNAUTHENTICATED"
+
+
+class BadTokenError(ServiceError):
+    reason = "BAD_TOKEN"
+    grpc_code = "PERMISSION_DENIED"
+
+
+class UpdatesDisabledError(ServiceError):
+    reason = "UPDATES_DISABLED"
+    grpc_code = "PERMISSION_DENIED"
+
+
+def read_pem(path: Path, flag: str) -> bytes:
+    """The bytes of a PEM file; ValueError naming the flag when it cannot be read or is not PEM."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read: {e.strerror or e}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{flag} {path}: not a PEM file")
+    return data
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents `token`."""
+    return (("authorization", f"Bearer {token}"),)
+
+
+def check_bearer(configured: str, authorization: str | None, what: str) -> None:
+    """`authorization: Bearer <token>` against the configured token (compared in constant time).
+    No token configured: PERMISSION_DENIED (UPDATES_DISABLED); none sent: UNAUTHENTICATED
+    (MISSING_TOKEN); a wrong one: PERMISSION_DENIED (BAD_TOKEN)."""
+    if not configured:
+        raise UpdatesDisabledError(f"{what} is disabled: start with --admin-token (or {ADMIN_TOKEN_ENV})")
+    if not authorization:
+        raise MissingTokenError(f"{what} needs metadata 'authorization: Bearer <admin token>'")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), configured.encode()):
+        raise BadTokenError(f"{what}: the admin token is wrong")
