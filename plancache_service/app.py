@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from ditcore.checkpoint import CheckpointError
 from ditruntime.paths import prepare_dir
 from ditruntime.tls import mutual_tls_server_credentials
 
@@ -56,7 +57,14 @@ def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
             "state file %s names %s (generation %d); it wins over --checkpoint %s",
             state_dir / STATE_FILE, state.weights_path, state.generation, cfg.checkpoint,
         )  # fmt: skip
-    return RebuildSource(state.weights_path, device, committed_digests=state.digests), state.generation
+    try:
+        return RebuildSource(state.weights_path, device, committed_digests=state.digests), state.generation
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{e} (the state file {state_dir / STATE_FILE} names {state.weights_path} as generation "
+            f"{state.generation}, and the state file wins over --checkpoint; to start from --checkpoint "
+            f"{cfg.checkpoint} instead, remove that state file or point --state-dir elsewhere)"
+        ) from e
 
 
 def server_tls(cfg: SidecarConfig) -> grpc.ServerCredentials | None:

@@ -167,3 +167,22 @@ def test_in_place_edit_stops_serving_and_names_the_file(tiny_ckpt: Path, tmp_pat
     assert (state_dir / STATE_FILE).exists()
     source, generation = open_source(config)
     assert generation == 1 and shard in source.changed_files()
+
+
+def test_a_state_file_naming_an_unusable_repository_says_how_to_recover(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A run dir left by an older version names a directory that is no MiniMax-H3 repository: the refusal names
+    the state file and how to start from --checkpoint instead, and nothing is served."""
+    from plancache_service.app import open_source
+    from plancache_service.config import CacheConfig, SidecarConfig
+    from plancache_service.state import STATE_FILE, PersistedState, save_state
+
+    old = tmp_path / "demo-checkpoint-small"
+    old.mkdir()
+    state_dir = tmp_path / "state"
+    save_state(state_dir, PersistedState(3, str(old), {"config.json": "0" * 64}))
+    cfg = SidecarConfig(tiny_ckpt, CacheConfig(), f"unix:{tmp_path / 'pc.sock'}", state_dir=state_dir)
+    with pytest.raises(CheckpointError) as info:
+        open_source(cfg)
+    msg = str(info.value)
+    assert "model_index.json" in msg and str(state_dir / STATE_FILE) in msg
+    assert "remove that state file or point --state-dir elsewhere" in msg and str(tiny_ckpt) in msg
