@@ -5,6 +5,7 @@ credentials built from those files are in `ditruntime.tls`."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import ServiceError
@@ -42,6 +43,23 @@ def read_pem(path: Path, flag: str) -> bytes:
     if b"-----BEGIN " not in data:
         raise ValueError(f"{flag} {path}: not a PEM file")
     return data
+
+
+def check_tls_flags(
+    flags: Mapping[str, Path | None], required: bool, needed_by: str, stray: str, hint: str = ""
+) -> None:
+    """Mutual TLS takes every one of `flags` (flag name -> value) where `required` (`needed_by` says why; `hint`
+    ends the message), and none of them elsewhere (`stray` says where they apply). ValueError naming the flags."""
+    names = list(flags)
+    if required:
+        missing = [name for name, value in flags.items() if value is None]
+        if missing:
+            raise ValueError(
+                f"{needed_by} needs mutual TLS: {', '.join(names[:-1])} and {names[-1]} are required "
+                f"({', '.join(missing)} missing){hint}"
+            )
+    elif given := [name for name, value in flags.items() if value is not None]:
+        raise ValueError(f"{', '.join(given)}: {stray}")
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ditcore.request import CANVAS_MULTIPLE, MAX_FRAMES, MAX_PROMPT_BYTES, MAX_SIDE, MIN_FRAMES, RequestLimits
-from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP
+from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP, check_tls_flags
 from ditruntime.flags import check_bounds, flag
 
 TOKEN_ENV = ADMIN_TOKEN_ENV
@@ -118,20 +118,15 @@ class GeneratorConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        side_tls = {
-            "--sidecar-tls-ca": self.sidecar_tls_ca,
-            "--sidecar-tls-cert": self.sidecar_tls_cert,
-            "--sidecar-tls-key": self.sidecar_tls_key,
-        }
-        if self.adaln_mode == "cached" and self.sidecar_tcp:
-            missing = [name for name, value in side_tls.items() if value is None]
-            if missing:
-                raise ValueError(
-                    f"--sidecar {self.sidecar} (TCP) needs mutual TLS: --sidecar-tls-ca, --sidecar-tls-cert and "
-                    f"--sidecar-tls-key are required ({', '.join(missing)} missing)"
-                )
-        elif any(value is not None for value in side_tls.values()):
-            given = ", ".join(name for name, value in side_tls.items() if value is not None)
-            raise ValueError(f"{given}: apply only to a TCP --sidecar HOST:PORT in cached mode")
+        check_tls_flags(
+            {
+                "--sidecar-tls-ca": self.sidecar_tls_ca,
+                "--sidecar-tls-cert": self.sidecar_tls_cert,
+                "--sidecar-tls-key": self.sidecar_tls_key,
+            },
+            required=self.adaln_mode == "cached" and self.sidecar_tcp,
+            needed_by=f"--sidecar {self.sidecar} (TCP)",
+            stray="apply only to a TCP --sidecar HOST:PORT in cached mode",
+        )
         if not 1024 <= self.chunk_bytes < self.max_message_bytes:
             raise ValueError("chunk_bytes must be in [1024, max_message_bytes (--max-message-mb))")

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
 from ditcore.plans import DTYPES
+from ditruntime.auth import check_bearer
 from ditruntime.convert import to_proto
 from ditruntime.errors import ServiceError
 from ditruntime.obs import MetricsServer, RpcMetrics
@@ -36,7 +37,7 @@ from .executor import Executor
 from .health import ServingState
 from .jobs import Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
 from .metrics import GeneratorMetrics
-from .updates import UpdateCoordinator, check_token, resolve_weights_path
+from .updates import UpdateCoordinator, resolve_weights_path
 
 
 def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
@@ -202,7 +203,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     ) -> pb.UpdateWeightsResponse:
         expected = request.expected_generation if request.HasField("expected_generation") else None
         try:
-            check_token(self.cfg.admin_token, dict(context.invocation_metadata()).get("authorization"))
+            check_bearer(
+                self.cfg.admin_token, dict(context.invocation_metadata()).get("authorization"), "UpdateWeights"
+            )
             if request.tensors:
                 if request.weights_path:
                     raise RequestError("tensors", "give weights_path or tensors, not both")

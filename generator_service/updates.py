@@ -18,7 +18,6 @@ session and serves nothing until it reattaches; then it loads whatever generatio
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 import threading
@@ -48,23 +47,6 @@ class UpdateResult:
     weights_path: str
     fingerprint: str
     phase_ms: dict[str, float]
-
-
-def check_token(configured: str, authorization: str | None) -> None:
-    """Admin token from `authorization: Bearer <token>` metadata."""
-    if not configured:
-        raise UpdateError(
-            "PERMISSION_DENIED",
-            "UPDATES_DISABLED",
-            "weight updates are disabled: start the generator with --admin-token (or DITSERVE_ADMIN_TOKEN)",
-        )
-    if not authorization:
-        raise UpdateError(
-            "UNAUTHENTICATED", "MISSING_TOKEN", "UpdateWeights needs metadata 'authorization: Bearer <admin token>'"
-        )
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), configured.encode()):
-        raise UpdateError("PERMISSION_DENIED", "BAD_TOKEN", "the admin token is wrong")
 
 
 def resolve_weights_path(root: Path | None, weights_path: str) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP
+from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP, check_tls_flags
 from ditruntime.flags import check_bounds, flag, flag_metadata
 
 GB = 1000**3
@@ -94,16 +94,10 @@ class SidecarConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        tls = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-client-ca": self.tls_client_ca}
-        if self.tcp:
-            missing = [name for name, value in tls.items() if value is None]
-            if missing:
-                raise ValueError(
-                    f"--listen {self.address} (TCP) needs mutual TLS: --tls-cert, --tls-key and --tls-client-ca "
-                    f"are required ({', '.join(missing)} missing); the unix socket (--socket) needs none"
-                )
-        elif any(value is not None for value in tls.values()):
-            given = ", ".join(name for name, value in tls.items() if value is not None)
-            raise ValueError(
-                f"{given}: TLS applies only with --listen HOST:PORT (the unix socket checks the peer's uid)"
-            )
+        check_tls_flags(
+            {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-client-ca": self.tls_client_ca},
+            required=self.tcp,
+            needed_by=f"--listen {self.address} (TCP)",
+            stray="TLS applies only with --listen HOST:PORT (the unix socket checks the peer's uid)",
+            hint="; the unix socket (--socket) needs none",
+        )
