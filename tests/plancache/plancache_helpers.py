@@ -12,6 +12,8 @@ wherever the two shifts agree, width 2 elsewhere. The oracle (`DiffusersPages`) 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +27,11 @@ from ditcore.plans import PageLayout, PlanKey, distinct_keys
 from ditcore.repo import get_preset
 from ditcore.request import GenerationRequest
 from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, EMPTY, READY, ROW_WORDS
+from plancache_service.app import build_server
 from plancache_service.cache import Lease, PlanCache
-from plancache_service.config import CacheConfig
+from plancache_service.config import CacheConfig, SidecarConfig
 from plancache_service.rebuild import RebuildSource
+from plancache_service.server import SidecarServer
 
 _TINY = get_preset("tiny")
 TINY_LAYOUT = PageLayout(_TINY.num_layers, _TINY.hidden_size, _TINY.time_embed_dim)
@@ -131,6 +135,32 @@ def cache_factory(source: RebuildSource, shm_dir: Path) -> Iterator[MakeCache]:
     finally:
         for c in caches:
             c.close()
+
+
+@contextlib.contextmanager
+def running_sidecar(repo: Path, prefix: str, host_pages: int, **cache: Any) -> Iterator[SidecarServer]:
+    """A started sidecar on `repo` in a fresh short /tmp run dir (unix socket paths are capped), its host tier
+    `host_pages` pages (no reserve), its slab in that dir; `cache` sets the other CacheConfig fields."""
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    info = validate_checkpoint(repo)
+    config = SidecarConfig(
+        checkpoint=repo,
+        cache=CacheConfig(
+            host_cache_bytes=host_pages * info.layout.page_bytes(info.projection_dtype),
+            host_reserve_bytes=0,
+            shm_dir=str(run_dir),
+            **cache,
+        ),
+        address=f"unix:{run_dir}/plancache.sock",
+        heartbeat_s=0.2,
+    )
+    server = build_server(config)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=1.0)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def prepare(cache: PlanCache, spec_or_keys: Sched | Sequence[PlanKey], owner: str = "test") -> Lease:

@@ -11,8 +11,6 @@ float32 time embedder) and in float32.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,13 +21,11 @@ import torch
 from ditcore.checkpoint import validate_checkpoint
 from ditcore.plans import DTYPES, PlanKey
 from ditruntime.slab import COL_LENGTH, COL_STATE, READY, ROW_WORDS, descriptor_from_proto, map_slab
-from plancache_service.app import build_server
-from plancache_service.config import CacheConfig, SidecarConfig
 from plancache_service.server import SidecarServer
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
-from plancache_helpers import DiffusersPages, Sched, pages_needed, sched  # isort: skip
+from plancache_helpers import DiffusersPages, Sched, pages_needed, running_sidecar, sched  # isort: skip
 
 A, B = sched(6, 5.0, 3.0), sched(6, 7.0, 3.0)  # 6 plans each; they share only the first (t = 0, width 1)
 
@@ -48,29 +44,9 @@ def oracle(repo: Path) -> DiffusersPages:
 @pytest.fixture
 def sidecar(repo: Path) -> Iterator[SidecarServer]:
     """A started sidecar on `repo`: 6 slots (one schedule), a host tier holding both schedules."""
-    run_dir = Path(tempfile.mkdtemp(prefix="pco-", dir="/tmp"))  # short: unix socket paths are capped
-    info = validate_checkpoint(repo)
-    page_bytes = info.layout.page_bytes(info.projection_dtype)
     both = set(A.plan_keys()) | set(B.plan_keys())
-    config = SidecarConfig(
-        checkpoint=repo,
-        cache=CacheConfig(
-            gpu_plans=6,
-            plan_width=2,
-            host_cache_bytes=pages_needed(both) * page_bytes,
-            host_reserve_bytes=0,
-            shm_dir=str(run_dir),
-        ),
-        address=f"unix:{run_dir}/plancache.sock",
-        heartbeat_s=0.2,
-    )
-    server = build_server(config)
-    server.start()
-    try:
+    with running_sidecar(repo, "pco-", pages_needed(both), gpu_plans=6, plan_width=2) as server:
         yield server
-    finally:
-        server.stop(grace_s=1.0)
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 class Client:

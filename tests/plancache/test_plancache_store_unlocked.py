@@ -12,8 +12,6 @@ flight" is an ordering of events; the `wait(timeout=...)` calls only turn a hang
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,11 +21,8 @@ import grpc
 import pytest
 import torch
 
-from ditcore.checkpoint import validate_checkpoint
 from ditcore.plans import PlanKey
-from plancache_service.app import build_server
 from plancache_service.cache import Lease, PlanCache
-from plancache_service.config import CacheConfig, SidecarConfig
 from plancache_service.device import Copier
 from plancache_service.errors import RebuildError
 from plancache_service.server import SidecarServer
@@ -48,6 +43,7 @@ from plancache_helpers import (  # isort: skip
     pages_needed,
     prepare,
     run,
+    running_sidecar,
 )
 
 GUARD_S = 60  # turns a hang into a failure; never the thing asserted
@@ -165,27 +161,8 @@ def test_a_failed_store_copy_undoes_its_booking_and_is_retryable(
 @pytest.fixture
 def sidecar(tiny_ckpt: Path) -> Iterator[SidecarServer]:
     """A started sidecar on tiny_ckpt: 8 slots, a host tier holding X and Y."""
-    run_dir = Path(tempfile.mkdtemp(prefix="psu-", dir="/tmp"))  # short: unix socket paths are capped
-    info = validate_checkpoint(tiny_ckpt)
-    page_bytes = info.layout.page_bytes(info.projection_dtype)
-    config = SidecarConfig(
-        checkpoint=tiny_ckpt,
-        cache=CacheConfig(
-            gpu_plans=8,
-            host_cache_bytes=pages_needed(keys_of(X) + keys_of(Y)) * page_bytes,
-            host_reserve_bytes=0,
-            shm_dir=str(run_dir),
-        ),
-        address=f"unix:{run_dir}/plancache.sock",
-        heartbeat_s=0.2,
-    )
-    server = build_server(config)
-    server.start()
-    try:
+    with running_sidecar(tiny_ckpt, "psu-", pages_needed(keys_of(X) + keys_of(Y)), gpu_plans=8) as server:
         yield server
-    finally:
-        server.stop(grace_s=1.0)
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_grpc_release_plans_returns_while_the_host_store_copies(
