@@ -1,22 +1,25 @@
 """The lock files: every package ditserve installs, pinned with its sha256 hashes.
 
-    python scripts/lock.py            # re-compile after editing pyproject.toml or requirements-cpu.txt
+    python scripts/lock.py            # re-compile after editing pyproject.toml or requirements-torch.txt
     python scripts/lock.py --check    # fail if a lock is stale (scripts/test.sh runs this; offline, stdlib)
 
 Three files, from one universal resolution (every platform, Python >= requires-python) of the project's
-dependencies, its `dev` extra, its build backend and the torch pin of requirements-cpu.txt:
+dependencies, its `dev` extra, its build backend and the torch / torchvision pins of requirements-torch.txt:
 
-* requirements.lock       what the services run (and the build backend): the images and bootstrap.sh
+* requirements.lock       what the services run (and the build backend), but the torch stack: everywhere
 * requirements-dev.lock   the dev tools on top of it: bootstrap.sh (CI, development)
-* requirements-cuda.lock  torch itself and the CUDA libraries its PyPI wheel needs: Dockerfile.cuda
+* requirements-cuda.lock  the torch stack: torch and torchvision as PyPI builds them (CUDA 13.0 on Linux;
+                          they run on a CPU too), triton and the CUDA libraries they need: everywhere
 
-torch is installed apart from the locks everywhere else: CI and development take the CPU build named in
-requirements-cpu.txt, the CPU image the CPU build from PyTorch's CPU index; both then install the locks with
-`pip install --require-hashes --no-deps`, and ditserve itself with `--no-deps --no-build-isolation`.
+Every install (scripts/bootstrap.sh, both images) is `pip install --require-hashes --no-deps` of the locks it
+needs, then ditserve itself with `--no-deps --no-build-isolation`, then `pip check`: nothing is resolved at
+install time and nothing unhashed is installed.
 
 Compiling needs uv (a pinned dev tool, so `.venv/bin/python scripts/lock.py` finds it) and PyPI. Existing pins
 are kept where they still satisfy pyproject.toml (uv's preferences); pass --upgrade to move everything to the
-newest releases. Each lock's header records a digest of the inputs; --check recomputes it and also checks
+newest releases (note: the torch stack's pins that torch leaves open, triton and nvidia-nvjitlink, are the
+versions whose wheels CI's machine keeps on local disk, where pip finds them with the same hashes; --upgrade
+may move them to newer ones that pip then downloads). Each lock's header records a digest of the inputs; --check recomputes it and also checks
 that every pin satisfies pyproject.toml, so CI fails on a lock that pyproject.toml has moved away from.
 """
 
@@ -39,7 +42,7 @@ except ImportError:  # pragma: no cover - requires-python is >= 3.11
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = REPO / "pyproject.toml"
-TORCH_PIN = REPO / "requirements-cpu.txt"
+TORCH_PIN = REPO / "requirements-torch.txt"
 RUNTIME_LOCK = REPO / "requirements.lock"
 DEV_LOCK = REPO / "requirements-dev.lock"
 CUDA_LOCK = REPO / "requirements-cuda.lock"
@@ -47,9 +50,9 @@ LOCKS = (RUNTIME_LOCK, DEV_LOCK, CUDA_LOCK)
 INDEX = "https://pypi.org/simple"
 UV_VERSION = "0.13.8"  # = the dev extra's pin
 # bump when the way the locks are made changes, so --check asks for a re-lock
-SCHEME = 1
-# torch and what only its CUDA wheels need: never in requirements.lock / requirements-dev.lock
-GPU_ONLY = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+SCHEME = 2
+# the torch stack (torch, torchvision and what only their CUDA wheels need): requirements-cuda.lock only
+TORCH_STACK = re.compile(r"^(torch|torchvision|triton|nvidia-.*|cuda-.*)$")
 DIGEST_LINE = re.compile(r"^# input-sha256: ([0-9a-f]{64})$", re.M)
 
 
@@ -115,7 +118,7 @@ def check() -> list[str]:
             problems.append(f"{lock.name} has no '# input-sha256:' header line")
         elif m.group(1) != want:
             problems.append(
-                f"{lock.name} is stale: pyproject.toml's dependencies (or requirements-cpu.txt's torch pin) "
+                f"{lock.name} is stale: pyproject.toml's dependencies (or requirements-torch.txt's pins) "
                 "changed since it was compiled"
             )
     if problems:
@@ -130,23 +133,30 @@ def check() -> list[str]:
         for name, entries in pins(lock.read_text()).items():
             locked.setdefault(name, []).extend(entries)
     data = tomllib.loads(PYPROJECT.read_text())["project"]
-    reqs = [*data.get("dependencies", []), *data.get("optional-dependencies", {}).get("dev", []), *torch_requirements()]
-    for text in reqs:
+    reqs = [
+        *(
+            (r, PYPROJECT.name)
+            for r in [*data.get("dependencies", []), *data.get("optional-dependencies", {}).get("dev", [])]
+        ),
+        *((r, TORCH_PIN.name) for r in torch_requirements()),
+    ]
+    for text, source in reqs:
         req = Requirement(text)
         name = canonical(req.name)
         if name not in locked:
-            problems.append(f"{req.name} ({text!r} in pyproject.toml) is in no lock file")
+            problems.append(f"{req.name} ({text!r} in {source}) is in no lock file")
             continue
         for version, marker in locked[name]:
             if not req.specifier.contains(version, prereleases=True):
                 where = f" ; {marker}" if marker else ""
-                problems.append(f"{req.name}=={version}{where} is locked but pyproject.toml asks {text!r}")
-        if GPU_ONLY.match(name) and name != "torch":
+                problems.append(f"{req.name}=={version}{where} is locked but {source} asks {text!r}")
+        # a requirement of the services must be in a lock the images install: the torch stack in
+        # requirements-cuda.lock, the rest in requirements.lock
+        if text in data.get("optional-dependencies", {}).get("dev", []):
             continue
-        # a requirement of the services must be in requirements.lock (the images install only that)
-        in_extra = text in data.get("optional-dependencies", {}).get("dev", [])
-        if name != "torch" and not in_extra and name not in pins(RUNTIME_LOCK.read_text()):
-            problems.append(f"{req.name} is a runtime dependency but not in {RUNTIME_LOCK.name}")
+        home = CUDA_LOCK if TORCH_STACK.match(name) else RUNTIME_LOCK
+        if name not in pins(home.read_text()):
+            problems.append(f"{req.name} is a runtime dependency but not in {home.name}")
     return problems
 
 
@@ -173,7 +183,7 @@ def header(title: str, digest: str, install: str) -> str:
     return (
         f"# {title}\n"
         f"# Made by `python scripts/lock.py` (uv {UV_VERSION}, universal, PyPI) from pyproject.toml and\n"
-        f"# requirements-cpu.txt; do not edit by hand. Install with: {install}\n"
+        f"# requirements-torch.txt; do not edit by hand. Install with: {install}\n"
         f"# input-sha256: {digest}\n"
     )
 
@@ -188,7 +198,7 @@ def compile_locks(uv: str, upgrade: bool) -> None:
         full = t / "full.txt"
         if not upgrade:  # uv prefers the pins already in its output file
             full.write_text("".join(p.read_text() for p in LOCKS if p.exists()))
-        # 1. everything: the project with its dev extra, the build backend, torch at its pin
+        # 1. everything: the project with its dev extra, the build backend, torch and torchvision at their pins
         uv_compile(uv, full, "pyproject.toml", str(t / "build.in"), "--extra", "dev", "-c", str(t / "torch.txt"),
                    "--generate-hashes", "--no-annotate")  # fmt: skip
         everything = blocks(full.read_text())
@@ -203,21 +213,21 @@ def compile_locks(uv: str, upgrade: bool) -> None:
         for name in sorted(everything):
             if name == "ditserve":
                 continue
-            dest = CUDA_LOCK if GPU_ONLY.match(name) else RUNTIME_LOCK if name in runtime_names else DEV_LOCK
+            dest = CUDA_LOCK if TORCH_STACK.match(name) else RUNTIME_LOCK if name in runtime_names else DEV_LOCK
             parts[dest].extend(everything[name])
     texts = {
         RUNTIME_LOCK: header(
-            "What ditserve's services run, and its build backend (every platform; torch excluded: requirements-cpu.txt / requirements-cuda.lock).",
+            "What ditserve's services run, and its build backend (every platform), but the torch stack (requirements-cuda.lock).",
             digest,
-            "pip install --require-hashes --no-deps -r requirements.lock",
+            "pip install --require-hashes --no-deps -r requirements.lock -r requirements-cuda.lock",
         ),
         DEV_LOCK: header(
             "The dev tools and what they need, on top of requirements.lock.",
             digest,
-            "pip install --require-hashes --no-deps -r requirements.lock -r requirements-dev.lock",
+            "pip install --require-hashes --no-deps -r requirements.lock -r requirements-dev.lock -r requirements-cuda.lock",
         ),
         CUDA_LOCK: header(
-            "torch at requirements-cpu.txt's version as PyPI builds it (CUDA; see docker/Dockerfile.cuda) and the CUDA libraries it needs.",
+            "The torch stack: torch and torchvision at requirements-torch.txt's pins as PyPI builds them (CUDA; they run on a CPU too), and the CUDA libraries they need.",
             digest,
             "pip install --require-hashes --no-deps -r requirements.lock -r requirements-cuda.lock",
         ),

@@ -1,7 +1,7 @@
 """Deployment files (docker/): the linters (scripts/validate_deploy.sh), the structure the
 services depend on (shared namespaces, /dev/shm, one socket path, native sidecar, headless
 Service), docker/healthcheck.py against a real sidecar, and the installs (lock files with hashes,
-exact dev-tool pins, torch chosen per image, the CUDA image's allocator guard)."""
+exact dev-tool pins, one hash-locked torch stack everywhere, the CUDA image's allocator guard)."""
 
 from __future__ import annotations
 
@@ -158,12 +158,6 @@ def test_images_never_reach_for_the_hub(dockerfile: str) -> None:
     assert re.search(r"^\s+HF_HUB_OFFLINE=1$", text, re.M), "the runtime ENV sets HF_HUB_OFFLINE=1"
 
 
-def test_cpu_image_pins_the_torch_of_requirements_cpu() -> None:
-    [pin] = [ln for ln in (REPO / "requirements-cpu.txt").read_text().splitlines() if ln.startswith("torch==")]
-    match = re.search(r"^ARG TORCH_VERSION=(\S+)$", (DOCKER / "Dockerfile.cpu").read_text(), re.M)
-    assert match and f"torch=={match.group(1)}" == pin
-
-
 # ----------------------------------------------------------------------------- installs
 def _lock_module() -> Any:
     spec = importlib.util.spec_from_file_location("ditserve_lock", REPO / "scripts" / "lock.py")
@@ -203,17 +197,23 @@ def test_lock_check_fails_when_pyproject_moves_on(tmp_path: Path, monkeypatch: p
     assert any("diffusers==0.41.0" in p for p in lock.check())
 
 
-def test_locks_pin_everything_with_hashes_and_leave_torch_to_each_target() -> None:
+def test_locks_pin_everything_with_hashes_and_the_torch_stack_apart() -> None:
     lock = _lock_module()
     for path in lock.LOCKS:
         entries = lock.blocks(path.read_text())
         assert entries, path.name
         for name, lines in entries.items():
             assert "==" in lines[0] and any("--hash=sha256:" in ln for ln in lines), f"{path.name}: {name}"
-        gpu = {n for n in entries if lock.GPU_ONLY.match(n)}
-        assert gpu == (set(entries) if path == lock.CUDA_LOCK else set()), path.name
-    [pin] = lock.torch_requirements()
-    assert lock.pins(lock.CUDA_LOCK.read_text())["torch"] == [(pin.split("==")[1], "")]
+        stack = {n for n in entries if lock.TORCH_STACK.match(n)}
+        assert stack == (set(entries) if path == lock.CUDA_LOCK else set()), path.name
+    # torch and torchvision: exact pins (torchvision names the torch it was built against), locked as pinned
+    pinned = {Requirement(r).name: Requirement(r) for r in lock.torch_requirements()}
+    assert set(pinned) == {"torch", "torchvision"}
+    cuda = lock.pins(lock.CUDA_LOCK.read_text())
+    for name, req in pinned.items():
+        [spec] = req.specifier
+        assert spec.operator == "==", req
+        assert cuda[name] == [(spec.version, "")], name
 
 
 def test_dev_tools_are_pinned_exactly() -> None:
@@ -227,26 +227,24 @@ def test_dev_tools_are_pinned_exactly() -> None:
 
 def test_bootstrap_installs_the_locks_with_hashes() -> None:
     script = (REPO / "scripts" / "bootstrap.sh").read_text()
-    assert "--require-hashes --no-deps -r requirements.lock -r requirements-dev.lock" in script
-    assert "--no-deps -r requirements-cpu.txt" in script  # torch apart, without resolving anything
+    # the torch stack too: nothing installed without a hash, nothing resolved
+    assert (
+        "--require-hashes --no-deps -r requirements.lock -r requirements-dev.lock -r requirements-cuda.lock" in script
+    )
+    assert "requirements-torch.txt" not in script  # the pins are lock.py's input, not an install
     assert "--no-deps --no-build-isolation -e ." in script
     assert "pip check" in script
 
 
-@pytest.mark.parametrize(
-    ("dockerfile", "locks"),
-    [("Dockerfile.cpu", ["requirements.lock"]), ("Dockerfile.cuda", ["requirements-cuda.lock", "requirements.lock"])],
-)
-def test_images_install_only_from_hashed_locks(dockerfile: str, locks: list[str]) -> None:
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_images_install_only_from_hashed_locks(dockerfile: str) -> None:
     installs = _pip_installs(dockerfile)
     assert all("--no-deps" in cmd for cmd in installs), installs  # nothing resolved at build time
     hashed = [cmd for cmd in installs if "--require-hashes" in cmd]
-    assert [re.search(r"-r (\S+)", cmd).group(1) for cmd in hashed] == locks  # type: ignore[union-attr]
+    # the torch stack (its own layer), then the rest; the same in both images
+    assert [re.search(r"-r (\S+)", cmd).group(1) for cmd in hashed] == ["requirements-cuda.lock", "requirements.lock"]  # type: ignore[union-attr]
     others = [cmd for cmd in installs if "--require-hashes" not in cmd]
-    if dockerfile == "Dockerfile.cpu":  # + torch's CPU build from its own index, and ditserve
-        assert [("torch==" in c, "--no-build-isolation ." in c) for c in others] == [(True, False), (False, True)]
-    else:  # torch comes from requirements-cuda.lock
-        assert len(others) == 1 and "--no-build-isolation ." in others[0]
+    assert len(others) == 1 and "--no-build-isolation ." in others[0]  # ditserve itself
 
 
 def test_cuda_image_base_matches_the_cuda_of_the_locked_torch() -> None:
