@@ -3,8 +3,9 @@
 `H3Model` is diffusers' own modular pipeline on a checkpoint (pipeline.py): in **resident** mode with the transformer
 exactly as `from_pretrained` loads it; in **cached** mode with the transformer loaded without its plan tensors (never
 read, never allocated) and every `adaln_proj.linear` / `norm_out.linear` replaced by a module that reads the current
-step's rows from a plan lease. `generate(model, request, plans, on_step)` runs diffusers' t2va denoise loop and returns
-the final latents exactly as diffusers computes them.
+step's rows from a plan lease. `generate(model, request, plans, on_step)` runs diffusers' t2va or fl2va denoise loop
+and returns the final latents exactly as diffusers computes them, decoded by diffusers' own decode steps when the
+request asks for media.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .checkpoint import CheckpointInfo, validate_checkpoint
-from .pipeline import ScheduleKeys, generate_latents, load_pipeline, use_cached_transformer
+from .media import DecodedMedia
+from .pipeline import ScheduleKeys, decode, generate_latents, load_decoder, load_pipeline, use_cached_transformer
 from .plans import PlanKey, SlotReads, is_plan_tensor
 from .report import CacheReport
 from .request import H3_LIMITS, GenerationRequest, RequestLimits
@@ -83,6 +85,8 @@ class GenerationResult:
     sha256: str
     timings_ms: dict[str, float]
     cache: CacheReport | None = None
+    media: DecodedMedia | None = None
+    """The decoded frames and waveform (requests whose output_type is not "latents")."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -146,8 +150,9 @@ class H3Model:
         if mode == "cached":
             self.holder = use_cached_transformer(self.pipe, info.path, self.precision)
         if self.device.type != "cpu":
-            for name in ("transformer", "text_encoder"):
+            for name in ("transformer", "text_encoder", "vae", "audio_vae"):
                 self.pipe.update_components(**{name: getattr(self.pipe, name).to(self.device)})
+        self.decoder: Any = load_decoder(self.pipe, info.path)
         self.schedule = ScheduleKeys(info.path)
 
     @property
@@ -208,10 +213,12 @@ def generate(
     on_step: StepCallback | None = None,
     limits: RequestLimits = H3_LIMITS,
 ) -> GenerationResult:
-    """Run one request through diffusers' t2va loop. Cached models need `plans`; resident models take none.
+    """Run one request through diffusers' t2va or fl2va loop. Cached models need `plans`; resident models take none.
 
-    The lease (if any) is acquired after validation and released in every outcome. Timings: `plans` (acquire),
-    `encode` (start of the loop to the first transformer forward: text encoding and layout), `denoise` (the rest).
+    The lease (if any) is acquired after validation and released in every outcome (before decoding, which reads no
+    plan). Timings: `plans` (acquire), `encode` (start of the loop to the first transformer forward: text and keyframe
+    encoding, layout), `denoise` (the rest of the loop), `decode` (diffusers' decode steps, on the model's device;
+    only for requests that ask for media).
     """
     request.validate(limits)
     if (plans is None) != (model.mode == "resident"):
@@ -256,10 +263,17 @@ def generate(
             reads_finished(model.device)
             reads = None  # no slab view outlives the request (an exception's traceback keeps this frame)
             lease.release()
+    media = None
+    if request.decodes:
+        t0 = time.perf_counter()
+        media = decode(model.decoder, video, audio)
+        timings["decode"] = _ms(t0)
     timings["total"] = _ms(t_start)
     v_out = video.detach().cpu().contiguous()
     a_out = audio.detach().cpu().contiguous()
-    return GenerationResult(request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report)
+    return GenerationResult(
+        request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report, media=media
+    )
 
 
 def _plan_reads(lease: PlanLease | None, keys: Sequence[PlanKey]) -> Any:

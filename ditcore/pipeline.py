@@ -1,12 +1,19 @@
-"""MiniMax-H3's t2va denoise loop run by diffusers' own modular blocks (decode removed), resident or cached.
+"""MiniMax-H3's t2va and fl2va denoise loops run by diffusers' own modular blocks, resident or cached, and diffusers'
+own decode steps after them.
 
 Protocol for one request on one pipeline (the pipeline's schedulers are stateful: one request at a time):
 
-    pipe = load_pipeline(repo, dtype)                       # diffusers' MiniMaxH3Blocks, t2va workflow, no decode
+    pipe = load_pipeline(repo, dtype)                       # diffusers' MiniMaxH3Blocks less decode (t2va / fl2va)
     keys = plan_keys(pipe, request)                         # per step: float32 bits of its sorted distinct timesteps
     video, audio = generate_latents(pipe, request)          # resident: diffusers' transformer, unmodified
     holder = use_cached_transformer(pipe, repo, dtype)      # or: transformer without adaln_proj / norm_out.linear
     video, audio = generate_latents(pipe, request, pages_for_step, keys)   # pages_for_step(i, keys[i]) -> pages
+    decoder = load_decoder(pipe, repo)                      # diffusers' MiniMaxH3DecodeStep on the same VAEs
+    media = decode(decoder, video, audio)                   # uint8 frames, stereo waveform, sampling rate
+
+The task follows the inputs as in diffusers: a request with keyframes (`image` / `last_image`) runs every
+conditional block's fl2va branch, one without runs t2va. (The ref2va branch is never selected: ditserve passes no
+`references`, and `transformer_ref/` is not loaded.)
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers.processing_utils import ProcessorMixin
 
+from .media import DecodedMedia
 from .plans import PlanKey, PlanLinear, PlanPages, SlotReads, load_transformer_without_adaln
 from .request import GenerationRequest
 
@@ -35,7 +42,17 @@ _LOAD_DTYPES: dict[str, Any] = {
 # the projection dtype load_transformer_without_adaln gives the cached transformer, per precision
 _TRANSFORMER_DTYPES = {"float32": torch.float32, "mixed": torch.bfloat16}
 _PLANNING_STOP = "denoise.set_timesteps"  # the last block plan_keys runs; the denoise loop follows it
-_PLANNING_SKIP = ("denoise.prepare_latents",)  # draws the noise, which the timesteps do not depend on
+# What the timesteps do not depend on: the keyframes' VAE encoding and every noise draw (and the packing of its rows)
+_PLANNING_SKIP = (
+    "vae_encoder",
+    "denoise.prepare_condition_latents",
+    "denoise.prepare_latents",
+    "denoise.prepare_latents_fl2va",
+)
+_UNLOADED = ("transformer_ref",)  # ref2va's partition: never selected, never loaded
+KEYFRAME_NOISE_AUG = 0.999
+"""The timestep an fl2va keyframe's rows are held at (diffusers' `MiniMaxH3ModularPipeline.keyframe_noise_aug`;
+pinned to it by a test): a step's keyframe rows sit at max(video t, 0.999)."""
 
 
 class H3PipelineError(Exception):
@@ -50,52 +67,52 @@ class NotCachedError(H3PipelineError):
     """Cached generation was asked of a pipeline whose transformer still holds its own projections."""
 
 
-class TextOnlyProcessor:
-    """Stands in for Qwen3VLProcessor in t2va, where MiniMaxH3TextEncoderStep uses only `create_mm_token_type_ids`.
-
-    Qwen3VLProcessor cannot be built without torchvision (its video processor). `create_mm_token_type_ids` is
-    transformers' own ProcessorMixin function, run on this object; the pad-token ids it reads are resolved by
-    Qwen3VLProcessor.__init__'s rule (the tokenizer's `*_token_id` attribute, else the id of `<|image_pad|>` /
-    `<|video_pad|>`). Qwen3-VL has no audio token, so `audio_token_ids` is `[None]`, as ProcessorMixin gives it.
-    """
-
-    create_mm_token_type_ids = ProcessorMixin.create_mm_token_type_ids
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.image_token_ids = [_pad_token_id(tokenizer, "image", "<|image_pad|>")]
-        self.video_token_ids = [_pad_token_id(tokenizer, "video", "<|video_pad|>")]
-        self.audio_token_ids: list[int | None] = [None]
-
-
-def _pad_token_id(tokenizer: Any, modality: str, default_token: str) -> int:
-    token = getattr(tokenizer, f"{modality}_token", default_token)
-    token_id = getattr(tokenizer, f"{modality}_token_id", None)
-    return int(token_id) if token_id else int(tokenizer.convert_tokens_to_ids(token))
-
-
 def _check_dtype(dtype: str) -> None:
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {dtype!r}")
 
 
 def load_pipeline(repo: str | os.PathLike[str], dtype: str = "float32") -> Any:
-    """diffusers' MiniMaxH3ModularPipeline on `repo`: MiniMaxH3Blocks without `decode`, pruned to the t2va workflow.
+    """diffusers' MiniMaxH3ModularPipeline on `repo`: MiniMaxH3Blocks without `decode` (see load_decoder).
 
-    Every from_pretrained component is loaded at `dtype`'s precision except the processor, which is a
-    TextOnlyProcessor (see there). The pipeline ends at `denoise.after_denoise`, with latents in its state.
+    Every from_pretrained component but `transformer_ref` is loaded at `dtype`'s precision (the Qwen3-VL processor
+    included: fl2va's text encoder runs the keyframes through its image processor). The pipeline ends at
+    `denoise.after_denoise`, with the final latents in its state.
     """
     from diffusers import MiniMaxH3Blocks, MiniMaxH3ModularPipeline
 
     _check_dtype(dtype)
     blocks = MiniMaxH3Blocks()
-    blocks.sub_blocks.pop("decode")  # no VAE pass: the service returns latents
-    blocks = blocks.get_workflow("t2va")  # drops the keyframe / reference branches and their components
+    blocks.sub_blocks.pop("decode")  # run apart (load_decoder): the latents and their sha256 come first
     pipe = MiniMaxH3ModularPipeline(blocks=blocks, pretrained_model_name_or_path=os.fspath(repo))
-    names = [n for n in pipe.pretrained_component_names if n != "processor"]
+    names = [n for n in pipe.pretrained_component_names if n not in _UNLOADED]
     pipe.load_components(names=names, dtype=_LOAD_DTYPES[dtype])
-    pipe.update_components(processor=TextOnlyProcessor(pipe.tokenizer))
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def load_decoder(pipe: Any, repo: str | os.PathLike[str]) -> Any:
+    """diffusers' MiniMaxH3DecodeStep (video, then audio) as a pipeline sharing `pipe`'s two VAEs."""
+    from diffusers import MiniMaxH3Blocks, MiniMaxH3ModularPipeline
+
+    decoder = MiniMaxH3ModularPipeline(
+        blocks=MiniMaxH3Blocks().sub_blocks["decode"], pretrained_model_name_or_path=os.fspath(repo)
+    )
+    decoder.update_components(vae=pipe.vae, audio_vae=pipe.audio_vae)
+    decoder.set_progress_bar_config(disable=True)
+    return decoder
+
+
+@torch.no_grad()
+def decode(decoder: Any, video: torch.Tensor, audio: torch.Tensor) -> DecodedMedia:
+    """Decode final latents exactly as diffusers' MiniMax-H3 decode steps do, with their default `output_type="pil"`:
+    the frames as diffusers hands them to a user (uint8 RGB), the stereo waveform and the audio VAE's rate."""
+    import numpy as np
+
+    out = decoder(latents=video, audio_latents=audio, output_type="pil", output=["videos", "audio", "sampling_rate"])
+    frames = np.stack([np.asarray(image) for image in out["videos"][0]])  # (F, H, W, 3) uint8
+    waveform = out["audio"][0].detach().cpu().contiguous().numpy()  # (2, S) float32
+    return DecodedMedia(frames=frames, audio=waveform, sampling_rate=int(out["sampling_rate"]))
 
 
 def use_cached_transformer(pipe: Any, repo: str | os.PathLike[str], dtype: str = "float32") -> PlanPages:
@@ -122,17 +139,19 @@ def _set_shifts(pipe: Any, request: GenerationRequest) -> None:
     pipe.audio_scheduler.set_shift(request.audio_flow_shift)
 
 
-def _planning_blocks(pipe: Any) -> Any:
-    """The workflow's blocks up to and including set_timesteps, less the noise draw: no transformer, no generator."""
+def _planning_blocks(task: str) -> Any:
+    """The task's workflow up to and including set_timesteps, less the keyframe encoding and the noise draws: no
+    transformer, no VAE, no generator."""
+    from diffusers import MiniMaxH3Blocks
     from diffusers.modular_pipelines import SequentialPipelineBlocks
 
     chosen = {}
-    for name, block in pipe.blocks.sub_blocks.items():
+    for name, block in MiniMaxH3Blocks().get_workflow(task).sub_blocks.items():
         if name not in _PLANNING_SKIP:
             chosen[name] = block
         if name == _PLANNING_STOP:
             return SequentialPipelineBlocks.from_blocks_dict(chosen)
-    raise H3PipelineError(f"the pipeline's workflow has no {_PLANNING_STOP!r} block: {list(pipe.blocks.sub_blocks)}")
+    raise H3PipelineError(f"diffusers' {task} workflow has no {_PLANNING_STOP!r} block")
 
 
 @torch.no_grad()
@@ -141,12 +160,13 @@ def plan_keys(pipe: Any, request: GenerationRequest) -> list[PlanKey]:
 
     The inputs are staged into the state as ModularPipeline.__call__ does (given value, else the input's default);
     the keys come from set_timesteps' `row_timestep_plan`, exactly the `timestep` each forward will receive.
-    Costs one text encoding. Sets the pipeline's scheduler shifts and timesteps to the request's.
+    Costs one text encoding (with the keyframes' vision blocks in fl2va). Sets the pipeline's scheduler shifts and
+    timesteps to the request's.
     """
     from diffusers.modular_pipelines import PipelineState
 
     _set_shifts(pipe, request)
-    blocks = _planning_blocks(pipe)
+    blocks = _planning_blocks(request.task)
     inputs = request.pipeline_inputs()
     state = PipelineState()
     for param in blocks.inputs:
@@ -157,12 +177,14 @@ def plan_keys(pipe: Any, request: GenerationRequest) -> list[PlanKey]:
 
 
 class ScheduleKeys:
-    """Every step's plan key of a t2va request from the repository's two schedulers alone: no text encoding, no
+    """Every step's plan key of a request from the repository's two schedulers alone: no text encoding, no
     pipeline state, safe to call while another request denoises (admission, prefetch, capacity checks).
 
-    Mirrors MiniMaxH3SetTimestepsStep for t2va (no conditioning rows): each step's rows sit at the video timestep
-    (video and text rows) or the audio timestep, reduced by `torch.unique(sorted=True)`. Pinned to the block by a test
-    against `plan_keys`, which runs diffusers' own block. Results are memoised per (steps, shifts).
+    Mirrors MiniMaxH3SetTimestepsStep: each step's rows sit at the video timestep (generated video and text rows),
+    the audio timestep, and in fl2va the keyframe rows at max(video t, KEYFRAME_NOISE_AUG); reduced by
+    `torch.unique(sorted=True)`, so an fl2va step is up to 3 wide and keyed apart from any t2va step whose width
+    differs. Pinned to the block by tests against `plan_keys`, which runs diffusers' own blocks. Memoised per
+    (steps, shifts, task).
     """
 
     def __init__(self, repo: str | os.PathLike[str]) -> None:
@@ -172,11 +194,12 @@ class ScheduleKeys:
         self._video = MiniMaxH3Scheduler.from_pretrained(root, subfolder="scheduler")
         self._audio = MiniMaxH3Scheduler.from_pretrained(root, subfolder="audio_scheduler")
         self._lock = threading.Lock()
-        self._memo: dict[tuple[int, float, float], list[PlanKey]] = {}
+        self._memo: dict[tuple[int, float, float, str], list[PlanKey]] = {}
 
     def keys(self, request: GenerationRequest) -> list[PlanKey]:
         """One key per transformer forward (num_inference_steps - 1 of them)."""
-        memo_key = (request.num_inference_steps, float(request.flow_shift), float(request.audio_flow_shift))
+        task = request.task
+        memo_key = (request.num_inference_steps, float(request.flow_shift), float(request.audio_flow_shift), task)
         with self._lock:
             if memo_key not in self._memo:
                 self._video.set_shift(request.flow_shift)
@@ -184,10 +207,15 @@ class ScheduleKeys:
                 self._video.set_timesteps(request.num_inference_steps)
                 self._audio.set_timesteps(request.num_inference_steps)
                 self._memo[memo_key] = [
-                    PlanKey.from_timesteps(float(tv), float(ta))
+                    PlanKey.from_timesteps(float(tv), float(ta), *_condition_timesteps(task, float(tv)))
                     for tv, ta in zip(self._video.timesteps, self._audio.timesteps, strict=True)
                 ]
             return list(self._memo[memo_key])
+
+
+def _condition_timesteps(task: str, video_t: float) -> tuple[float, ...]:
+    """The timesteps of a step's conditioning rows: fl2va's keyframe rows, none in t2va."""
+    return (max(video_t, KEYFRAME_NOISE_AUG),) if task == "fl2va" else ()
 
 
 def _plan_holder(transformer: Any) -> PlanPages:

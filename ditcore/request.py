@@ -10,13 +10,22 @@ off-grid frame count up with a warning; the service refuses it instead, so a cal
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-TASKS = ("t2va",)
-"""Served tasks. Keyframe (fl2va) and reference (ref2va) tasks need media inputs and come with them."""
+from .media import OUTPUT_TYPES, ImageLimits, MediaError, decode_image
+
+TASKS = ("t2va", "fl2va")
+"""Served tasks: text to video+audio, and first/last keyframe to video+audio. (ref2va runs another transformer
+partition, `transformer_ref/`, and is not served.)"""
+KEYFRAME_FIELDS = ("first_frame", "last_frame")
+"""The fl2va keyframes: PNG or JPEG bytes; diffusers' `image` (the first frame) and `last_image`."""
+MAX_KEYFRAME_BYTES = 20 * 2**20
+MAX_KEYFRAME_PIXELS = 4096 * 4096
+"""Decoded keyframe size limit (a decompression-bomb guard: checked from the header, before decoding)."""
 FPS = 24
 MIN_SECONDS, MAX_SECONDS = 5, 15
 FRAMES_PER_CHUNK, FRAMES_OFFSET = 17, 5  # num_frames = 17 n + 5
@@ -52,6 +61,8 @@ class RequestLimits:
     max_height: int = MAX_SIDE
     max_width: int = MAX_SIDE
     max_prompt_bytes: int = MAX_PROMPT_BYTES
+    max_keyframe_bytes: int = MAX_KEYFRAME_BYTES
+    max_keyframe_pixels: int = MAX_KEYFRAME_PIXELS
 
 
 H3_LIMITS = RequestLimits()
@@ -63,7 +74,8 @@ class GenerationRequest:
 
     request_id: str = "req-0"
     task: str = "t2va"
-    """"t2va": text to video with audio (the only task until media inputs land)."""
+    """"t2va" (text to video+audio) or "fl2va" (first and/or last keyframe to video+audio). Front ends that let the
+    task go unset pick with `infer_task`."""
     prompt: str = ""
     """Presented verbatim (no chat template). No negative prompt: the checkpoint is guidance-distilled."""
     num_inference_steps: int = 50
@@ -80,24 +92,60 @@ class GenerationRequest:
     """Pixels, a multiple of 32."""
     num_frames: int = 124
     """Frames at 24 fps, 17n + 5 in [124, 345] (5 to 15 seconds)."""
+    first_frame: bytes = b""
+    """fl2va: PNG or JPEG bytes of the frame the video starts from (stretched onto the canvas), or empty."""
+    last_frame: bytes = b""
+    """fl2va: PNG or JPEG bytes of the frame the video ends on (cover-cropped when a first frame is given), or empty."""
+    output_type: str = "latents"
+    """What the result carries: "latents" (the final latents only), "mp4" or "frames_and_wav" (decoded; see
+    ditcore.media)."""
 
     @property
     def steps(self) -> int:
         """Transformer forwards (= plan keys) the request runs."""
         return self.num_inference_steps - 1
 
+    @property
+    def has_keyframes(self) -> bool:
+        return bool(self.first_frame or self.last_frame)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the result is decoded to video and audio (any output type but "latents")."""
+        return self.output_type != "latents"
+
+    def keyframes(self, limits: RequestLimits = H3_LIMITS) -> dict[str, Any]:
+        """diffusers' keyframe inputs, `image` / `last_image`, as RGB PIL images decoded from the request's bytes
+        (MediaError, as RequestError naming the field, on bad media)."""
+        inputs: dict[str, Any] = {}
+        for name, key in zip(KEYFRAME_FIELDS, ("image", "last_image"), strict=True):
+            data = getattr(self, name)
+            if data:
+                try:
+                    inputs[key] = decode_image(data, _image_limits(limits))
+                except MediaError as e:
+                    raise RequestError(name, e.description) from e
+        return inputs
+
     def pipeline_inputs(self) -> dict[str, Any]:
-        """The keyword inputs diffusers' t2va blocks take (the generator and shifts are set apart)."""
+        """The keyword inputs diffusers' blocks take (the generator and shifts are set apart): the keyframes, when
+        given, select the fl2va branch of every conditional block."""
         return {
             "prompt": self.prompt,
             "height": self.height,
             "width": self.width,
             "num_frames": self.num_frames,
             "num_inference_steps": self.num_inference_steps,
+            **self.keyframes(),
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as JSON-safe values: a keyframe is summarised as {"bytes": n, "sha256": hex} (empty: None)."""
+        out = dataclasses.asdict(self)
+        for name in KEYFRAME_FIELDS:
+            data = out[name]
+            out[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} if data else None
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], defaults: GenerationRequest | None = None) -> GenerationRequest:
@@ -117,9 +165,11 @@ class GenerationRequest:
         if self.task not in TASKS:
             raise RequestError(
                 "task",
-                f"unknown or unserved task {self.task!r}; allowed: {', '.join(TASKS)} (keyframe and "
-                "reference tasks need media inputs, which this server does not take yet)",
+                f"unknown or unserved task {self.task!r}; allowed: {', '.join(TASKS)} (ref2va needs MiniMax-H3's "
+                "separate reference partition and is not served)",
             )
+        if self.output_type not in OUTPUT_TYPES:
+            raise RequestError("output_type", f"must be one of {', '.join(OUTPUT_TYPES)}, got {self.output_type!r}")
         n = len(self.prompt.encode("utf-8"))
         if not self.prompt.strip():
             raise RequestError("prompt", "must not be empty: MiniMax-H3 conditions every step on the prompt's text")
@@ -139,14 +189,38 @@ class GenerationRequest:
             raise RequestError("seed", f"must be in [0, 2^63-1], got {self.seed}")
         _check_frames(self.num_frames, limits)
         _check_canvas(self.height, self.width, limits)
+        if self.task == "fl2va" and not self.has_keyframes:
+            raise RequestError("first_frame", "fl2va needs a first_frame and/or a last_frame (PNG or JPEG bytes)")
+        if self.task == "t2va" and self.has_keyframes:
+            name = "first_frame" if self.first_frame else "last_frame"
+            raise RequestError(name, "t2va takes no keyframe; use task fl2va (or leave the task unset)")
+        self.keyframes(limits)  # decoded here, so bad media is refused before any work
         return self
+
+
+def infer_task(task: str | None, has_keyframes: bool) -> str:
+    """The task of a request whose front end let it go unset (None or ""): fl2va with keyframes, else t2va."""
+    if task:
+        return task
+    return "fl2va" if has_keyframes else "t2va"
+
+
+def _image_limits(limits: RequestLimits) -> ImageLimits:
+    return ImageLimits(
+        max_bytes=min(limits.max_keyframe_bytes, MAX_KEYFRAME_BYTES),
+        max_pixels=min(limits.max_keyframe_pixels, MAX_KEYFRAME_PIXELS),
+        min_aspect=MIN_ASPECT,
+        max_aspect=MAX_ASPECT,
+    )
 
 
 def _check_types(req: GenerationRequest) -> None:
     for f in dataclasses.fields(req):
         v = getattr(req, f.name)
-        if f.name in ("request_id", "task", "prompt"):
+        if f.name in ("request_id", "task", "prompt", "output_type"):
             ok = isinstance(v, str)
+        elif f.name in KEYFRAME_FIELDS:
+            ok = isinstance(v, bytes)
         elif f.name in ("flow_shift", "audio_flow_shift"):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
         else:

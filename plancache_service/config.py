@@ -19,10 +19,11 @@ class CacheConfig:
     gpu_plans: int = flag(128, "slab slots (default %(default)s)", low=1, high=1_000_000)
     """Slots in the slab (`--gpu-plans`): plans resident at once. 128 holds two 50-step
     schedules plus a third's worth of headroom, so two alternating schedules never thrash."""
-    plan_width: int = flag(2, "pages per slot (default %(default)s)", low=1, high=16)
+    plan_width: int = flag(3, "pages per slot (default %(default)s)", low=1, high=16)
     """Pages per slot (`--plan-width`): the widest plan accepted. A MiniMax-H3 t2va step has 2 distinct
     timesteps (video and text rows at the video one, audio rows at the audio one) unless they coincide
-    (the first step, or equal shifts); ditcore.plans.MAX_PLAN_WIDTH bounds every task."""
+    (the first step, or equal shifts); an fl2va step adds its keyframe rows' max(video t, 0.999): 3.
+    2 serves t2va alone with a third less slab; ditcore.plans.MAX_PLAN_WIDTH bounds every task."""
     host_cache_bytes: int = flag(
         8 * GB, "host tier cap, 0 = off (default %(default)s)", name="--host-cache-gb", scale=GB, flag_type=float, low=0
     )
@@ -62,7 +63,7 @@ class SidecarConfig:
     heartbeat_s: float = flag(1.0, "session heartbeat interval (default %(default)s)", low=0.05, high=60)
     """Interval of Attach-stream heartbeats."""
     session_grace_s: float = flag(
-        2.0, "keep a vanished session's slots pinned this long unless its process is gone (default %(default)s)",
+        30.0, "keep a vanished session's slots pinned this long unless its process is gone (default %(default)s)",
         low=0, high=3600,
     )  # fmt: skip
     """How long the slots a vanished session leased stay unusable (never evicted nor refilled) when its

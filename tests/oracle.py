@@ -1,9 +1,10 @@
-"""The oracle: diffusers' own MiniMax-H3 t2va pipeline, called directly on a repository, for torch.equal comparisons.
+"""The oracle: diffusers' own MiniMax-H3 pipeline (t2va, or fl2va with keyframes), called directly on a repository,
+for torch.equal comparisons.
 
-Independent of ditcore on purpose: it builds `MiniMaxH3Blocks` itself (decode removed: no VAE pass), loads the
-components at the repository's stored precision with diffusers' loader, sets the two schedulers' shifts, and records
-the `timestep` every transformer forward receives. The only stand-in is the processor (Qwen3VLProcessor needs
-torchvision): `ReferenceProcessor` is this file's own reading of transformers' `create_mm_token_type_ids`.
+Independent of ditcore on purpose: it builds `MiniMaxH3Blocks` itself (with its decode steps when the frames and the
+waveform are wanted, without otherwise), loads every component (the Qwen3-VL processor included) at the
+repository's stored precision with diffusers' loader, sets the two schedulers' shifts, and records the `timestep`
+every transformer forward receives.
 """
 
 from __future__ import annotations
@@ -13,28 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 MIXED: dict[str, Any] = {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "default": torch.float32}
-
-
-class ReferenceProcessor:
-    """Qwen3-VL's token types: 1 on `<|image_pad|>`, 2 on `<|video_pad|>`, 0 elsewhere."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        self.video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-
-    def create_mm_token_type_ids(self, input_ids: list[Any]) -> list[list[int]]:
-        out = []
-        for ids in input_ids:
-            arr = np.array(list(ids))
-            types = np.zeros_like(arr)
-            types[arr == self.image] = 1
-            types[arr == self.video] = 2
-            out.append(types.tolist())
-        return out
 
 
 def stored_precision(repo: Path) -> str:
@@ -54,25 +36,28 @@ def stored_precision(repo: Path) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _pipeline(repo: str, precision: str) -> Any:
+def _pipeline(repo: str, precision: str, with_decode: bool = False) -> Any:
     import diffusers
 
     blocks = diffusers.MiniMaxH3Blocks()
-    blocks.sub_blocks.pop("decode")
-    pipe = diffusers.MiniMaxH3ModularPipeline(blocks=blocks.get_workflow("t2va"), pretrained_model_name_or_path=repo)
-    names = [n for n in pipe.pretrained_component_names if n != "processor"]
+    if not with_decode:
+        blocks.sub_blocks.pop("decode")
+    pipe = diffusers.MiniMaxH3ModularPipeline(blocks=blocks, pretrained_model_name_or_path=repo)
+    names = [n for n in pipe.pretrained_component_names if n != "transformer_ref"]  # ref2va's, not in the repo
     pipe.load_components(names=names, dtype=MIXED if precision == "mixed" else torch.float32)
-    pipe.update_components(processor=ReferenceProcessor(pipe.tokenizer))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def diffusers_latents(
+def diffusers_outputs(
     repo: Path, prompt: str, num_inference_steps: int, seed: int, height: int, width: int, num_frames: int,
-    flow_shift: float = 12.0, audio_flow_shift: float = 3.0,
-) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:  # fmt: skip
-    """(video latents, audio latents, int32 bit patterns of each forward's `timestep`) from diffusers itself."""
-    pipe = _pipeline(str(repo), stored_precision(repo))
+    flow_shift: float = 12.0, audio_flow_shift: float = 3.0, image: Any = None, last_image: Any = None,
+    decode: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """diffusers' own outputs: "latents", "audio_latents", "timesteps" (int32 bit patterns of each forward's
+    `timestep`) and, with `decode`, "videos" (output_type "pil"), "audio" and "sampling_rate". `image` /
+    `last_image` (PIL) make it fl2va."""
+    pipe = _pipeline(str(repo), stored_precision(repo), decode)
     pipe.scheduler.set_shift(flow_shift)
     pipe.audio_scheduler.set_shift(audio_flow_shift)
     seen: list[tuple[int, ...]] = []
@@ -80,19 +65,46 @@ def diffusers_latents(
     def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         seen.append(tuple(kwargs["timestep"].view(torch.int32).tolist()))
 
+    keyframes = {k: v for k, v in (("image", image), ("last_image", last_image)) if v is not None}
+    wanted = ["latents", "audio_latents"] + (["videos", "audio", "sampling_rate"] if decode else [])
     handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         out = pipe(prompt=prompt, height=height, width=width, num_frames=num_frames,
                    num_inference_steps=num_inference_steps, generator=torch.Generator("cpu").manual_seed(seed),
-                   output=["latents", "audio_latents"])  # fmt: skip
+                   output=wanted, **keyframes)  # fmt: skip
     finally:
         handle.remove()
-    return out["latents"], out["audio_latents"], seen
+    return {**out, "timesteps": seen}
 
 
-def diffusers_request_latents(repo: Path, request: dict[str, Any] | Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers_latents for a GenerationRequest or its dict (request_id and task ignored)."""
-    fields = request if isinstance(request, dict) else request.to_dict()
+def diffusers_latents(
+    repo: Path, prompt: str, num_inference_steps: int, seed: int, height: int, width: int, num_frames: int,
+    flow_shift: float = 12.0, audio_flow_shift: float = 3.0, image: Any = None, last_image: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:  # fmt: skip
+    """(video latents, audio latents, int32 bit patterns of each forward's `timestep`) from diffusers itself."""
+    out = diffusers_outputs(repo, prompt, num_inference_steps, seed, height, width, num_frames, flow_shift,
+                            audio_flow_shift, image, last_image)  # fmt: skip
+    return out["latents"], out["audio_latents"], out["timesteps"]
+
+
+def pil_image(data: bytes) -> Any:
+    """A keyframe's bytes as the RGB PIL image a diffusers user passes (Pillow's own decoding)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
+
+
+def diffusers_request_latents(repo: Path, request: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers_latents for a GenerationRequest or its dict (request_id, task and output_type ignored; keyframe
+    bytes decoded with Pillow)."""
+    fields = request if isinstance(request, dict) else vars(request)
     keys = ("prompt", "num_inference_steps", "seed", "height", "width", "num_frames", "flow_shift", "audio_flow_shift")
-    video, audio, _ = diffusers_latents(repo, **{k: fields[k] for k in keys if k in fields})
+    kwargs = {k: fields[k] for k in keys if k in fields}
+    for field, name in (("first_frame", "image"), ("last_frame", "last_image")):
+        if fields.get(field):
+            kwargs[name] = pil_image(fields[field])
+    video, audio, _ = diffusers_latents(repo, **kwargs)
     return video, audio

@@ -132,3 +132,35 @@ def test_with_tensors_changes_only_the_copy(repos: dict[str, Path]) -> None:
     assert generate(other, REQUEST).sha256 != before
     assert generate(model, REQUEST).sha256 == before
     assert other.pipe.text_encoder is model.pipe.text_encoder  # only the transformer is copied
+
+
+def test_fl2va_cached_decodes_after_the_lease_and_equals_diffusers(repos: dict[str, Path]) -> None:
+    """A cached fl2va request asking for media: the latents equal diffusers' fl2va latents, its plans are 3 wide,
+    the lease is released once, and the decoded frames / waveform are diffusers' decode of those latents (timed as
+    "decode")."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from ditcore.pipeline import decode
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 72, 3), dtype=np.uint8)).save(buf, format="PNG")
+    request = dataclasses.replace(REQUEST, task="fl2va", first_frame=buf.getvalue(), output_type="mp4")
+    ref_video, ref_audio = diffusers_request_latents(repos["float32"], request)
+    model = load_model(repos["float32"], "cached")
+    assert max(k.width for k in model.plan_keys(request)) == 3
+    provider = BuildingProvider(repos["float32"])
+    result = generate(model, request, provider)
+    assert torch.equal(result.video, ref_video) and torch.equal(result.audio, ref_audio)
+    assert provider.leases[0].released == 1
+    assert set(result.timings_ms) == {"plans", "encode", "denoise", "decode", "total"}
+    assert result.media is not None
+    want = decode(model.decoder, ref_video, ref_audio)
+    assert result.media.frames.shape == (141, 32, 64, 3) and np.array_equal(result.media.frames, want.frames)
+    assert np.array_equal(result.media.audio, want.audio) and result.media.sampling_rate == want.sampling_rate
+    assert (
+        generate(load_model(repos["float32"], "resident"), dataclasses.replace(request, output_type="latents")).media
+        is None
+    )

@@ -1,5 +1,6 @@
-"""Oracle tests for ditcore.pipeline: its resident and cached t2va loops give torch.equal latents to diffusers' own
-MiniMax-H3 pipeline called directly on the same tiny repository, in float32 and in the released mixed precision."""
+"""Oracle tests for ditcore.pipeline: its resident and cached t2va and fl2va loops give torch.equal latents, and its
+decode the same frames and waveform, as diffusers' own MiniMax-H3 pipeline called directly on the same tiny
+repository, in float32 and in the released mixed precision."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import ReferenceProcessor, diffusers_latents
+from oracle import diffusers_latents, diffusers_outputs, pil_image
 
 from ditcore.pipeline import (
+    KEYFRAME_NOISE_AUG,
     NotCachedError,
     PlanKeyMismatchError,
     ScheduleKeys,
-    TextOnlyProcessor,
+    decode,
     generate_latents,
+    load_decoder,
     load_pipeline,
     plan_key,
     plan_keys,
@@ -120,19 +123,6 @@ def test_wrong_key_and_resident_transformer_are_refused(repos: dict[str, Path]) 
         generate_latents(pipe, REQUEST, pages_for_step, [*keys, keys[-1]])
 
 
-def test_text_only_processor_runs_transformers_own_logic(repos: dict[str, Path]) -> None:
-    from transformers import AutoTokenizer
-    from transformers.processing_utils import ProcessorMixin
-
-    assert TextOnlyProcessor.create_mm_token_type_ids is ProcessorMixin.create_mm_token_type_ids
-    tokenizer = AutoTokenizer.from_pretrained(repos["float32"] / "tokenizer")
-    prompt = "a fox <|image_pad|> in <|video_pad|><|vision_start|> snow"
-    ids = [tokenizer(prompt)["input_ids"], torch.tensor(tokenizer("plain text")["input_ids"])]
-    got = TextOnlyProcessor(tokenizer).create_mm_token_type_ids(ids)
-    assert got == ReferenceProcessor(tokenizer).create_mm_token_type_ids(ids)
-    assert sorted(set(got[0])) == [0, 1, 2] and set(got[1]) == {0}
-
-
 @pytest.mark.parametrize(
     ("steps", "shift", "audio_shift"), [(4, 12.0, 3.0), (50, 12.0, 3.0), (7, 5.0, 5.0), (2, 1.0, 0.5), (13, 30.0, 1.0)]
 )
@@ -147,3 +137,97 @@ def test_schedule_keys_mirror_the_set_timesteps_block(repos: dict[str, Path], st
     assert len(mirror.keys(request)) == steps - 1
     if shift == audio_shift:
         assert {k.width for k in mirror.keys(request)} == {1}
+
+
+# ---------------------------------------------------------------- fl2va and decoding
+
+
+def keyframe_png(width: int, height: int, seed: int) -> bytes:
+    """A PNG keyframe of random colours (bytes, as a request carries it)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+FIRST, LAST = keyframe_png(48, 40, 1), keyframe_png(40, 64, 2)
+FL2VA = {
+    "first": dataclasses.replace(REQUEST, task="fl2va", first_frame=FIRST),
+    "last": dataclasses.replace(REQUEST, task="fl2va", last_frame=LAST),
+    "both": dataclasses.replace(REQUEST, task="fl2va", first_frame=FIRST, last_frame=LAST),
+}
+
+
+def test_keyframe_noise_aug_is_diffusers(repos: dict[str, Path]) -> None:
+    assert load_pipeline(repos["float32"]).keyframe_noise_aug == KEYFRAME_NOISE_AUG
+
+
+@pytest.mark.parametrize("which", sorted(FL2VA))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fl2va_resident_and_cached_equal_diffusers(repos: dict[str, Path], dtype: str, which: str) -> None:
+    """fl2va through ditcore's pipeline (resident, then cached with pages built from the keys alone) gives exactly
+    diffusers' fl2va latents for the same keyframes, and its transformer received exactly ScheduleKeys' keys."""
+    request = FL2VA[which]
+    ref_video, ref_audio, seen = diffusers_request(repos[dtype], request)
+    pipe = load_pipeline(repos[dtype], dtype)
+    video, audio = generate_latents(pipe, request)
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+    keys = ScheduleKeys(repos[dtype]).keys(request)
+    assert keys == seen and keys == plan_keys(pipe, request)
+    use_cached_transformer(pipe, repos[dtype], dtype)
+    pages_for_step, built = sidecar(repos[dtype], pipe)
+    video, audio = generate_latents(pipe, request, pages_for_step, keys)
+    assert built == list(range(len(keys)))
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+
+
+def diffusers_request(repo: Path, request: GenerationRequest) -> tuple[torch.Tensor, torch.Tensor, list[PlanKey]]:
+    r = request
+    kwargs = {name: pil_image(data) for name, data in (("image", r.first_frame), ("last_image", r.last_frame)) if data}
+    video, audio, seen = diffusers_latents(repo, r.prompt, r.num_inference_steps, r.seed, r.height, r.width,
+                                           r.num_frames, r.flow_shift, r.audio_flow_shift, **kwargs)  # fmt: skip
+    return video, audio, [PlanKey(k) for k in seen]
+
+
+@pytest.mark.parametrize(("steps", "shift", "audio_shift"), [(4, 12.0, 3.0), (9, 5.0, 5.0), (30, 12.0, 3.0)])
+def test_fl2va_keys_are_wider_and_apart_from_t2va(repos: dict[str, Path], steps: int, shift: float,
+                                                  audio_shift: float) -> None:  # fmt: skip
+    """An fl2va step holds its keyframe rows at max(video t, 0.999): 3 distinct timesteps where the video and audio
+    ones differ (2 with equal shifts), mirrored exactly by ScheduleKeys; no fl2va key of another width equals a
+    t2va key of the same request, and each fl2va key contains its t2va key."""
+    t2va = dataclasses.replace(REQUEST, num_inference_steps=steps, flow_shift=shift, audio_flow_shift=audio_shift)
+    fl2va = dataclasses.replace(t2va, task="fl2va", first_frame=FIRST)
+    pipe = load_pipeline(repos["float32"])
+    mirror = ScheduleKeys(repos["float32"])
+    assert mirror.keys(fl2va) == plan_keys(pipe, fl2va)
+    plain, keyed = mirror.keys(t2va), mirror.keys(fl2va)
+    assert max(k.width for k in keyed) == (2 if shift == audio_shift else 3)
+    for a, b in zip(plain, keyed, strict=True):
+        assert set(a.bits) <= set(b.bits)
+        assert a == b or a.width != b.width
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_equals_diffusers(repos: dict[str, Path], dtype: str) -> None:
+    """ditcore's decode (diffusers' decode steps run on the final latents) gives exactly the frames (uint8, as
+    output_type "pil" hands them over) and the waveform of diffusers' full pipeline, for t2va and fl2va."""
+    import numpy as np
+
+    for request in (REQUEST, FL2VA["both"]):
+        r = request
+        kwargs = {n: pil_image(d) for n, d in (("image", r.first_frame), ("last_image", r.last_frame)) if d}
+        want = diffusers_outputs(repos[dtype], r.prompt, r.num_inference_steps, r.seed, r.height, r.width,
+                                 r.num_frames, r.flow_shift, r.audio_flow_shift, decode=True, **kwargs)  # fmt: skip
+        pipe = load_pipeline(repos[dtype], dtype)
+        video, audio = generate_latents(pipe, request)
+        media = decode(load_decoder(pipe, repos[dtype]), video, audio)
+        frames = np.stack([np.asarray(image) for image in want["videos"][0]])
+        assert media.frames.dtype == np.uint8 and media.frames.shape == (r.num_frames, r.height, r.width, 3)
+        assert np.array_equal(media.frames, frames)
+        assert torch.equal(torch.from_numpy(media.audio), want["audio"][0])
+        assert media.audio.shape[0] == 2 and media.sampling_rate == want["sampling_rate"]

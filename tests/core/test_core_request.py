@@ -14,9 +14,23 @@ from ditcore.request import (
     GenerationRequest,
     RequestError,
     RequestLimits,
+    infer_task,
 )
 
 GOOD = GenerationRequest(prompt="a red fox")
+
+
+def png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 40, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG, WIDE = png(64, 48), png(100, 20)
 
 
 def test_defaults_are_a_valid_t2va_request() -> None:
@@ -52,8 +66,16 @@ def test_frame_range_is_five_to_fifteen_seconds_of_17n_plus_5() -> None:
         ({"flow_shift": float("inf")}, "flow_shift", "finite"),
         ({"seed": -1}, "seed", "[0, 2^63-1]"),
         ({"seed": 2**63}, "seed", "[0, 2^63-1]"),
-        ({"task": "t2v"}, "task", "allowed: t2va"),
-        ({"task": "fl2va"}, "task", "media inputs"),
+        ({"task": "t2v"}, "task", "allowed: t2va, fl2va"),
+        ({"task": "ref2va"}, "task", "reference partition"),
+        ({"task": "fl2va"}, "first_frame", "needs a first_frame and/or a last_frame"),
+        ({"first_frame": PNG}, "first_frame", "t2va takes no keyframe"),
+        ({"task": "t2va", "last_frame": PNG}, "last_frame", "t2va takes no keyframe"),
+        ({"task": "fl2va", "first_frame": b"GIF89a not a png"}, "first_frame", "PNG or JPEG"),
+        ({"task": "fl2va", "last_frame": PNG[: len(PNG) // 2]}, "last_frame", "truncated"),
+        ({"task": "fl2va", "first_frame": WIDE}, "first_frame", "aspect"),
+        ({"output_type": "gif"}, "output_type", "latents, mp4, frames_and_wav"),
+        ({"first_frame": "img.png"}, "first_frame", "wrong type"),
         ({"request_id": "bad id"}, "request_id", "1-128 characters"),
         ({"num_frames": "124"}, "num_frames", "wrong type"),
         ({"flow_shift": True}, "flow_shift", "wrong type"),
@@ -68,13 +90,16 @@ def test_bad_field_names_field_and_rule(change: dict[str, Any], field: str, need
 
 
 def test_operator_limits_are_tighter_and_named() -> None:
-    limits = RequestLimits(max_num_frames=141, max_height=64, max_width=64, max_prompt_bytes=4)
+    limits = RequestLimits(max_num_frames=141, max_height=64, max_width=64, max_prompt_bytes=4,
+                           max_keyframe_bytes=len(PNG) + 64, max_keyframe_pixels=64 * 48)  # fmt: skip
     dataclasses.replace(GOOD, prompt="fox", num_frames=141, height=64, width=64).validate(limits)
     for change, field, needle in [
         ({"num_frames": 158}, "num_frames", "at most 141 on this server"),
         ({"height": 96}, "height", "[32, 64]"),
         ({"width": 96}, "width", "[32, 64]"),
         ({"prompt": "a red fox"}, "prompt", "at most 4 bytes"),
+        ({"task": "fl2va", "first_frame": png(64, 49)}, "first_frame", str(64 * 48)),
+        ({"task": "fl2va", "last_frame": PNG + b"\0" * 65}, "last_frame", f"limit of {len(PNG) + 64} bytes"),
     ]:
         with pytest.raises(RequestError, match=re.escape(needle)) as info:
             dataclasses.replace(GOOD, **{"prompt": "fox", **change}).validate(limits)
@@ -94,3 +119,23 @@ def test_pipeline_inputs_are_what_diffusers_blocks_take() -> None:
     assert GOOD.pipeline_inputs() == {
         "prompt": "a red fox", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 50,
     }  # fmt: skip
+
+
+def test_fl2va_keyframes_become_diffusers_image_inputs() -> None:
+    req = dataclasses.replace(GOOD, task="fl2va", first_frame=PNG, last_frame=png(48, 64)).validate()
+    inputs = req.pipeline_inputs()
+    assert inputs["image"].mode == "RGB" and inputs["image"].size == (64, 48)
+    assert inputs["last_image"].size == (48, 64)
+    only_last = dataclasses.replace(GOOD, task="fl2va", last_frame=PNG).validate().pipeline_inputs()
+    assert "image" not in only_last and only_last["last_image"].size == (64, 48)
+
+
+def test_infer_task_and_json_safe_dict() -> None:
+    assert (infer_task(None, False), infer_task("", True), infer_task("t2va", True)) == ("t2va", "fl2va", "t2va")
+    import hashlib
+    import json
+
+    req = dataclasses.replace(GOOD, task="fl2va", first_frame=PNG, output_type="mp4")
+    out = json.loads(json.dumps(req.to_dict()))
+    assert out["first_frame"] == {"bytes": len(PNG), "sha256": hashlib.sha256(PNG).hexdigest()}
+    assert out["last_frame"] is None and out["output_type"] == "mp4" and req.decodes and not GOOD.decodes

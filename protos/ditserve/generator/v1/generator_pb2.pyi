@@ -11,6 +11,14 @@ class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TASK_UNSPECIFIED: _ClassVar[Task]
     TASK_T2VA: _ClassVar[Task]
+    TASK_FL2VA: _ClassVar[Task]
+
+class OutputType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_TYPE_UNSPECIFIED: _ClassVar[OutputType]
+    OUTPUT_TYPE_LATENTS: _ClassVar[OutputType]
+    OUTPUT_TYPE_MP4: _ClassVar[OutputType]
+    OUTPUT_TYPE_FRAMES_AND_WAV: _ClassVar[OutputType]
 
 class AdalnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -19,12 +27,17 @@ class AdalnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADALN_MODE_CACHED: _ClassVar[AdalnMode]
 TASK_UNSPECIFIED: Task
 TASK_T2VA: Task
+TASK_FL2VA: Task
+OUTPUT_TYPE_UNSPECIFIED: OutputType
+OUTPUT_TYPE_LATENTS: OutputType
+OUTPUT_TYPE_MP4: OutputType
+OUTPUT_TYPE_FRAMES_AND_WAV: OutputType
 ADALN_MODE_UNSPECIFIED: AdalnMode
 ADALN_MODE_RESIDENT: AdalnMode
 ADALN_MODE_CACHED: AdalnMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +49,9 @@ class GenerateRequest(_message.Message):
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
@@ -47,7 +63,10 @@ class GenerateRequest(_message.Message):
     height: int
     width: int
     expected_generation: int
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ...) -> None: ...
+    output_type: OutputType
+    first_frame: bytes
+    last_frame: bytes
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -78,21 +97,39 @@ class CacheReport(_message.Message):
     def __init__(self, gpu_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ..., host_stored: _Optional[bool] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms")
+    __slots__ = ("queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms", "decode_ms", "mux_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
     DENOISE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    MUX_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prepare_ms: float
     encode_ms: float
     denoise_ms: float
     total_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., denoise_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    decode_ms: float
+    mux_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., denoise_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., mux_ms: _Optional[float] = ...) -> None: ...
+
+class Media(_message.Message):
+    __slots__ = ("content_type", "size_bytes", "sha256", "data", "filename")
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    content_type: str
+    size_bytes: int
+    sha256: str
+    data: bytes
+    filename: str
+    def __init__(self, content_type: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ..., filename: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "generation", "sha256", "tensors", "cache", "timings", "adaln_mode")
+    __slots__ = ("request_id", "generation", "sha256", "tensors", "cache", "timings", "adaln_mode", "media", "output_type", "total_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +137,9 @@ class GenerateResponse(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ADALN_MODE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generation: int
     sha256: str
@@ -107,7 +147,10 @@ class GenerateResponse(_message.Message):
     cache: CacheReport
     timings: StageTimings
     adaln_mode: AdalnMode
-    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., sha256: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ...) -> None: ...
+    media: Media
+    output_type: OutputType
+    total_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., sha256: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., media: _Optional[_Union[Media, _Mapping]] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("request",)
@@ -150,18 +193,26 @@ class ResultChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("queued", "plans_ready", "step", "result", "chunk")
+    __slots__ = ("queued", "plans_ready", "step", "result", "chunk", "decoding")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PLANS_READY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DECODING_FIELD_NUMBER: _ClassVar[int]
     queued: Queued
     plans_ready: PlansReady
     step: StepProgress
     result: GenerateResponse
     chunk: ResultChunk
-    def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., plans_ready: _Optional[_Union[PlansReady, _Mapping]] = ..., step: _Optional[_Union[StepProgress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., chunk: _Optional[_Union[ResultChunk, _Mapping]] = ...) -> None: ...
+    decoding: Decoding
+    def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., plans_ready: _Optional[_Union[PlansReady, _Mapping]] = ..., step: _Optional[_Union[StepProgress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., chunk: _Optional[_Union[ResultChunk, _Mapping]] = ..., decoding: _Optional[_Union[Decoding, _Mapping]] = ...) -> None: ...
+
+class Decoding(_message.Message):
+    __slots__ = ("output_type",)
+    OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    output_type: OutputType
+    def __init__(self, output_type: _Optional[_Union[OutputType, str]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("weights_path", "expected_generation", "request_id", "tensors")
