@@ -22,7 +22,14 @@ import torch
 
 from .checkpoint import CheckpointInfo, validate_checkpoint
 from .media import DecodedMedia
-from .pipeline import ScheduleKeys, decode, generate_latents, load_decoder, load_pipeline, use_cached_transformer
+from .pipeline import (
+    ScheduleKeys,
+    decode,
+    generate_latents,
+    load_decoder,
+    load_pipeline,
+    use_cached_transformer,
+)
 from .plans import PlanKey, SlotReads, is_plan_tensor
 from .report import CacheReport
 from .request import H3_LIMITS, GenerationRequest, RequestLimits
@@ -184,9 +191,9 @@ class H3Model:
         state = transformer.state_dict()
         for name, t in tensors.items():
             state[name].copy_(t.to(state[name].device))
+        # self.pipe.blocks is a copy of its quiet blocks: no progress bars either
         pipe = MiniMaxH3ModularPipeline(blocks=self.pipe.blocks, pretrained_model_name_or_path=str(self.info.path))
         pipe.update_components(**{**self.pipe.components, "transformer": transformer})
-        pipe.set_progress_bar_config(disable=True)
         other = copy.copy(self)
         other.pipe = pipe
         return other

@@ -84,11 +84,21 @@ def load_pipeline(repo: str | os.PathLike[str], dtype: str = "float32") -> Any:
     _check_dtype(dtype)
     blocks = MiniMaxH3Blocks()
     blocks.sub_blocks.pop("decode")  # run apart (load_decoder): the latents and their sha256 come first
-    pipe = MiniMaxH3ModularPipeline(blocks=blocks, pretrained_model_name_or_path=os.fspath(repo))
+    pipe = MiniMaxH3ModularPipeline(blocks=quiet(blocks), pretrained_model_name_or_path=os.fspath(repo))
     names = [n for n in pipe.pretrained_component_names if n not in _UNLOADED]
     pipe.load_components(names=names, dtype=_LOAD_DTYPES[dtype])
-    pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def quiet(blocks: Any) -> Any:
+    """`blocks` with the progress bar of every block turned off, however deep (returned for chaining).
+    ModularPipeline.set_progress_bar_config reaches only the top-level blocks, and the denoise loops sit inside the
+    conditional ones; a pipeline's `blocks` property is a copy, so this is done before the pipeline is built."""
+    if hasattr(blocks, "set_progress_bar_config"):
+        blocks.set_progress_bar_config(disable=True)
+    for sub in getattr(blocks, "sub_blocks", {}).values():
+        quiet(sub)
+    return blocks
 
 
 def load_decoder(pipe: Any, repo: str | os.PathLike[str]) -> Any:
@@ -96,10 +106,9 @@ def load_decoder(pipe: Any, repo: str | os.PathLike[str]) -> Any:
     from diffusers import MiniMaxH3Blocks, MiniMaxH3ModularPipeline
 
     decoder = MiniMaxH3ModularPipeline(
-        blocks=MiniMaxH3Blocks().sub_blocks["decode"], pretrained_model_name_or_path=os.fspath(repo)
+        blocks=quiet(MiniMaxH3Blocks().sub_blocks["decode"]), pretrained_model_name_or_path=os.fspath(repo)
     )
     decoder.update_components(vae=pipe.vae, audio_vae=pipe.audio_vae)
-    decoder.set_progress_bar_config(disable=True)
     return decoder
 
 

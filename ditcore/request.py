@@ -10,6 +10,7 @@ off-grid frame count up with a warning; the service refuses it instead, so a cal
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -122,7 +123,7 @@ class GenerationRequest:
             data = getattr(self, name)
             if data:
                 try:
-                    inputs[key] = decode_image(data, _image_limits(limits))
+                    inputs[key] = _decoded(data, _image_limits(limits))
                 except MediaError as e:
                     raise RequestError(name, e.description) from e
         return inputs
@@ -203,6 +204,14 @@ def infer_task(task: str | None, has_keyframes: bool) -> str:
     if task:
         return task
     return "fl2va" if has_keyframes else "t2va"
+
+
+@functools.lru_cache(maxsize=2)
+def _decoded(data: bytes, limits: ImageLimits) -> Any:
+    """decode_image, remembered for the last two keyframes: a request's keyframes are decoded once although
+    admission, generate() and the pipeline inputs each ask (a MediaError is not remembered). The image is shared:
+    diffusers' blocks only read it (resizing makes a new one)."""
+    return decode_image(data, limits)
 
 
 def _image_limits(limits: RequestLimits) -> ImageLimits:

@@ -3,6 +3,8 @@
     ditserve make-checkpoint --preset tiny --seed 0 --out ./ckpt      # a diffusers repository, released precision
     ditserve inspect ./ckpt            # or: ditserve inspect --preset h3 (the released figures)
     ditserve generate-local --checkpoint ./ckpt --adaln-mode cached --prompt "a red fox"
+    ditserve generate-local --checkpoint ./ckpt --prompt "a red fox" --out fox.mp4     # decoded: H.264 + AAC
+    ditserve generate --target 127.0.0.1:50051 --prompt "a red fox" --first-frame fox.png --out fox.mp4  # fl2va
 
 User errors (bad flags, bad request fields, corrupt repositories) exit with code 2 and a message naming the flag,
 field or file and the rule; nothing is written.
@@ -28,11 +30,11 @@ from .commands import (
     LOCAL_CACHE_FLAGS,
     MAX_SHARDS,
     WRITABLE_PRESETS,
-    UsageError,
     cmd_generate_local,
     cmd_inspect,
     cmd_make_checkpoint,
 )
+from .errors import UsageError
 from .launcher import add_serve_flags, serve
 from .remote import add_client_flags, cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags

@@ -4,16 +4,24 @@
     with GeneratorClient("127.0.0.1:50051") as client:
         result = client.generate({"prompt": "a red fox", "num_inference_steps": 20})
         print(result.sha256, result.video.shape, result.audio.shape, result.cache)
+        clip = client.generate({"prompt": "a red fox", "output_type": "mp4"})
+        clip.media.write("fox.mp4")          # clip.media.data: the MP4's bytes; .content_type, .sha256
+        start = client.generate({"prompt": "a red fox", "first_frame": Path("fox.png").read_bytes()})  # fl2va
 
-`generate` uses GenerateStream (progress events, result in chunks) and checks the sha256 of
-the latents it received against the server's.
+A request is a `GenerationRequest` or a mapping of its fields; in a mapping, a missing (or empty) "task" is inferred
+(fl2va with a first_frame or last_frame, else t2va). `generate` uses GenerateStream (progress events, result in
+chunks) and checks what it received: chunk offsets, the header's total_bytes, the latents' sha256 (latents results)
+or the media's size and sha256 (mp4 / frames_and_wav results), and that the result is of the output type asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,17 +30,57 @@ import torch
 from ditcore import GenerationRequest, RequestError, latents_sha256
 from ditcore.plans import DTYPES
 from ditcore.report import CacheReport
+from ditcore.request import infer_task
 from ditruntime.convert import from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-_TASKS = {"t2va": pb.TASK_T2VA}
+_TASKS = {"t2va": pb.TASK_T2VA, "fl2va": pb.TASK_FL2VA}
+_OUTPUT_TYPES = {
+    "latents": pb.OUTPUT_TYPE_LATENTS,
+    "mp4": pb.OUTPUT_TYPE_MP4,
+    "frames_and_wav": pb.OUTPUT_TYPE_FRAMES_AND_WAV,
+}
+_OUTPUT_NAMES = {v: k for k, v in _OUTPUT_TYPES.items()} | {pb.OUTPUT_TYPE_UNSPECIFIED: "latents"}
+MEDIA_CHUNK = "media"
+"""The ResultChunk name of an encoded file's bytes."""
 ProgressCallback = Callable[[str, Any], None]
-"""Called with ("queued", position), ("plans_ready", CacheReport), ("step", (i, n))."""
+"""Called with ("queued", position), ("plans_ready", CacheReport), ("step", (i, n)), ("decoding", output_type) and,
+while the result's bytes arrive, ("receiving", (bytes received, total bytes)) after each chunk."""
 
 
 class IntegrityError(RuntimeError):
-    """The received latents do not hash to the sha256 the server reported."""
+    """What arrived is not what the server described: chunks out of order or of an unknown name, a byte count or a
+    sha256 that does not match, or another output type than the one asked for."""
+
+
+@dataclass(frozen=True)
+class ClientMedia:
+    """An encoded result file (its bytes checked against the server's size and sha256)."""
+
+    output_type: str
+    """"mp4" or "frames_and_wav"."""
+    content_type: str
+    """"video/mp4" or "application/zip"."""
+    data: bytes
+    sha256: str
+    filename: str
+    """The server's suggested name, "<request_id>.mp4" or "<request_id>.zip"."""
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        """Write the file to `path` (through a temporary file in the same directory, renamed into place)."""
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+        try:
+            tmp.write_bytes(self.data)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return target
 
 
 @dataclass
@@ -40,27 +88,47 @@ class ClientResult:
     request_id: str
     generation: int
     sha256: str
-    video: torch.Tensor
-    """Final video latents (1, 24, F_latent, H/16, W/16) float32, as diffusers returns them."""
-    audio: torch.Tensor
-    """Final audio latents (2, 32, N) float32."""
+    """SHA-256 of the final latents (also for media results, whose latents stay on the server)."""
+    video: torch.Tensor | None
+    """Final video latents (1, 24, F_latent, H/16, W/16) float32, as diffusers returns them (latents results)."""
+    audio: torch.Tensor | None
+    """Final audio latents (2, 32, N) float32 (latents results)."""
     cache: CacheReport
     timings_ms: dict[str, float]
     adaln_mode: str = ""
     events: list[tuple[str, Any]] = field(default_factory=list)
+    output_type: str = "latents"
+    media: ClientMedia | None = None
+    """The encoded file (output types "mp4" and "frames_and_wav")."""
+
+
+def as_request(request: GenerationRequest | Mapping[str, Any]) -> GenerationRequest:
+    """A GenerationRequest; an empty task (or, in a mapping, a missing one) becomes `infer_task`'s."""
+    if isinstance(request, GenerationRequest):
+        req = request
+    else:
+        data = dict(request)
+        req = GenerationRequest.from_dict({**data, "task": data.get("task") or ""})
+    return req if req.task else dataclasses.replace(req, task=infer_task(req.task, req.has_keyframes))
 
 
 def request_to_proto(
     request: GenerationRequest | Mapping[str, Any], expected_generation: int | None = None
 ) -> pb.GenerateRequest:
-    """Proto of a request, every optional field set (the server validates; a task with no proto value raises
-    RequestError here, since no message could carry it)."""
-    req = request if isinstance(request, GenerationRequest) else GenerationRequest.from_dict(dict(request))
+    """Proto of a request, every optional field set (the server validates; a task or output type with no proto
+    value raises RequestError here, since no message could carry it)."""
+    req = as_request(request)
     if req.task not in _TASKS:
         raise RequestError("task", f"unknown task {req.task!r}; the protocol carries {', '.join(_TASKS)}")
-    msg = pb.GenerateRequest(request_id=req.request_id, prompt=req.prompt, task=_TASKS[req.task])
+    if req.output_type not in _OUTPUT_TYPES:
+        raise RequestError(
+            "output_type", f"unknown output type {req.output_type!r}; the protocol carries {', '.join(_OUTPUT_TYPES)}"
+        )
+    msg = pb.GenerateRequest(
+        request_id=req.request_id, prompt=req.prompt, task=_TASKS[req.task], output_type=_OUTPUT_TYPES[req.output_type]
+    )
     for f in dataclasses.fields(GenerationRequest):
-        if f.name in ("request_id", "task", "prompt"):
+        if f.name in ("request_id", "task", "prompt", "output_type"):
             continue
         value = getattr(req, f.name)
         try:
@@ -79,7 +147,7 @@ SCHEDULE_HEADER = "x-ditserve-schedule"
 def schedule_affinity_key(request: GenerationRequest | Mapping[str, Any]) -> str:
     """task/num_inference_steps/flow_shift/audio_flow_shift, e.g. `t2va/50/12/3`: a request's plan keys depend on
     these alone, so requests with equal keys share every plan on one checkpoint."""
-    req = request if isinstance(request, GenerationRequest) else GenerationRequest.from_dict(dict(request))
+    req = as_request(request)
     return f"{req.task}/{req.num_inference_steps}/{req.flow_shift:g}/{req.audio_flow_shift:g}"
 
 
@@ -91,30 +159,97 @@ def _tensor(t: pb.Tensor, data: bytes) -> torch.Tensor:
     if t.dtype not in DTYPES:
         raise IntegrityError(f"tensor {t.name!r} has dtype {t.dtype!r}; expected one of {sorted(DTYPES)}")
     dtype = DTYPES[t.dtype]
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(tuple(t.shape)).clone()
+    try:
+        return torch.frombuffer(bytearray(data), dtype=dtype).reshape(tuple(t.shape)).clone()
+    except (RuntimeError, ValueError) as e:  # a byte count that does not hold the shape
+        raise IntegrityError(f"tensor {t.name!r}: {len(data)} bytes do not hold {t.dtype}{list(t.shape)}") from e
+
+
+def _media(resp: pb.GenerateResponse, output_type: str, data: bytes) -> ClientMedia:
+    rid, m = resp.request_id, resp.media
+    if len(data) != m.size_bytes:
+        raise IntegrityError(f"request {rid}: received {len(data)} media bytes, the server said {m.size_bytes}")
+    got = hashlib.sha256(data).hexdigest()
+    if got != m.sha256:
+        raise IntegrityError(f"request {rid}: the received media hashes to {got}, the server said {m.sha256}")
+    return ClientMedia(output_type, m.content_type, data, m.sha256, m.filename)
 
 
 def result_from_response(resp: pb.GenerateResponse, data: Mapping[str, bytes] | None = None) -> ClientResult:
-    tensors = {t.name: _tensor(t, data[t.name] if data is not None else t.data) for t in resp.tensors}
-    missing = sorted({"video", "audio"} - set(tensors))
-    if missing:
-        raise IntegrityError(f"request {resp.request_id}: the result carries no {' or '.join(missing)} tensor")
+    """The checked result of a Generate response (`data`: the streamed bytes by chunk name; None: inline bytes)."""
+    output_type = _OUTPUT_NAMES.get(resp.output_type)
+    if output_type is None:
+        raise IntegrityError(f"request {resp.request_id}: unknown output type enum value {resp.output_type}")
     result = ClientResult(
         request_id=resp.request_id,
         generation=resp.generation,
         sha256=resp.sha256,
-        video=tensors["video"],
-        audio=tensors["audio"],
+        video=None,
+        audio=None,
         cache=from_proto(resp.cache, CacheReport),
         timings_ms=_timings(resp.timings),
         adaln_mode=pb.AdalnMode.Name(resp.adaln_mode),
+        output_type=output_type,
     )
+    if output_type != "latents":
+        if not resp.HasField("media"):
+            raise IntegrityError(f"request {resp.request_id}: a {output_type} result carries no media")
+        result.media = _media(resp, output_type, data.get(MEDIA_CHUNK, b"") if data is not None else resp.media.data)
+        return result
+    tensors = {t.name: _tensor(t, data.get(t.name, b"") if data is not None else t.data) for t in resp.tensors}
+    missing = sorted({"video", "audio"} - set(tensors))
+    if missing:
+        raise IntegrityError(f"request {resp.request_id}: the result carries no {' or '.join(missing)} tensor")
+    result.video, result.audio = tensors["video"], tensors["audio"]
     got = latents_sha256(result.video, result.audio)
     if got != result.sha256:
         raise IntegrityError(
             f"request {result.request_id}: received latents hash to {got}, server said {result.sha256}"
         )
     return result
+
+
+def _check_output_type(resp: pb.GenerateResponse, asked: str) -> pb.GenerateResponse:
+    got = _OUTPUT_NAMES.get(resp.output_type, f"enum value {resp.output_type}")
+    if got != asked:
+        raise IntegrityError(
+            f"request {resp.request_id}: asked for output type {asked}, the server returned {got} "
+            "(a server older than output types?)"
+        )
+    return resp
+
+
+class _Assembly:
+    """The streamed result: its header, then each named part's chunks in order, checked against the header."""
+
+    def __init__(self, header: pb.GenerateResponse) -> None:
+        self.header = header
+        names = [t.name for t in header.tensors]
+        if header.HasField("media"):
+            names.append(MEDIA_CHUNK)
+        self.parts: dict[str, bytearray] = {name: bytearray() for name in names}
+        self.received = 0
+
+    def add(self, chunk: pb.ResultChunk) -> None:
+        buf = self.parts.get(chunk.name)
+        if buf is None:
+            raise IntegrityError(f"a chunk of {chunk.name!r}, which the result header does not name")
+        if chunk.offset != len(buf):
+            raise IntegrityError(f"chunk of {chunk.name} at offset {chunk.offset}, expected {len(buf)}")
+        buf.extend(chunk.data)
+        self.received += len(chunk.data)
+        if self.header.total_bytes and self.received > self.header.total_bytes:
+            raise IntegrityError(f"received {self.received} bytes, more than the header's {self.header.total_bytes}")
+
+    def result(self) -> ClientResult:
+        total = self.header.total_bytes
+        media = self.header.HasField("media") or _OUTPUT_NAMES.get(self.header.output_type, "latents") != "latents"
+        if (total or media) and self.received != total:
+            raise IntegrityError(
+                f"request {self.header.request_id}: the stream carried {self.received} result bytes, the header "
+                f"said {total}"
+            )
+        return result_from_response(self.header, {k: bytes(v) for k, v in self.parts.items()})
 
 
 class GeneratorClient:
@@ -147,11 +282,12 @@ class GeneratorClient:
         timeout: float | None = None,
         metadata: list[tuple[str, str]] | None = None,
     ) -> ClientResult:
-        """Run one request over GenerateStream; raises grpc.RpcError with the server's status."""
-        msg = pb.GenerateStreamRequest(request=request_to_proto(request, expected_generation))
-        metadata = [*(metadata or []), (SCHEDULE_HEADER, schedule_affinity_key(request))]
-        header: pb.GenerateResponse | None = None
-        data: dict[str, bytearray] = {}
+        """Run one request over GenerateStream; raises grpc.RpcError with the server's status, IntegrityError when
+        what arrived does not check out."""
+        req = as_request(request)
+        msg = pb.GenerateStreamRequest(request=request_to_proto(req, expected_generation))
+        metadata = [*(metadata or []), (SCHEDULE_HEADER, schedule_affinity_key(req))]
+        assembly: _Assembly | None = None
         events: list[tuple[str, Any]] = []
         for ev in self.stub.GenerateStream(msg, timeout=timeout, metadata=metadata):
             kind = ev.WhichOneof("event")
@@ -162,22 +298,27 @@ class GeneratorClient:
                 payload = from_proto(ev.plans_ready.cache, CacheReport)
             elif kind == "step":
                 payload = (ev.step.step, ev.step.total)
+            elif kind == "decoding":
+                payload = _OUTPUT_NAMES.get(ev.decoding.output_type, "latents")
             elif kind == "result":
-                header = ev.result
-                data = {t.name: bytearray() for t in header.tensors}
+                if assembly is not None:
+                    raise IntegrityError("the stream carried a second result header")
+                assembly = _Assembly(ev.result)
                 continue
             elif kind == "chunk":
-                buf = data[ev.chunk.name]
-                if ev.chunk.offset != len(buf):
-                    raise IntegrityError(f"chunk of {ev.chunk.name} at offset {ev.chunk.offset}, expected {len(buf)}")
-                buf.extend(ev.chunk.data)
+                if assembly is None:
+                    raise IntegrityError(f"a chunk of {ev.chunk.name!r} before the result header")
+                assembly.add(ev.chunk)
+                if progress is not None:
+                    progress("receiving", (assembly.received, assembly.header.total_bytes))
                 continue
             events.append((kind, payload))
             if progress is not None:
                 progress(kind, payload)
-        if header is None:
+        if assembly is None:
             raise IntegrityError("the stream ended without a result")
-        result = result_from_response(header, {k: bytes(v) for k, v in data.items()})
+        _check_output_type(assembly.header, req.output_type)
+        result = assembly.result()
         result.events = events
         return result
 
@@ -187,9 +328,10 @@ class GeneratorClient:
         expected_generation: int | None = None,
         timeout: float | None = None,
     ) -> ClientResult:
-        md = [(SCHEDULE_HEADER, schedule_affinity_key(request))]
-        resp = self.stub.Generate(request_to_proto(request, expected_generation), timeout=timeout, metadata=md)
-        return result_from_response(resp)
+        req = as_request(request)
+        md = [(SCHEDULE_HEADER, schedule_affinity_key(req))]
+        resp = self.stub.Generate(request_to_proto(req, expected_generation), timeout=timeout, metadata=md)
+        return result_from_response(_check_output_type(resp, req.output_type))
 
     def status(self, timeout: float = 10.0) -> pb.GetStatusResponse:
         return self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout)

@@ -1,12 +1,13 @@
 """Implementations of the local `ditserve` subcommands (no services involved): make-checkpoint, inspect,
-generate-local."""
+generate-local (whose results go where `outputs.py` says, with a progress bar from `progress.py`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-from pathlib import Path
+import time
+import warnings
 from typing import Any
 
 import torch
@@ -24,17 +25,21 @@ from ditcore import (
     write_repository,
 )
 from ditcore.checkpoint import is_repository_dir
+from ditcore.media import encode
 from ditcore.plans import dtype_name
 from ditcore.repo import PRESETS
 from ditruntime.flags import from_args
-from ditruntime.paths import check_dir
+from ditruntime.paths import check_dir, prepare_dir
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.embedded import EmbeddedPlanProvider
 from plancache_service.errors import PlanCapacityError
 from plancache_service.rebuild import RebuildSource
 
-from .requests_io import requests_from_args, result_line, validate_all, write_result
+from .errors import UsageError
+from .outputs import OutputTarget, file_fields, write_latents, write_media
+from .progress import Progress, progress_enabled
+from .requests_io import prepare_run, result_line, validate_all
 
 GIB = 1024**3
 MIB = 1024**2
@@ -46,10 +51,6 @@ WRITABLE_PRESETS = tuple(name for name, p in PRESETS.items() if p.writable)
 _BYTES = {"mixed": 2, "float32": 4}  # bytes per element of the projections (mixed keeps them in bfloat16)
 
 
-class UsageError(Exception):
-    """A command-line value is invalid (exit code 2)."""
-
-
 def quiet_model_libraries() -> None:
     """Turn off diffusers' and transformers' progress bars (shard writing and loading): the commands print one JSON
     line per result on stdout and errors on stderr, nothing else."""
@@ -58,6 +59,8 @@ def quiet_model_libraries() -> None:
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
+    # diffusers' audio VAE still builds with torch.nn.utils.weight_norm; torch's deprecation notice is not ours to show
+    warnings.filterwarnings("ignore", message=r".*weight_norm.* is deprecated", category=FutureWarning)
 
 
 # ---------------------------------------------------------------------------- make-checkpoint
@@ -74,9 +77,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         raise UsageError(f"--shards must be in [1, {MAX_SHARDS}], got {args.shards}")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be in [0, 2^63-1], got {args.seed}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
+    out = check_dir(args.out, "--out")  # a file, or a parent that is one, is refused before anything is written
     if out.exists() and any(out.iterdir()):
         if not args.force:
             raise UsageError(f"--out {out} is not empty; pass --force to overwrite it")
@@ -85,6 +86,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
                 f"--out {out} is not a checkpoint directory (no model_index.json); refusing to overwrite it"
             )
         shutil.rmtree(out)
+    prepare_dir(out, "--out")  # created 0700 (parents too), like every directory flag
     quiet_model_libraries()
     write_repository(out, preset=args.preset, seed=args.seed, dtype=args.dtype, shards=args.shards)
     info = validate_checkpoint(out)
@@ -205,14 +207,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- generate-local
 def cmd_generate_local(args: argparse.Namespace) -> int:
-    requests = requests_from_args(args)
+    requests, target = prepare_run(args)
     validate_all(requests)
-    if args.out:  # refused now; created (0700) at the first result, so a refused run writes nothing
-        check_dir(args.out, "--out")
     quiet_model_libraries()
     info = validate_checkpoint(args.checkpoint, require_adaln=True)
     if args.adaln_mode == "resident":
-        _run_local(load_model(info, "resident"), None, requests, args)
+        _run_local(load_model(info, "resident"), None, requests, target, args)
         return 0
     cache_config = from_args(CacheConfig, args, only=LOCAL_CACHE_FLAGS)  # bounds were checked while parsing
     cache = PlanCache(cache_config, RebuildSource(info, torch.device("cpu")))
@@ -223,17 +223,40 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
                 cache.check_request(model.plan_keys(req))
             except PlanCapacityError as e:
                 raise UsageError(f"request {req.request_id!r}: {e}") from e
-        _run_local(model, EmbeddedPlanProvider(cache, owner="generate-local"), requests, args)
+        _run_local(model, EmbeddedPlanProvider(cache, owner="generate-local"), requests, target, args)
     finally:
         cache.close()
     return 0
 
 
 def _run_local(
-    model: H3Model, provider: PlanProvider | None, requests: list[GenerationRequest], args: argparse.Namespace
+    model: H3Model,
+    provider: PlanProvider | None,
+    requests: list[GenerationRequest],
+    target: OutputTarget,
+    args: argparse.Namespace,
 ) -> None:
+    show = progress_enabled(args.progress)
     for req in requests:
-        result = generate(model, req, provider)
-        if args.out:
-            write_result(Path(args.out), result, req)
-        print(result_line(result, req, adaln_mode=args.adaln_mode), flush=True)
+        files: dict[str, Any] = {}
+        with Progress(req.request_id, show, decodes=req.decodes) as bar:
+            result = generate(model, req, provider, on_step=bar.step)
+            path = target.path_for(req)
+            if result.media is not None:
+                bar.stage("mux")
+                t0 = time.perf_counter()
+                media = encode(result.media, req.output_type)
+                mux_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+                result.timings_ms["mux"] = mux_ms
+                result.timings_ms["total"] = round(result.timings_ms["total"] + mux_ms, 3)
+                if path is not None:
+                    write_media(path, media.data)
+                    files = file_fields(path, media.size, media.content_type, media.sha256)
+            elif path is not None:
+                write_latents(path, result, req)
+                files = file_fields(path, path.stat().st_size)
+        shapes = None if req.decodes else (result.video.shape, result.audio.shape)
+        line = result_line(
+            req, result.sha256, result.timings_ms, result.cache, shapes, adaln_mode=args.adaln_mode, **files
+        )
+        print(line, flush=True)

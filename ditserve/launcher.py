@@ -35,7 +35,8 @@ from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir, p
 from generator_service.config import GeneratorConfig
 from plancache_service.config import CacheConfig, SidecarConfig
 
-from .commands import UsageError, quiet_model_libraries
+from .commands import quiet_model_libraries
+from .errors import UsageError
 
 log = logging.getLogger("ditserve.serve")
 DEMO_PRESET = "tiny"

@@ -1,7 +1,9 @@
 """`ditserve generate --target HOST:PORT` and `ditserve update-weights`: the command line's gRPC clients.
 
-`generate` prints the same JSON line per request as `generate-local` (plus `generation`), with a progress bar over
-GenerateStream when stderr is a terminal. The server validates each request (its operator limits may be tighter
+`generate` prints the same JSON line per request as `generate-local` (plus `generation`), writes results where
+`--out` says (outputs.py: latents as safetensors, or the service's MP4 / ZIP as received, after the client has checked
+its size and sha256), and shows a progress bar on stderr (progress.py): the steps, "decode+mux" from the stream's
+decoding event, then the bytes received. The server validates each request (its operator limits may be tighter
 than MiniMax-H3's); INVALID_ARGUMENT exits 2, other failures 1.
 """
 
@@ -16,11 +18,12 @@ from typing import Any
 import grpc
 
 from ditcore import GenerationRequest, GenerationResult
-from ditruntime.paths import check_dir
 
-from .client import ClientResult, GeneratorClient
-from .commands import UsageError
-from .requests_io import requests_from_args, result_line, write_result
+from .client import ClientResult, GeneratorClient, IntegrityError
+from .errors import UsageError
+from .outputs import file_fields, write_latents, write_media
+from .progress import Progress, progress_enabled
+from .requests_io import prepare_run, result_line
 
 
 class RemoteError(Exception):
@@ -31,35 +34,29 @@ class RemoteError(Exception):
         self.code = code
 
 
-def _progress_bar(request_id: str) -> Any:
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
+def run_one(
+    client: GeneratorClient, req: GenerationRequest, expected_generation: int | None, show_progress: bool = False
+) -> ClientResult:
+    with Progress(req.request_id, show_progress, decodes=False) as bar:
 
-    return tqdm(total=None, desc=request_id, unit="step", file=sys.stderr, leave=False)
+        def progress(kind: str, payload: Any) -> None:
+            if bar.bar is None:
+                return
+            if kind == "plans_ready":
+                bar.bar.set_postfix_str(
+                    f"built {payload.built_plans} host {payload.host_hit_plans} hit {payload.gpu_hit_plans}"
+                )
+            elif kind == "step":
+                bar.step(*payload)
+            elif kind == "decoding":
+                bar.stage("decode+mux")
+            elif kind == "receiving":
+                bar.transfer(*payload)
 
-
-def run_one(client: GeneratorClient, req: GenerationRequest, expected_generation: int | None) -> ClientResult:
-    bar = _progress_bar(req.request_id)
-
-    def progress(kind: str, payload: Any) -> None:
-        if bar is None:
-            return
-        if kind == "plans_ready":
-            bar.set_postfix_str(
-                f"built {payload.built_plans} host {payload.host_hit_plans} hit {payload.gpu_hit_plans}"
-            )
-        elif kind == "step":
-            bar.total = payload[1]
-            bar.update(payload[0] - bar.n)
-
-    try:
-        return client.generate(req, expected_generation=expected_generation, progress=progress)
-    except grpc.RpcError as e:
-        raise RemoteError(e.code(), e.details() or "") from e
-    finally:
-        if bar is not None:
-            bar.close()
+        try:
+            return client.generate(req, expected_generation=expected_generation, progress=progress)
+        except grpc.RpcError as e:
+            raise RemoteError(e.code(), e.details() or "") from e
 
 
 def add_client_flags(p: argparse.ArgumentParser) -> None:
@@ -90,20 +87,34 @@ def check_client_args(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     check_client_args(args)
-    requests = requests_from_args(args)
-    if args.out:  # refused now; created (0700) at the first result, so a refused run writes nothing
-        check_dir(args.out, "--out")
+    requests, target = prepare_run(args)
+    show = progress_enabled(args.progress)
     with client_from_args(args) as client:
         for req in requests:
             try:
-                res = run_one(client, req, args.expected_generation)
+                res = run_one(client, req, args.expected_generation, show)
             except RemoteError as e:
                 print(f"ditserve generate: request {req.request_id} failed: {e}", file=sys.stderr)
                 return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
-            result = GenerationResult(res.request_id, res.video, res.audio, res.sha256, res.timings_ms, res.cache)
-            if args.out:
-                write_result(Path(args.out), result, req)
-            print(result_line(result, req, generation=res.generation, adaln_mode=res.adaln_mode), flush=True)
+            except IntegrityError as e:
+                print(f"ditserve generate: request {req.request_id}: bad result: {e}", file=sys.stderr)
+                return 1
+            path = target.path_for(req)
+            files: dict[str, Any] = {}
+            shapes = None
+            if res.media is not None:
+                if path is not None:
+                    write_media(path, res.media.data)
+                    files = file_fields(path, res.media.size, res.media.content_type, res.media.sha256)
+            else:
+                assert res.video is not None and res.audio is not None  # checked by the client for latents
+                shapes = (res.video.shape, res.audio.shape)
+                if path is not None:
+                    result = GenerationResult(res.request_id, res.video, res.audio, res.sha256, res.timings_ms)
+                    write_latents(path, result, req)
+                    files = file_fields(path, path.stat().st_size)
+            extra = {"generation": res.generation, "adaln_mode": res.adaln_mode, **files}
+            print(result_line(req, res.sha256, res.timings_ms, res.cache, shapes, **extra), flush=True)
     return 0
 
 

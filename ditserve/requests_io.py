@@ -1,23 +1,41 @@
-"""Request input/output shared by `generate-local` and `generate`: flags, JSONL, result files.
+"""Request input shared by `generate-local` and `generate`: flags, JSONL, keyframe files, the JSON line.
 
 The request flags and the JSONL keys are `ditcore.GenerationRequest`'s fields (`--num-inference-steps` is the key
-`num_inference_steps`); omitted keys take the flag values, whose defaults are GenerationRequest's. Every request is
-validated against MiniMax-H3's rules before any runs, so bad input writes nothing.
+`num_inference_steps`); omitted keys take the flag values, whose defaults are GenerationRequest's. Keyframes are
+files: `--first-frame PATH` / `--last-frame PATH`, and in a JSONL line "first_frame" / "last_frame" are paths relative
+to the JSONL file's directory (null or "" for none). A request whose task is left unset (no `--task`, no "task" key) is
+fl2va when it has a keyframe, else t2va (`ditcore.request.infer_task`). `--out` and `--output-type` are resolved by
+`outputs.py`. `generate-local` validates every request against MiniMax-H3's rules before any runs, so bad input writes
+nothing (`generate` leaves that to the server, whose operator limits may be tighter).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
+from ditcore import H3_LIMITS, GenerationRequest, RequestError, RequestLimits
+from ditcore.media import OUTPUT_TYPES
+from ditcore.report import CacheReport
+from ditcore.request import (
+    KEYFRAME_FIELDS,
+    MAX_FRAMES,
+    MAX_KEYFRAME_BYTES,
+    MAX_STEPS,
+    MIN_FRAMES,
+    MIN_STEPS,
+    TASKS,
+    infer_task,
+)
 
-from ditcore import H3_LIMITS, GenerationRequest, GenerationResult, RequestError, RequestLimits
-from ditcore.request import MAX_FRAMES, MAX_STEPS, MIN_FRAMES, MIN_STEPS, TASKS
-from ditruntime.paths import prepare_dir
+from .errors import UsageError
+from .outputs import OutputTarget, output_target
+from .progress import add_progress_flag
 
 _DEFAULTS = GenerationRequest()
 REQUEST_FIELDS = (
@@ -31,16 +49,24 @@ REQUEST_FIELDS = (
     "width",
     "num_frames",
 )
-"""GenerationRequest fields that have a flag of the same name (request_id has its own default rule)."""
+"""GenerationRequest fields that have a flag of the same name (request_id has its own default rule; the keyframes
+and the output type have their own flags)."""
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
-    """Single-request flags; their defaults are GenerationRequest's."""
+    """Single-request flags; their defaults are GenerationRequest's. Also the output flags (--out, --output-type,
+    --progress)."""
     g = p.add_argument_group("request (with --requests, the defaults of every line)")
     g.add_argument("--requests", metavar="FILE.jsonl", help="run every request of a JSONL file, in order")
     g.add_argument("--request-id", default=None, help="request id (default req-<index>)")
-    g.add_argument("--task", default=_DEFAULTS.task, help=f"one of {', '.join(TASKS)} (default %(default)s)")
+    g.add_argument(
+        "--task",
+        default=None,
+        help=f"one of {', '.join(TASKS)} (default: fl2va with --first-frame or --last-frame, else t2va)",
+    )
     g.add_argument("--prompt", default=_DEFAULTS.prompt, help="the text, non-empty, presented verbatim")
+    g.add_argument("--first-frame", metavar="PATH", default=None, help="fl2va: PNG or JPEG the video starts from")
+    g.add_argument("--last-frame", metavar="PATH", default=None, help="fl2va: PNG or JPEG the video ends on")
     g.add_argument(
         "--num-inference-steps",
         type=int,
@@ -67,20 +93,76 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.num_frames,
         help=f"frames at 24 fps, 17n + 5 in [{MIN_FRAMES}, {MAX_FRAMES}] (default %(default)s)",
     )
-    g.add_argument("--out", default=None, help="write each result as OUT/<request_id>.safetensors")
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--out",
+        default=None,
+        help="a file (FILE.mp4, FILE.zip = PNG frames + audio.wav, FILE.safetensors = latents; one request) or a "
+        "directory (no suffix: DIR/<request_id>.mp4|.zip|.safetensors per request)",
+    )
+    o.add_argument(
+        "--output-type",
+        choices=OUTPUT_TYPES,
+        default=None,
+        help="latents, mp4 or frames_and_wav (default: --out's suffix, else the JSONL line's, else latents)",
+    )
+    add_progress_flag(o)
 
 
-def _defaults_from_args(args: argparse.Namespace) -> GenerationRequest:
-    return GenerationRequest(**{name: getattr(args, name) for name in REQUEST_FIELDS})
+def _keyframe_from_flag(flag: str, value: str | None) -> bytes:
+    return b"" if value is None else _read_keyframe(Path(value).expanduser(), lambda msg: UsageError(f"{flag} {msg}"))
 
 
-def requests_from_args(args: argparse.Namespace) -> list[GenerationRequest]:
-    """The requests a command will run (not yet validated)."""
-    defaults = _defaults_from_args(args)
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise RequestError("out", f"--out {args.out} exists and is not a directory")
+def _read_keyframe(path: Path, error: Any) -> bytes:
+    """The file's bytes; `error(message)` is raised (with the path leading the message) when it cannot be read."""
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: cannot read it (not a regular file)")
+        if st.st_size > MAX_KEYFRAME_BYTES:
+            raise error(f"{path}: {st.st_size} bytes, over the keyframe limit of {MAX_KEYFRAME_BYTES} bytes")
+        return path.read_bytes()
+    except OSError as e:
+        raise error(f"{path}: cannot read it ({e.strerror or e})") from e
+
+
+def _defaults_from_args(args: argparse.Namespace, target: OutputTarget) -> GenerationRequest:
+    values = {name: getattr(args, name) for name in REQUEST_FIELDS}
+    values["task"] = values["task"] or ""  # unset: inferred per request
+    return GenerationRequest(
+        **values,
+        first_frame=_keyframe_from_flag("--first-frame", args.first_frame),
+        last_frame=_keyframe_from_flag("--last-frame", args.last_frame),
+        output_type=target.output_type or _DEFAULTS.output_type,
+    )
+
+
+def _line_keyframes(data: dict[str, Any], where: str, base: Path) -> None:
+    """A JSONL line's keyframe paths (relative to `base`) replaced by the files' bytes, in place."""
+    for name in KEYFRAME_FIELDS:
+        if name not in data:
+            continue
+        value = data[name]
+        if value is None or value == "":
+            data[name] = b""
+        elif isinstance(value, str):
+            path = base / Path(value).expanduser()
+            data[name] = _read_keyframe(path, lambda msg, name=name: RequestError(name, f"{where}: {msg}"))
+        else:
+            raise RequestError(name, f"{where}: must be a file path (a string), got {type(value).__name__}")
+
+
+def _with_task(req: GenerationRequest) -> GenerationRequest:
+    return req if req.task else dataclasses.replace(req, task=infer_task(req.task, req.has_keyframes))
+
+
+def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = None) -> list[GenerationRequest]:
+    """The requests a command will run (not yet validated). `target`: --out / --output-type, resolved."""
+    if target is None:
+        target = output_target(args.out, args.output_type)
+    defaults = _defaults_from_args(args, target)
     if not args.requests:
-        return [GenerationRequest.from_dict({"request_id": args.request_id or "req-0"}, defaults)]
+        return [_with_task(GenerationRequest.from_dict({"request_id": args.request_id or "req-0"}, defaults))]
     path = Path(args.requests)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -99,13 +181,28 @@ def requests_from_args(args: argparse.Namespace) -> list[GenerationRequest]:
         if not isinstance(data, dict):
             raise RequestError("requests", f"{path}:{n}: each line must be a JSON object")
         data.setdefault("request_id", f"req-{len(out)}")
+        _line_keyframes(data, f"{path}:{n}", path.parent)
+        fixed = target.output_type
+        if fixed is not None and data.get("output_type", fixed) != fixed:
+            raise RequestError(
+                "output_type", f"{path}:{n}: {data['output_type']!r} conflicts with {target.fixed_by} ({fixed})"
+            )
         try:
-            out.append(GenerationRequest.from_dict(data, defaults))
+            out.append(_with_task(GenerationRequest.from_dict(data, defaults)))
         except RequestError as e:
             raise RequestError(e.field, f"{path}:{n}: {e.description}") from e
     if not out:
         raise RequestError("requests", f"{path} holds no requests")
     return out
+
+
+def prepare_run(args: argparse.Namespace) -> tuple[list[GenerationRequest], OutputTarget]:
+    """The requests and where their results go, every refusal that needs no model done: --out / --output-type,
+    keyframe files, JSONL, and whether the target can take the requests."""
+    target = output_target(args.out, args.output_type)
+    requests = requests_from_args(args, target)
+    target.check(requests)
+    return requests, target
 
 
 def validate_all(requests: Sequence[GenerationRequest], limits: RequestLimits = H3_LIMITS) -> None:
@@ -118,29 +215,27 @@ def validate_all(requests: Sequence[GenerationRequest], limits: RequestLimits = 
         seen.add(r.request_id)
 
 
-def result_line(result: GenerationResult, request: GenerationRequest, **extra: Any) -> str:
-    """The one JSON line printed per request by every generate command."""
+def result_line(
+    request: GenerationRequest,
+    sha256: str,
+    timings_ms: dict[str, float],
+    cache: CacheReport | None = None,
+    shapes: tuple[Sequence[int], Sequence[int]] | None = None,
+    **extra: Any,
+) -> str:
+    """The one JSON line printed per request by every generate command: the latents' sha256 always, their shapes
+    (video, audio) for latents results, then `extra` (the written file's fields, the server's generation, ...)."""
     line: dict[str, Any] = {
-        "request_id": result.request_id,
+        "request_id": request.request_id,
         "task": request.task,
         "num_inference_steps": request.num_inference_steps,
-        "sha256": result.sha256,
-        "video_shape": list(result.video.shape),
-        "audio_shape": list(result.audio.shape),
-        "timings_ms": result.timings_ms,
+        "output_type": request.output_type,
+        "sha256": sha256,
     }
+    if shapes is not None:
+        line["video_shape"], line["audio_shape"] = list(shapes[0]), list(shapes[1])
+    line["timings_ms"] = timings_ms
     line.update(extra)
-    if result.cache is not None:
-        line["cache"] = result.cache.to_dict()
+    if cache is not None:
+        line["cache"] = cache.to_dict()
     return json.dumps(line, sort_keys=False)
-
-
-def write_result(out_dir: Path, result: GenerationResult, request: GenerationRequest) -> Path:
-    """OUT/<request_id>.safetensors with tensors `video` and `audio`; metadata = the request (JSON values) + sha256."""
-    prepare_dir(out_dir, "--out")
-    tensors = {"video": result.video.contiguous(), "audio": result.audio.contiguous()}
-    meta = {k: json.dumps(v) for k, v in request.to_dict().items()}
-    meta["sha256"] = result.sha256
-    path = out_dir / f"{result.request_id}.safetensors"
-    save_file(tensors, str(path), metadata=meta)
-    return path

@@ -6,7 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ditcore.request import CANVAS_MULTIPLE, MAX_FRAMES, MAX_PROMPT_BYTES, MAX_SIDE, MIN_FRAMES, RequestLimits
+from ditcore.request import (
+    CANVAS_MULTIPLE,
+    MAX_FRAMES,
+    MAX_KEYFRAME_BYTES,
+    MAX_KEYFRAME_PIXELS,
+    MAX_PROMPT_BYTES,
+    MAX_SIDE,
+    MIN_FRAMES,
+    RequestLimits,
+)
 from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP, check_tls_flags
 from ditruntime.flags import check_bounds, flag
 
@@ -47,7 +56,7 @@ class GeneratorConfig:
     )
     """gRPC send/receive limit (`--max-message-mb`); a unary result above it must use GenerateStream."""
     chunk_bytes: int = 1024 * 1024
-    """Tensor bytes per GenerateStream chunk (well under max_message_bytes)."""
+    """Tensor or media bytes per GenerateStream chunk (well under max_message_bytes)."""
     reconnect_s: float = 0.5
     """Pause between attempts to (re)attach to the sidecar."""
     prefetch: bool = flag(True, "do not prepare the next request's plans early", negate=True)
@@ -79,6 +88,23 @@ class GeneratorConfig:
         MAX_PROMPT_BYTES, "operator limit on prompt UTF-8 bytes (default %(default)s)", low=1, high=MAX_PROMPT_BYTES
     )
     """Longest `prompt` served, in UTF-8 bytes."""
+    max_keyframe_bytes: int = flag(
+        MAX_KEYFRAME_BYTES,
+        "operator limit on a keyframe's (first_frame / last_frame) size in MiB (default %(default)s)",
+        name="--max-keyframe-mb",
+        scale=MIB,
+        low=MIB,
+        high=MAX_KEYFRAME_BYTES,
+    )
+    """Largest keyframe (`first_frame`, `last_frame`) served, in bytes (`--max-keyframe-mb`). The whole request
+    must also fit `--max-message-mb`."""
+    max_keyframe_pixels: int = flag(
+        MAX_KEYFRAME_PIXELS,
+        "operator limit on a keyframe's width x height, checked before decoding (default %(default)s)",
+        low=1,
+        high=MAX_KEYFRAME_PIXELS,
+    )
+    """Largest keyframe served, in pixels (width x height from the image header; the decompression-bomb guard)."""
     tls_cert: Path | None = flag(None, "PEM certificate: serve the public port over TLS")
     """PEM server certificate for the public port (TLS when set, with tls_key)."""
     tls_key: Path | None = flag(None, "PEM private key of --tls-cert")
@@ -104,7 +130,14 @@ class GeneratorConfig:
     @property
     def limits(self) -> RequestLimits:
         """The operator limits every request is validated against (H3's own rules included)."""
-        return RequestLimits(self.max_num_frames, self.max_height, self.max_width, self.max_prompt_bytes)
+        return RequestLimits(
+            self.max_num_frames,
+            self.max_height,
+            self.max_width,
+            self.max_prompt_bytes,
+            max_keyframe_bytes=self.max_keyframe_bytes,
+            max_keyframe_pixels=self.max_keyframe_pixels,
+        )
 
     def __post_init__(self) -> None:
         check_bounds(self)

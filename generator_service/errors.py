@@ -66,6 +66,14 @@ class ResultTooLargeError(GeneratorError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
+class MediaEncodeError(GeneratorError):
+    """Encoding the decoded frames and waveform into the requested file failed (e.g. no H.264 encoder in this
+    PyAV/FFmpeg build): a server fault, not the request's."""
+
+    reason = "MEDIA_ENCODE_FAILED"
+    grpc_code = "INTERNAL"
+
+
 class LeaseCheckError(GeneratorError):
     """A leased slot's table row is not READY with the lease's generation and key."""
 

@@ -12,31 +12,42 @@ stops issuing work, `generate` synchronizes, and only then is the lease released
 failure acknowledged to the client. While a job denoises, a prefetch thread prepares the next queued job's plans, so a
 rebuild overlaps compute (both leases must fit the slab; if not, the next job simply prepares
 when it starts).
+
+Media output types ("mp4", "frames_and_wav"): `generate` decodes (under the model lock, after the
+lease is released); encoding the file ("mux", `ditcore.media.encode`) needs no model, so a mux
+thread does it while the executor thread starts the next job. At most one job muxes at a time
+(a finished job waits for the mux thread before the executor takes another, which bounds the
+decoded media held at two jobs'); a muxing job keeps its queue slot until its result is sent.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ditcore import GenerationRequest, GenerationResult, PlanKey, RequestError, RequestLimits, generate
+from ditcore.media import EncodedMedia, encode
+from ditcore.request import KEYFRAME_FIELDS
 from ditruntime.errors import GenerationMismatchError
 
 from .backend import Backend, ServedLease
-from .config import LIMITED_FIELDS
+from .config import LIMITED_FIELDS, MIB
 from .errors import (
     CancelledError,
     DeadlineExceededError,
     GeneratorError,
     LeaseCheckError,
+    MediaEncodeError,
     NotServingError,
     QueueFullError,
     SidecarUnavailableError,
 )
-from .jobs import Failed, Finished, Job, JobEvent, JobResult, PlansReady, Queued, StepDone
+from .jobs import Decoding, Failed, Finished, Job, JobEvent, JobResult, PlansReady, Queued, StepDone
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +60,40 @@ def check_request(request: GenerationRequest, limits: RequestLimits) -> None:
     try:
         request.validate(limits)
     except RequestError as e:
-        attr = LIMITED_FIELDS.get(e.field)
-        if attr is not None:
-            value = getattr(request, e.field)
-            size = len(value.encode("utf-8")) if isinstance(value, str) else value
-            limit = getattr(limits, attr)
-            if isinstance(size, int) and size > limit:
-                flag = "--" + attr.replace("_", "-")
-                raise RequestError(e.field, f"{e.description} (this server's {flag} is {limit})") from e
+        note = _operator_limit(request, limits, e)
+        if note:
+            raise RequestError(e.field, f"{e.description} (this server's {note})") from e
         raise
+
+
+def _operator_limit(request: GenerationRequest, limits: RequestLimits, e: RequestError) -> str:
+    """'--flag is value' of the operator limit `e` broke ("" if it broke H3's own rule or a format rule)."""
+    if e.field in KEYFRAME_FIELDS:
+        data: bytes = getattr(request, e.field)
+        if len(data) > limits.max_keyframe_bytes:
+            return f"--max-keyframe-mb is {limits.max_keyframe_bytes / MIB:g}"
+        if "pixels, over the limit" in e.description:  # ditcore.media's decompression-bomb refusal
+            return f"--max-keyframe-pixels is {limits.max_keyframe_pixels}"
+        return ""
+    attr = LIMITED_FIELDS.get(e.field)
+    if attr is None:
+        return ""
+    value = getattr(request, e.field)
+    size = len(value.encode("utf-8")) if isinstance(value, str) else value
+    limit = getattr(limits, attr)
+    if isinstance(size, int) and size > limit:
+        return "--" + attr.replace("_", "-") + f" is {limit}"
+    return ""
+
+
+@dataclass
+class _Denoised:
+    """A job whose loop (and decoding, for media) is done: what finishing it needs."""
+
+    job: Job
+    result: GenerationResult
+    generation: int
+    started: float  # perf_counter when the executor took the job
 
 
 class _Prefetched:
@@ -97,10 +133,14 @@ class Executor:
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._prefetch_wakeup = threading.Event()
         self._prefetch_thread = threading.Thread(target=self._prefetch_loop, name="prefetch", daemon=True)
+        self._muxing: _Denoised | None = None  # handed to the mux thread (under _lock)
+        self._mux_stopping = False
+        self._mux_thread = threading.Thread(target=self._mux_loop, name="mux", daemon=True)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._thread.start()
+        self._mux_thread.start()
         if self.prefetch:
             self._prefetch_thread.start()
 
@@ -113,13 +153,23 @@ class Executor:
         for job in pending:
             self._drop(job, NotServingError("the generator is shutting down"))
         self._prefetch_wakeup.set()
+        end = time.monotonic() + timeout
         self._thread.join(timeout)
+        with self._lock:  # the mux thread finishes the job it holds, then exits
+            self._mux_stopping = True
+            self._lock.notify_all()
+        if self._mux_thread.is_alive():
+            self._mux_thread.join(max(0.0, end - time.monotonic()))
 
     # ---------------------------------------------------------------- admission
     @property
     def queue_depth(self) -> int:
+        """Jobs waiting, running or muxing (each holds a queue slot until its result is sent)."""
         with self._lock:
-            return len(self._queue) + (1 if self._running is not None else 0)
+            return self._depth()
+
+    def _depth(self) -> int:  # under _lock
+        return len(self._queue) + (self._running is not None) + (self._muxing is not None)
 
     def submit(self, job: Job) -> int:
         """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing."""
@@ -129,7 +179,7 @@ class Executor:
         with self._lock:
             if self._stopping:
                 raise NotServingError("the generator is shutting down")
-            depth = len(self._queue) + (1 if self._running is not None else 0)
+            depth = self._depth()
             if depth >= self.max_queue_depth:
                 raise QueueFullError(f"the queue is full ({depth} of {self.max_queue_depth} requests); retry later")
             self._queue.append(job)
@@ -187,19 +237,24 @@ class Executor:
                     return
                 job = self._queue.popleft()
                 self._running = job
-            final: JobEvent
+            final: JobEvent | _Denoised
             try:
                 final = self._run(job)
+                if isinstance(final, _Denoised) and not final.job.request.decodes:
+                    final = self._finish(final)
             except BaseException as e:  # never let the executor die
                 log.exception("executor: unexpected error")
                 final = Failed(e)
+            if isinstance(final, _Denoised):
+                self._hand_to_muxer(final)
+                continue
             with self._lock:  # free the queue slot before the client hears back
                 self._running = None
                 self._lock.notify_all()
             job.emit(final)
 
-    def _run(self, job: Job) -> JobEvent:
-        """Run one job; returns its final event (result or error) for the loop to send."""
+    def _run(self, job: Job) -> JobEvent | _Denoised:
+        """Run one job's loop; returns its failure, or what finishing it (muxing, results) needs."""
         started = time.perf_counter()
         if job.prefetching:
             job.prefetch_done.wait()
@@ -220,22 +275,86 @@ class Executor:
                 lease.release()
             self._on_finish(job, None, e)
             return Failed(e)
+        return _Denoised(job, result, generation, started)
+
+    def _finish(self, done: _Denoised, media: EncodedMedia | None = None, mux_ms: float = 0.0) -> Finished:
+        """The job's result: timings, the log line, the finish listener."""
+        job, result, generation = done.job, done.result, done.generation
         timings = {
-            "queue_ms": round((started - job.admitted_at) * 1000, 3),
+            "queue_ms": round((done.started - job.admitted_at) * 1000, 3),
             "prepare_ms": round(job.prepare_ms, 3),
             "encode_ms": result.timings_ms.get("encode", 0.0),
             "denoise_ms": result.timings_ms.get("denoise", 0.0),
+            "decode_ms": result.timings_ms.get("decode", 0.0),
+            "mux_ms": round(mux_ms, 3),
             "total_ms": round((time.perf_counter() - job.admitted_at) * 1000, 3),
         }
+        output = job.request.output_type
         log.info(
-            "request %s done: generation %d sha256 %s timings %s cache %s",
-            job.request.request_id, generation, result.sha256[:16], timings, result.cache,
+            "request %s done: generation %d sha256 %s output %s%s timings %s cache %s",
+            job.request.request_id, generation, result.sha256[:16], output,
+            f" ({media.size} bytes)" if media is not None else "", timings, result.cache,
             extra={"request_id": job.request.request_id, "generation": generation, "sha256": result.sha256,
-                   "timings_ms": timings, "cache": result.cache.to_dict() if result.cache else None, "task": job.request.task, "steps": job.request.steps},
+                   "timings_ms": timings, "cache": result.cache.to_dict() if result.cache else None,
+                   "task": job.request.task, "steps": job.request.steps, "output_type": output,
+                   "media_bytes": media.size if media is not None else None},
         )  # fmt: skip
-        done = JobResult(result, generation, timings)
-        self._on_finish(job, done, None)
-        return Finished(done)
+        finished = JobResult(dataclasses.replace(result, media=None), generation, timings, media)
+        self._on_finish(job, finished, None)
+        return Finished(finished)
+
+    # ---------------------------------------------------------------- mux (media output types)
+    def _hand_to_muxer(self, done: _Denoised) -> None:
+        """Give a decoded job to the mux thread once it is free (the job moves from running to muxing)."""
+        with self._lock:
+            while self._muxing is not None and not self._mux_stopping:
+                self._lock.wait()
+            if not self._mux_stopping:
+                self._running, self._muxing = None, done
+                self._lock.notify_all()
+                return
+        final = self._mux(done)  # shutting down: no mux thread to take it
+        with self._lock:
+            self._running = None
+            self._lock.notify_all()
+        done.job.emit(final)
+
+    def _mux_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._muxing is None and not self._mux_stopping:
+                    self._lock.wait()
+                done = self._muxing
+                if done is None:
+                    return
+            final: JobEvent
+            try:
+                final = self._mux(done)
+            except BaseException as e:  # never let the mux thread die
+                log.exception("mux: unexpected error")
+                final = Failed(e)
+            with self._lock:  # free the queue slot before the client hears back
+                self._muxing = None
+                self._lock.notify_all()
+            done.job.emit(final)
+
+    def _mux(self, done: _Denoised) -> JobEvent:
+        """Encode the decoded media as the request's output type and finish the job."""
+        job, media = done.job, done.result.media
+        try:
+            self._check_live(job)  # a cancelled or late request is not encoded for nobody
+            if media is None:
+                raise MediaEncodeError(f"request {job.request.request_id} has no decoded media to encode")
+            t0 = time.perf_counter()
+            try:
+                encoded = encode(media, job.request.output_type)
+            except Exception as e:
+                raise MediaEncodeError(f"encoding the {job.request.output_type} failed: {e}") from e
+            mux_ms = (time.perf_counter() - t0) * 1000
+        except BaseException as e:
+            self._on_finish(job, None, e)
+            return Failed(e)
+        return self._finish(done, encoded, mux_ms)
 
     def _acquire(self, job: Job) -> ServedLease | None:
         """The job's plans, leased now; None in resident mode (the model has no plans to lease)."""
@@ -249,13 +368,20 @@ class Executor:
         def on_step(done: int, total: int) -> None:
             self._check_live(job, lease)
             job.emit(StepDone(done, total))
+            if done == total and job.request.decodes:  # the loop is done: decoding starts next
+                job.emit(Decoding(job.request.output_type))
 
         with self.backend.model_lock:
             generation = lease.generation if lease is not None else self.backend.generation()
             provider = _Prefetched(lease) if lease is not None else None
             # generate() releases the lease in every outcome once it has acquired it
             model = self.backend.model()
-            return generate(model, job.request, provider, on_step=on_step, limits=self.limits), generation
+            result = generate(model, job.request, provider, on_step=on_step, limits=self.limits)
+        if lease is not None and not self.backend.alive(lease):
+            # The session ended between the last step's check and the end of its reads (generate() waits for
+            # them before releasing): the slots may have been retired and refilled, so the result is not trusted.
+            raise SidecarUnavailableError("the plan-cache sidecar session ended before the request's reads finished")
+        return result, generation
 
     def _check_live(self, job: Job, lease: ServedLease | None = None) -> None:
         if job.cancelled.is_set():

@@ -1,6 +1,7 @@
 """A job (one admitted request) and the events it sends back to its RPC, in order:
-Queued, then PlansReady (cached mode), StepDone per denoise step, and one final Failed or
-Finished. The adapter dispatches on them with `match`. No grpc here.
+Queued, then PlansReady (cached mode), StepDone per denoise step, Decoding (media output
+types: the loop is done, decoding and muxing begin), and one final Failed or Finished. The
+adapter dispatches on them with `match`. No grpc here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from ditcore import GenerationRequest, GenerationResult
+from ditcore.media import EncodedMedia
 from ditcore.report import CacheReport
 
 from .backend import ServedLease
@@ -19,8 +21,12 @@ from .backend import ServedLease
 @dataclass(frozen=True)
 class JobResult:
     result: GenerationResult
+    """The latents (always: their sha256 names the result) and the cache report; its decoded `media` is dropped
+    once encoded."""
     generation: int
-    timings_ms: dict[str, float]  # queue_ms, prepare_ms, encode_ms, denoise_ms, total_ms
+    timings_ms: dict[str, float]  # queue_ms, prepare_ms, encode_ms, denoise_ms, decode_ms, mux_ms, total_ms
+    media: EncodedMedia | None = None
+    """The encoded file (output types "mp4" and "frames_and_wav"); None for "latents"."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,11 @@ class StepDone:
 
 
 @dataclass(frozen=True)
+class Decoding:
+    output_type: str  # the last step is done; decoding (then muxing) this output type begins
+
+
+@dataclass(frozen=True)
 class Failed:
     error: BaseException
 
@@ -50,7 +61,7 @@ class Finished:
     result: JobResult
 
 
-JobEvent = Queued | PlansReady | StepDone | Failed | Finished
+JobEvent = Queued | PlansReady | StepDone | Decoding | Failed | Finished
 
 
 @dataclass

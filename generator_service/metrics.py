@@ -1,6 +1,6 @@
-"""Generator Prometheus metrics: request latency by stage, plans by tier as the generator saw
-them, queue depth, generation, sidecar link, weight-update outcomes (plus RPC counts from
-`ditruntime.obs.RpcMetrics`)."""
+"""Generator Prometheus metrics: request latency by stage (decode and mux for media results), plans
+by tier as the generator saw them, queue depth, generation, sidecar link, weight-update outcomes
+(plus RPC counts from `ditruntime.obs.RpcMetrics`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from .executor import Executor
 from .jobs import Job, JobResult
 
 P = "ditserve_generator"
+STAGES = ("queue", "prepare", "encode", "denoise", "decode", "mux", "total")
+"""The `stage` label's values: every StageTimings field (decode and mux are observed for media output types only)."""
+LATENT_STAGES = tuple(s for s in STAGES if s not in ("decode", "mux"))
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 
@@ -38,7 +41,8 @@ class GeneratorMetrics:
             return
         self.outcomes.labels("ok").inc()
         t = result.timings_ms
-        for stage in ("queue", "prepare", "encode", "denoise", "total"):
+        stages = STAGES if result.media is not None else LATENT_STAGES  # latents are not decoded or muxed
+        for stage in stages:
             self.stage.labels(stage).observe(t.get(f"{stage}_ms", 0.0) / 1000)
         c = result.result.cache
         if c is None:

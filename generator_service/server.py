@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
 from ditcore.plans import DTYPES
+from ditcore.request import infer_task
 from ditruntime.auth import check_bearer
 from ditruntime.convert import to_proto
 from ditruntime.errors import ServiceError
@@ -35,7 +36,7 @@ from .config import GeneratorConfig
 from .errors import ResultTooLargeError
 from .executor import Executor
 from .health import ServingState
-from .jobs import Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
+from .jobs import Decoding, Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
 from .metrics import GeneratorMetrics
 from .updates import UpdateCoordinator, resolve_weights_path
 
@@ -56,20 +57,51 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 _MODES: dict[str, pb.AdalnMode] = {"cached": pb.ADALN_MODE_CACHED, "resident": pb.ADALN_MODE_RESIDENT}
-_TASKS = {pb.TASK_UNSPECIFIED: "t2va", pb.TASK_T2VA: "t2va"}
+_TASKS = {pb.TASK_T2VA: "t2va", pb.TASK_FL2VA: "fl2va"}  # TASK_UNSPECIFIED: inferred from the keyframes
+_OUTPUT_TYPES = {
+    pb.OUTPUT_TYPE_UNSPECIFIED: "latents",
+    pb.OUTPUT_TYPE_LATENTS: "latents",
+    pb.OUTPUT_TYPE_MP4: "mp4",
+    pb.OUTPUT_TYPE_FRAMES_AND_WAV: "frames_and_wav",
+}
+_OUTPUT_ENUMS = {
+    "latents": pb.OUTPUT_TYPE_LATENTS,
+    "mp4": pb.OUTPUT_TYPE_MP4,
+    "frames_and_wav": pb.OUTPUT_TYPE_FRAMES_AND_WAV,
+}
 _OPTIONAL = ("num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width")
+_ENVELOPE = 4096
+"""Bytes a unary response keeps free under --max-message-mb for gRPC's own framing."""
+
+
+def _allowed(enum: Any, default: str) -> str:
+    names = [v.name for v in enum.DESCRIPTOR.values if v.number != 0]
+    return f"{', '.join(names)} (or {enum.Name(0)}, meaning {default})"
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int | None]:
-    """(request, expected_generation); unset optional fields take GenerationRequest defaults."""
-    if msg.task not in _TASKS:
+    """(request, expected_generation); unset optional fields take GenerationRequest defaults. An unset task is
+    fl2va when a keyframe is given, else t2va; an unset output type is latents."""
+    if msg.task != pb.TASK_UNSPECIFIED and msg.task not in _TASKS:
         raise RequestError(
-            "task", f"unknown task enum value {msg.task}; allowed: TASK_T2VA (or TASK_UNSPECIFIED, meaning TASK_T2VA)"
+            "task",
+            f"unknown task enum value {msg.task}; allowed: "
+            + _allowed(pb.Task, "TASK_FL2VA with a first_frame or last_frame, else TASK_T2VA"),
         )
+    if msg.output_type not in _OUTPUT_TYPES:
+        raise RequestError(
+            "output_type",
+            f"unknown output_type enum value {msg.output_type}; allowed: "
+            + _allowed(pb.OutputType, "OUTPUT_TYPE_LATENTS"),
+        )
+    has_keyframes = bool(msg.first_frame or msg.last_frame)
     kwargs: dict[str, Any] = {
         "request_id": msg.request_id or f"req-{uuid.uuid4().hex[:12]}",
-        "task": _TASKS[msg.task],
+        "task": infer_task(_TASKS.get(msg.task), has_keyframes),
         "prompt": msg.prompt,
+        "output_type": _OUTPUT_TYPES[msg.output_type],
+        "first_frame": msg.first_frame,
+        "last_frame": msg.last_frame,
     }
     for name in _OPTIONAL:
         if msg.HasField(name):
@@ -90,7 +122,10 @@ def server_credentials(cfg: GeneratorConfig) -> grpc.ServerCredentials:
 
 
 def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
-    out = []
+    """The latents as tensors (output type "latents" only: a media result carries the file instead)."""
+    out: list[pb.Tensor] = []
+    if res.media is not None:
+        return out
     for name, t in (("video", res.result.video), ("audio", res.result.audio)):
         if t is not None:
             data = t.contiguous().view(-1).numpy().tobytes() if with_data else b""
@@ -98,10 +133,20 @@ def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
     return out
 
 
+def _payload_bytes(res: JobResult) -> int:
+    """Bytes a streamed result sends in chunks after its header: the media file's, or all tensors'."""
+    if res.media is not None:
+        return res.media.size
+    tensors = (res.result.video, res.result.audio)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def response_from_result(res: JobResult, mode: pb.AdalnMode, with_data: bool = True) -> pb.GenerateResponse:
+    """The whole result (`with_data`), or a streamed result's header: no tensor or media bytes, and total_bytes
+    says how many follow in chunks."""
     r = res.result
     cache = to_proto(r.cache, pb.CacheReport) if r.cache is not None else pb.CacheReport()
-    return pb.GenerateResponse(
+    resp = pb.GenerateResponse(
         request_id=r.request_id,
         generation=res.generation,
         sha256=r.sha256,
@@ -109,7 +154,16 @@ def response_from_result(res: JobResult, mode: pb.AdalnMode, with_data: bool = T
         cache=cache,
         timings=pb.StageTimings(**res.timings_ms),
         adaln_mode=mode,
+        output_type=_OUTPUT_ENUMS[res.media.output_type if res.media is not None else "latents"],
+        total_bytes=0 if with_data else _payload_bytes(res),
     )
+    m = res.media
+    if m is not None:
+        resp.media.CopyFrom(pb.Media(
+            content_type=m.content_type, size_bytes=m.size, sha256=m.sha256, data=m.data if with_data else b"",
+            filename=f"{r.request_id}{m.suffix}",
+        ))  # fmt: skip
+    return resp
 
 
 class HealthPublisher:
@@ -161,10 +215,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     abort(context, error)
                 case Finished(result):
                     resp = response_from_result(result, self.mode)
-                    if resp.ByteSize() > self.cfg.max_message_bytes - 4096:
+                    size, limit = resp.ByteSize(), self.cfg.max_message_bytes
+                    if size > limit - _ENVELOPE:
                         abort(context, ResultTooLargeError(
-                            f"the result is {resp.ByteSize()} bytes, above the {self.cfg.max_message_bytes}-byte "
-                            "message limit; use GenerateStream, which sends it in chunks"
+                            f"the result is {size} bytes, above this server's {limit}-byte message limit "
+                            f"(--max-message-mb {limit / 2**20:g}, less {_ENVELOPE} bytes of framing); use "
+                            "GenerateStream, which sends it in chunks (a client taking large unary results must "
+                            "raise its own receive limit too, e.g. grpcurl -max-msg-sz)",
+                            {"result_bytes": str(size), "max_message_bytes": str(limit)},
                         ))  # fmt: skip
                     return resp
 
@@ -184,6 +242,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     )
                 case StepDone(step, total):
                     yield pb.GenerateStreamResponse(step=pb.StepProgress(step=step, total=total))
+                case Decoding(output_type):
+                    yield pb.GenerateStreamResponse(decoding=pb.Decoding(output_type=_OUTPUT_ENUMS[output_type]))
                 case Failed(error):
                     abort(context, error)
                 case Finished(result):
@@ -192,10 +252,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     return
 
     def _chunks(self, res: JobResult) -> Iterator[pb.GenerateStreamResponse]:
+        """The result's bytes in order, `chunk_bytes` at a time: the media file ("media"), or each tensor."""
         step = self.cfg.chunk_bytes
-        for t in _tensors(res, with_data=True):
-            for off in range(0, max(len(t.data), 1), step):
-                chunk = pb.ResultChunk(name=t.name, offset=off, data=t.data[off : off + step])
+        parts = (
+            [("media", res.media.data)] if res.media is not None else [(t.name, t.data) for t in _tensors(res, True)]
+        )
+        for name, data in parts:
+            for off in range(0, max(len(data), 1), step):
+                chunk = pb.ResultChunk(name=name, offset=off, data=data[off : off + step])
                 yield pb.GenerateStreamResponse(chunk=chunk)
 
     def UpdateWeights(

@@ -1,6 +1,7 @@
 """The service tests' kit: one sidecar + generator pair (`Pair`, in this process or as processes),
-one process group, request data, resident references and gRPC helpers. The fixtures built on them
-(svc_ckpt, weights, procs, pairs, proc_pair) are registered in tests/conftest.py.
+one process group, request data, resident references, gRPC helpers, and media helpers (keyframe
+PNGs, an MP4 prober). The fixtures built on them (svc_ckpt, weights, procs, pairs, proc_pair) are
+registered in tests/conftest.py.
 
 Unix sockets live under short /tmp/dsv-* directories (AF_UNIX paths are limited to 107 bytes;
 pytest's tmp_path is often longer).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import os
 import re
@@ -24,10 +26,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -591,6 +595,74 @@ class Pair:
             req.expected_generation = expected_generation
         metadata = [("authorization", f"Bearer {token}")] if token is not None else None
         return self.stub.UpdateWeights(req, metadata=metadata, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- media
+def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    """An RGB PNG of `width` x `height` (a smooth gradient with a seeded tint): a keyframe."""
+    from PIL import Image
+
+    tint = np.random.default_rng(seed).integers(0, 256, 3)
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x + y) % 256], axis=-1)
+    buf = io.BytesIO()
+    Image.fromarray(((pixels + tint) % 256).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that is only a signature, an IHDR claiming `width` x `height` (8-bit RGB) and IEND: what a
+    decompression bomb's header looks like, without its pixels."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def audio_sampling_rate(checkpoint: Path) -> int:
+    """The audio VAE's sampling rate, from the repository's own config (what the waveform is sampled at)."""
+    return int(json.loads((checkpoint / "audio_vae" / "config.json").read_text())["sampling_rate"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Mp4Info:
+    """What PyAV finds in an MP4: stream counts, codecs, geometry, rates, decoded frame count, duration."""
+
+    video_streams: int
+    audio_streams: int
+    video_codec: str
+    fps: Fraction
+    frames: int  # decoded, not the header's count
+    width: int
+    height: int
+    pix_fmt: str
+    audio_codec: str
+    channels: int
+    sample_rate: int
+    duration_s: float
+
+
+def probe_mp4(data: bytes) -> Mp4Info:
+    """Open `data` with PyAV (in memory) and decode every video frame."""
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        assert c.format.name.startswith("mov,mp4"), c.format.name
+        video, audio = c.streams.video, c.streams.audio
+        assert video and audio, (len(video), len(audio))
+        v, a = video[0].codec_context, audio[0].codec_context
+        info = {
+            "video_streams": len(video), "audio_streams": len(audio), "video_codec": v.name,
+            "fps": Fraction(video[0].average_rate), "width": v.width, "height": v.height, "pix_fmt": v.pix_fmt,
+            "audio_codec": a.name, "channels": a.layout.nb_channels, "sample_rate": a.sample_rate,
+            "duration_s": c.duration / av.time_base,
+        }  # fmt: skip
+        frames = sum(1 for _ in c.decode(video=0))
+    return Mp4Info(frames=frames, **info)
 
 
 StartPair = Callable[..., Pair]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,10 @@ SMALL = ["--num-inference-steps", "4", "--height", "32", "--width", "32", "--num
 H3_PARAMS = 33_122_992_896
 H3_ADALN_BYTES = 26_020_915_200  # bfloat16, as released
 H3_PAGE_NUMEL = 4_849_152
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
 
 
 def _err_line(stderr: str) -> str:
@@ -88,6 +94,7 @@ def test_make_checkpoint_refuses_non_empty_out(run_cli: CliRunner, tmp_path: Pat
     res = run_cli(["make-checkpoint", "--preset", "tiny", "--seed", "1", "--out", out, "--force"])
     assert res.code == 0, res.err
     assert res.json_lines()[0]["fingerprint"] == validate_checkpoint(out).fingerprint
+    assert _mode(out) == 0o700  # removed and created again, like every directory flag
     assert validate_checkpoint(out).fingerprint == validate_checkpoint(tiny_ckpt_b).fingerprint
 
 
@@ -132,6 +139,26 @@ def test_make_checkpoint_bad_values(run_cli: CliRunner, tmp_path: Path, argv: li
     for s in expect:
         assert s in msg, f"{s!r} not in {msg!r}"
     assert not out.exists()
+
+
+def test_make_checkpoint_creates_out_0700_parents_too(run_cli: CliRunner, tmp_path: Path) -> None:
+    """--out follows the directory-flag rule (ditruntime.paths.prepare_dir): missing components are created 0700,
+    whatever the umask; a parent that is a file is refused naming the flag, before anything is written."""
+    out = tmp_path / "a" / "b" / "ck"
+    old = os.umask(0o022)
+    try:
+        res = run_cli(["make-checkpoint", "--preset", "tiny", "--out", out])
+    finally:
+        os.umask(old)
+    assert res.code == 0, res.err
+    assert [_mode(p) for p in (tmp_path / "a", tmp_path / "a" / "b", out)] == [0o700] * 3
+    assert validate_checkpoint(out).preset == "tiny"
+    f = tmp_path / "file"
+    f.write_text("x")
+    res = run_cli(["make-checkpoint", "--preset", "tiny", "--out", f / "ck"])
+    assert res.code == 2
+    assert f"--out {f / 'ck'}: its parent {f} exists and is not a directory" in _err_line(res.err)
+    assert f.read_text() == "x"
 
 
 def test_make_checkpoint_out_is_a_file(run_cli: CliRunner, tmp_path: Path) -> None:
@@ -335,6 +362,20 @@ def test_generate_local_out_files(run_cli: CliRunner, tmp_path: Path, tiny_ckpt:
             "seed": 1 if line["request_id"] == "a" else 2,
         }
     assert lines[0]["sha256"] != lines[1]["sha256"]
+
+
+def test_generate_local_out_one_file_of_an_explicit_output_type(
+    run_cli: CliRunner, tmp_path: Path, tiny_ckpt: Path
+) -> None:
+    """--out with a suffix names one file; an unknown suffix takes --output-type's type (here latents)."""
+    out = tmp_path / "sub" / "fox.latents"
+    [line] = _gen(run_cli, tiny_ckpt, *SMALL, "--prompt", "a fox", "--output-type", "latents", "--out", out)
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["fox.latents"] and _mode(tmp_path / "sub") == 0o700
+    with safe_open(str(out), framework="pt") as f:
+        assert (f.metadata() or {})["sha256"] == line["sha256"]
+        assert latents_sha256(f.get_tensor("video"), f.get_tensor("audio")) == line["sha256"]
+    assert (line["out"], line["output_type"], line["bytes"]) == (str(out), "latents", out.stat().st_size)
+    assert "media_sha256" not in line and line["video_shape"]
 
 
 def test_make_checkpoint_then_generate_local_cached_as_documented(run_cli_proc: CliRunner, tmp_path: Path) -> None:

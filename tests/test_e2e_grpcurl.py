@@ -3,7 +3,8 @@ real grpcurl.
 
 grpcurl (installed by the dev extra) discovers both services by reflection, so these tests check what a user with
 only grpcurl sees: service listings, descriptions, health, results that hash like `ditserve generate-local
---adaln-mode resident` (diffusers' own loop), status with the memory the cached generator saves, and error codes.
+--adaln-mode resident` (diffusers' own loop), an fl2va request with a base64 PNG keyframe answered with an MP4,
+status with the memory the cached generator saves, and error codes (bad keyframes included).
 grpcurl exits with 64 + the gRPC status code on an RPC error and prints `Code: <Name>`.
 """
 
@@ -28,7 +29,10 @@ from servicekit import (
     PLANCACHE_SERVICE,
     RAIN_REQUEST,
     REPO_ROOT,
+    audio_sampling_rate,
     distinct_plans,
+    png_bytes,
+    probe_mp4,
     process_group,
     service_env,
 )
@@ -38,7 +42,9 @@ from ditcore import validate_checkpoint
 pytestmark = pytest.mark.e2e
 
 GPU_PLANS = 64
+PLAN_WIDTH = 3  # fl2va plans are up to 3 wide
 HOST_CACHE_BYTES = 50 * 1000**2
+MAX_MSG = 64 * 2**20  # grpcurl's -max-msg-sz for media results (its default is 4 MB); the server's --max-message-mb
 HEALTH_SERVICE = "grpc.health.v1.Health"
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
 GRPC_ERROR_EXIT = 64  # grpcurl exits with 64 + the status code on an RPC error
@@ -89,9 +95,9 @@ class Services:
     socket_path: Path
     target: str
 
-    def gen(self, *args: str, data: Any = None, timeout: float = 60) -> Any:
-        """grpcurl against the generator (TCP)."""
-        pre = ["-plaintext", "-emit-defaults"] + (["-d", json.dumps(data)] if data is not None else [])
+    def gen(self, *args: str, data: Any = None, timeout: float = 60, opts: Sequence[str] = ()) -> Any:
+        """grpcurl against the generator (TCP); `opts` go before the target (e.g. -max-msg-sz)."""
+        pre = ["-plaintext", "-emit-defaults", *opts] + (["-d", json.dumps(data)] if data is not None else [])
         return run_grpcurl([*pre, self.target, *args], timeout=timeout)
 
     def side(self, *args: str, data: Any = None) -> Any:
@@ -104,13 +110,15 @@ class Services:
 def services(request: pytest.FixtureRequest, svc_ckpt: Path) -> Iterator[Services]:
     """A sidecar and a generator as processes (the generator attaches by itself once the sidecar is up)."""
     with process_group(request) as group:
-        pair = group.pair(svc_ckpt, gpu_plans=GPU_PLANS, host_cache_bytes=HOST_CACHE_BYTES).start()
+        pair = group.pair(
+            svc_ckpt, gpu_plans=GPU_PLANS, plan_width=PLAN_WIDTH, host_cache_bytes=HOST_CACHE_BYTES
+        ).start()
         yield Services(pair.socket_path, pair.target)
 
 
 def _proto_json(req: dict[str, Any]) -> dict[str, Any]:
     """A request dict (GenerationRequest field names, which are GenerateRequest's) as grpcurl JSON."""
-    return {**req, "task": {"t2va": "TASK_T2VA"}[req.get("task", "t2va")]}
+    return {**req, "task": {"t2va": "TASK_T2VA", "fl2va": "TASK_FL2VA"}[req.get("task", "t2va")]}
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +217,11 @@ def test_generate_via_grpcurl_matches_generate_local(
     cache = out["cache"]
     plans = distinct_plans(svc_ckpt, req)
     assert cache["gpu_hit_plans"] + cache["host_hit_plans"] + cache["built_plans"] == plans
-    assert {"queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms"} == set(out["timings"])
+    timings = out["timings"]
+    assert {"queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "decode_ms", "mux_ms", "total_ms"} == set(timings)
+    assert timings["decode_ms"] == timings["mux_ms"] == 0, "latents are neither decoded nor muxed"
+    assert out["output_type"] == "OUTPUT_TYPE_LATENTS" and out["total_bytes"] == "0"
+    assert not out.get("media"), out.get("media")
 
 
 def test_generate_with_only_a_prompt_takes_h3_defaults(services: Services) -> None:
@@ -241,6 +253,35 @@ def test_generate_stream_via_grpcurl(services: Services, reference: dict[str, di
         assert int(c["offset"]) == len(data[c["name"]])
         data[c["name"]] += base64.b64decode(c["data"])
     assert hashlib.sha256(data["video"] + data["audio"]).hexdigest() == result["sha256"]
+    assert int(result["total_bytes"]) == len(data["video"]) + len(data["audio"])
+
+
+def test_fl2va_mp4_via_grpcurl(services: Services, svc_ckpt: Path) -> None:
+    """The README's fl2va call: a base64 PNG first frame, an MP4 back in media.data (base64), -max-msg-sz raised."""
+    frames, height, width = 124, 32, 64
+    req = {
+        "request_id": "grpcurl-fl2va", "task": "TASK_FL2VA", "prompt": "the fox turns its head",
+        "first_frame": base64.b64encode(png_bytes(96, 48, seed=3)).decode(), "output_type": "OUTPUT_TYPE_MP4",
+        "num_inference_steps": 3, "num_frames": frames, "height": height, "width": width,
+    }  # fmt: skip
+    r = services.gen(f"{GENERATOR_SERVICE}/Generate", data=req, opts=["-max-msg-sz", str(MAX_MSG)], timeout=180)
+    assert r.code == 0, r.text
+    out = r.json()
+    assert out["output_type"] == "OUTPUT_TYPE_MP4" and out["tensors"] == []
+    media = out["media"]
+    data = base64.b64decode(media["data"])
+    assert media["content_type"] == "video/mp4" and media["filename"] == "grpcurl-fl2va.mp4"
+    assert int(media["size_bytes"]) == len(data) and media["sha256"] == hashlib.sha256(data).hexdigest()
+    # sha256 names the latents: the same request as latents, the task left unset (a keyframe means fl2va)
+    latents_req = {k: v for k, v in req.items() if k not in ("task", "output_type")}
+    plain = services.gen(f"{GENERATOR_SERVICE}/Generate", data=latents_req, timeout=180)
+    assert plain.code == 0, plain.text
+    assert plain.json()["sha256"] == out["sha256"] and _hash_tensors(plain.json()["tensors"]) == out["sha256"]
+    assert out["timings"]["decode_ms"] > 0 and out["timings"]["mux_ms"] > 0
+    info = probe_mp4(data)
+    assert (info.video_streams, info.audio_streams, info.video_codec, info.audio_codec) == (1, 1, "h264", "aac")
+    assert (info.frames, info.height, info.width, info.fps) == (frames, height, width, 24)
+    assert (info.channels, info.sample_rate) == (2, audio_sampling_rate(svc_ckpt))
 
 
 def test_ditserve_generate_client_matches_generate_local(
@@ -273,6 +314,8 @@ def test_ditserve_generate_client_bad_request_exits_2(services: Services) -> Non
 
 # ----------------------------------------------------------------------------- errors
 FOX = {"prompt": "a red fox", "num_inference_steps": 2}  # one forward: the cheapest valid request
+NOT_AN_IMAGE = base64.b64encode(b"not an image").decode()
+TRUNCATED_PNG = base64.b64encode(png_bytes(32, 32)[:-20]).decode()
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 ERROR_CASES: list[tuple[str, str, dict[str, Any], grpc.StatusCode, str]] = [
     ("steps-1", "Generate", {**FOX, "num_inference_steps": 1}, INVALID, '"field":"num_inference_steps"'),
@@ -297,6 +340,16 @@ ERROR_CASES: list[tuple[str, str, dict[str, Any], grpc.StatusCode, str]] = [
         "--gpu-plans",
     ),
     ("generation", "Generate", {**FOX, "expected_generation": 5}, grpc.StatusCode.ABORTED, '"current_generation":"1"'),
+    ("first-frame-not-an-image", "Generate", {**FOX, "first_frame": NOT_AN_IMAGE}, INVALID, '"field":"first_frame"'),
+    (
+        "first-frame-truncated",
+        "GenerateStream",
+        {"request": {**FOX, "task": "TASK_FL2VA", "first_frame": TRUNCATED_PNG}},
+        INVALID,
+        "first_frame: is truncated",
+    ),
+    ("fl2va-without-keyframe", "Generate", {**FOX, "task": "TASK_FL2VA"}, INVALID, '"field":"first_frame"'),
+    ("output-type-9", "Generate", {**FOX, "output_type": 9}, INVALID, '"field":"output_type"'),
     ("updates-off", "UpdateWeights", {"weights_path": "x"}, grpc.StatusCode.PERMISSION_DENIED, "UPDATES_DISABLED"),
 ]
 
@@ -337,7 +390,12 @@ def test_get_status_via_grpcurl(services: Services, svc_ckpt: Path) -> None:
     assert (st["model_preset"], st["precision"]) == ("tiny", "mixed")
     assert st["queue_depth"] == 0 and st["max_queue_depth"] == 8
     slab = st["slab"]
-    assert (slab["num_slots"], slab["width"], slab["transport"], slab["device"]) == (GPU_PLANS, 2, "shm", "cpu")
+    assert (slab["num_slots"], slab["width"], slab["transport"], slab["device"]) == (
+        GPU_PLANS,
+        PLAN_WIDTH,
+        "shm",
+        "cpu",
+    )
     assert slab["dtype"] == "bfloat16"  # the released precision's projection dtype
     assert int(slab["page_numel"]) == info.layout.page_numel
     assert int(slab["page_bytes"]) == info.layout.page_bytes(info.projection_dtype)

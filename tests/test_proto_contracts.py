@@ -65,9 +65,13 @@ def test_generate_request_carries_every_generation_request_field() -> None:
     names = {f.name for f in dataclasses.fields(GenerationRequest)}
     fields = gen_pb.GenerateRequest.DESCRIPTOR.fields_by_name
     assert set(fields) == names | {"expected_generation"}
-    # explicit presence on everything with a default: an unset field is GenerationRequest's default, not zero
-    for name in names - {"request_id", "task", "prompt"}:
+    # explicit presence on everything with a default: an unset field is GenerationRequest's default, not zero;
+    # except where the zero value is the default (UNSPECIFIED enums, empty keyframe bytes = no keyframe)
+    zero_is_default = {"request_id", "task", "prompt", "output_type", "first_frame", "last_frame"}
+    for name in names - zero_is_default:
         assert fields[name].has_presence, name
+    for name in zero_is_default - {"request_id", "prompt"}:
+        assert not fields[name].has_presence, name
     # every served task has an enum value, and the client maps onto it
     assert {gen_pb.Task.Name(v).removeprefix("TASK_").lower() for v in gen_pb.Task.values()} - {"unspecified"} == set(
         TASKS
@@ -78,9 +82,15 @@ EVERYTHING = GenerationRequest(
     request_id="r.1", prompt="a red fox", num_inference_steps=7, flow_shift=5.5, audio_flow_shift=2.25,
     seed=2**63 - 1, height=64, width=256, num_frames=345,
 )  # fmt: skip
+KEYFRAMES = dataclasses.replace(
+    EVERYTHING, task="fl2va", first_frame=b"\x89PNG first", last_frame=b"\xff\xd8 last", output_type="mp4"
+)
+FRAMES = dataclasses.replace(EVERYTHING, output_type="frames_and_wav")
 
 
-@pytest.mark.parametrize("req", [GenerationRequest(), EVERYTHING], ids=["defaults", "everything"])
+@pytest.mark.parametrize(
+    "req", [GenerationRequest(), EVERYTHING, KEYFRAMES, FRAMES], ids=["defaults", "everything", "fl2va-mp4", "zip"]
+)
 def test_request_round_trips_client_to_server(req: GenerationRequest) -> None:
     got, expected = request_from_proto(request_to_proto(req, expected_generation=3))
     assert (got, expected) == (req, 3)

@@ -8,6 +8,7 @@ the latents, with diffusers' own MiniMax-H3 pipeline (tests/oracle.py).
 
 from __future__ import annotations
 
+import io
 import math
 import threading
 import time
@@ -29,6 +30,8 @@ from servicekit import (
     distinct_plans,
     health_status,
     narrow_request,
+    png_bytes,
+    png_header,
     ref_sha,
     request_keys,
     resident_result,
@@ -37,9 +40,10 @@ from servicekit import (
 )
 
 from ditcore import GenerationRequest, validate_checkpoint
-from ditcore.request import MAX_PROMPT_BYTES, MAX_SIDE
+from ditcore.request import MAX_KEYFRAME_PIXELS, MAX_PROMPT_BYTES, MAX_SIDE
 from ditserve.client import GeneratorClient, request_to_proto
 from generator_service import executor as executor_mod
+from generator_service.config import MIB
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
@@ -47,6 +51,8 @@ from protos.ditserve.plancache.v1 import plancache_pb2_grpc as cache_grpc
 
 GPU_PLANS = 64
 SLOW_GPU_PLANS = 1000
+KEYFRAME_BYTES = 1 * MIB  # the pair's --max-keyframe-mb (H3's own: 20)
+KEYFRAME_PIXELS = 1_000_000  # the pair's --max-keyframe-pixels (H3's own: 4096 x 4096)
 # Keeps the executor busy for a while: 999 forwards (width-1 plans: the slow pair's slots hold one page).
 SLOW_REQUEST: dict[str, Any] = narrow_request(999, request_id="slow", prompt="slow")
 NARROW: dict[str, Any] = narrow_request(3, request_id="narrow")  # fits the slow pair's slots
@@ -54,8 +60,12 @@ NARROW: dict[str, Any] = narrow_request(3, request_id="narrow")  # fits the slow
 
 @pytest.fixture(scope="module")
 def pair(svc_ckpt: Path) -> Iterator[Pair]:
-    """Sidecar (64 slots, width 2) + generator with a small chunk size (multi-chunk results)."""
-    with Pair(svc_ckpt, gpu_plans=GPU_PLANS, plan_width=2, chunk_bytes=1024, max_queue_depth=8) as p:
+    """Sidecar (64 slots, width 2) + generator with a small chunk size (multi-chunk results) and keyframe limits
+    under H3's own."""
+    with Pair(
+        svc_ckpt, gpu_plans=GPU_PLANS, plan_width=2, chunk_bytes=1024, max_queue_depth=8,
+        max_keyframe_bytes=KEYFRAME_BYTES, max_keyframe_pixels=KEYFRAME_PIXELS,
+    ) as p:  # fmt: skip
         yield p.start()
 
 
@@ -86,6 +96,25 @@ def _rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as ei:
         fn(*args, **kwargs)
     return ei.value
+
+
+def _jpeg(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (width, height), bytes(range(256)) * (width * height * 3 // 256 + 1)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _finished_requests(pair: Pair) -> dict[str, float]:
+    """The generator's finished-request counter by outcome (requests that reached the executor)."""
+    return {
+        s.labels["outcome"]: s.value
+        for m in pair.generator.metrics.registry.collect()
+        if m.name == "ditserve_generator_requests"
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
 
 
 def stream_events(responses: Any) -> list[tuple[str, Any]]:
@@ -291,6 +320,8 @@ def test_prepare_plans_bogus_session_is_refused(
 
 # ----------------------------------------------------------------------------- request errors
 # MiniMax-H3's rules (ditcore.request): every bad field is refused INVALID_ARGUMENT naming it, before any work.
+PNG = png_bytes(48, 32)
+JPEG = _jpeg(48, 32)
 BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("request_id", {"request_id": "bad id!"}),
     ("request_id", {"request_id": "x" * 129}),
@@ -325,6 +356,21 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("width", {"width": -32}),
     ("width", {"height": 32, "width": 160}),  # aspect 5:1
     ("width", {"height": 160, "width": 32}),  # aspect 1:5
+    ("output_type", {"output_type": 9}),  # no such enum value
+    # keyframes (fl2va; the task unset means fl2va when one is given): decoded at admission, never queued when bad
+    ("first_frame", {"task": 3}),  # TASK_FL2VA with no keyframe (both empty)
+    ("first_frame", {"first_frame": b"not an image"}),
+    ("first_frame", {"first_frame": b"GIF89a" + bytes(64)}),  # an image, but not PNG or JPEG
+    ("first_frame", {"first_frame": PNG[: len(PNG) // 2]}),  # truncated
+    ("first_frame", {"first_frame": PNG[:8]}),  # a PNG signature and nothing else
+    ("first_frame", {"first_frame": png_header(0, 32)}),  # zero width
+    ("first_frame", {"first_frame": png_header(60000, 60000)}),  # a decompression bomb's header
+    ("first_frame", {"first_frame": png_bytes(200, 10)}),  # aspect 20:1
+    ("first_frame", {"first_frame": PNG + bytes(KEYFRAME_BYTES)}),  # over --max-keyframe-mb
+    ("first_frame", {"task": 2, "first_frame": PNG}),  # t2va takes no keyframe
+    ("last_frame", {"task": 2, "last_frame": PNG}),
+    ("last_frame", {"first_frame": PNG, "last_frame": JPEG[:-40]}),  # a good first frame, a truncated JPEG
+    ("last_frame", {"task": 3, "last_frame": png_bytes(10, 200)}),  # aspect 1:20
 ]
 
 
@@ -334,6 +380,7 @@ def test_bad_field_is_invalid_argument_with_field_violation(
 ) -> None:
     msg = gen_pb.GenerateRequest(**{"request_id": "bad-field", "prompt": "a fox", "num_inference_steps": 4, **values})
     before, status_before = pair.state().stats, gen_stub.GetStatus(gen_pb.GetStatusRequest(), timeout=10)
+    finished_before = _finished_requests(pair)
     for call in (
         lambda: gen_stub.Generate(msg, timeout=10),
         lambda: list(gen_stub.GenerateStream(gen_pb.GenerateStreamRequest(request=msg), timeout=10)),
@@ -348,6 +395,27 @@ def test_bad_field_is_invalid_argument_with_field_violation(
     after, status_after = pair.state().stats, gen_stub.GetStatus(gen_pb.GetStatusRequest(), timeout=10)
     assert (after.prepares, after.failed_prepares) == (before.prepares, before.failed_prepares), "no work was done"
     assert status_after == status_before, "nothing changed"
+    assert _finished_requests(pair) == finished_before, "nothing reached the executor"
+
+
+@pytest.mark.parametrize(
+    ("frame", "flag"),
+    [
+        (PNG + bytes(KEYFRAME_BYTES), f"--max-keyframe-mb is {KEYFRAME_BYTES // MIB}"),
+        (png_header(1200, 1000), f"--max-keyframe-pixels is {KEYFRAME_PIXELS}"),
+        (png_header(4097, 4096), f"--max-keyframe-pixels is {KEYFRAME_PIXELS}"),  # over H3's own limit too
+    ],
+    ids=["bytes", "pixels", "pixels-over-h3"],
+)
+def test_keyframe_over_an_operator_limit_names_the_flag(
+    gen_stub: gen_grpc.GeneratorStub, frame: bytes, flag: str
+) -> None:
+    assert 1200 * 1000 <= MAX_KEYFRAME_PIXELS < 4097 * 4096
+    msg = gen_pb.GenerateRequest(request_id="big-frame", prompt="a fox", num_inference_steps=4, first_frame=frame)
+    err = _rpc_error(gen_stub.Generate, msg, timeout=10)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    details = err.details() or ""
+    assert details.startswith("first_frame: ") and f"(this server's {flag})" in details, details
 
 
 def test_request_that_never_fits_the_slab_is_failed_precondition(
