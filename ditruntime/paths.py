@@ -1,6 +1,13 @@
 """Default locations shared by the CLI and both services (run dir, sidecar socket), and the one
 rule for every directory flag: created with mode 0700 if missing (parents too), or refused at
-startup with a message naming the flag (`prepare_dir`, `require_dir`)."""
+startup with a message naming the flag (`prepare_dir`, `require_dir`).
+
+Only directories created here are chmod-ed. A private directory (the run dir, the socket's
+directory) that already exists must already be private: one owned by another user, or with any
+group/other permission bit, is refused (naming the flag, the mode and the fix), never changed —
+`--socket ~/x.sock` must not chmod $HOME. The other directory flags (`--state-dir`, `--out`) may
+be shared directories (a Kubernetes volume's root is group-writable with fsGroup) and are used as
+they are."""
 
 from __future__ import annotations
 
@@ -43,8 +50,9 @@ def check_dir(path: str | Path, flag: str) -> Path:
 def prepare_dir(path: str | Path, flag: str, *, private: bool = False) -> Path:
     """The directory of `flag`: each missing component (parents too) is created with mode 0700;
     refused (DirectoryFlagError) when the path or a parent is not a directory, a component cannot
-    be created, or the directory is not writable. `private`: it must also belong to this user and
-    is forced to 0700 (the run dir and the socket's directory)."""
+    be created, or the directory is not writable. `private` (the run dir and the socket's
+    directory): an existing directory must also belong to this user and have no group/other
+    permission bit; it is refused otherwise, never chmod-ed (only what this call created is)."""
     p = Path(path).expanduser()
     missing: list[Path] = []
     q = p
@@ -72,8 +80,12 @@ def prepare_dir(path: str | Path, flag: str, *, private: bool = False) -> Path:
     if private:
         if st.st_uid != os.getuid():
             raise DirectoryFlagError(f"{flag} {p}: belongs to uid {st.st_uid}, not to this user")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(p, 0o700)
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise DirectoryFlagError(
+                f"{flag} {p}: the directory has mode {mode:04o}, open to group/other; it must be private "
+                f"(0700): run `chmod 700 {p}` if only this user should use it, or choose another directory"
+            )
     if not os.access(p, os.W_OK | os.X_OK):
         raise DirectoryFlagError(f"{flag} {p}: the directory is not writable by this user")
     return p
@@ -90,7 +102,8 @@ def require_dir(path: str | Path, flag: str) -> Path:
 
 
 def ensure_private_dir(path: str | Path, flag: str = "--run-dir") -> Path:
-    """Create `path` (mode 0700, parents too) or check an existing one is ours, then force mode 0700."""
+    """Create `path` (mode 0700, parents too), or check that an existing one is ours and private (no
+    group/other permission bit); refused otherwise, never chmod-ed."""
     return prepare_dir(path, flag, private=True)
 
 

@@ -13,9 +13,13 @@ from __future__ import annotations
 import gc
 import logging
 import mmap
+import os
 import re
+import stat
+import tempfile
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,20 @@ REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 DEVICE_UUID = re.compile(r"(GPU-)?[0-9A-Za-z-]{1,64}")
 MAX_SLOTS, MAX_WIDTH = 1_000_000, 16  # CacheConfig's bounds on --gpu-plans / --plan-width
 MAX_SLAB_BYTES = 1 << 48
+
+# the sidecar's shared-memory files (plancache_service.device names them with tempfile.mkstemp)
+TABLE_PREFIX, SLAB_PREFIX = "ditserve-table-", "ditserve-slab-"
+SHM_NAME = {field: re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{1,64}")
+            for field, prefix in (("table_path", TABLE_PREFIX), ("slab_path", SLAB_PREFIX))}  # fmt: skip
+"""The file names a descriptor may carry, per field: the prefix, then mkstemp's random characters."""
+DEFAULT_SHM_DIR = "/dev/shm"
+"""Where the sidecar puts its files (CacheConfig.shm_dir), falling back to the temp dir when it is not writable."""
+
+
+def default_shm_dirs() -> tuple[str, ...]:
+    """The directories a consumer maps the sidecar's files from by default: /dev/shm and the temp dir (the
+    sidecar's fallback)."""
+    return (DEFAULT_SHM_DIR, tempfile.gettempdir())
 
 
 class SlabDescriptorError(ValueError):
@@ -144,8 +162,15 @@ def validate_descriptor(desc: SlabDescriptor) -> torch.dtype:
 
 
 def _check_path(name: str, path: str) -> None:
+    """An absolute, normalized path whose file name is the sidecar's (`ditserve-table-*` / `ditserve-slab-*`);
+    which directory it may be in is the consumer's to say (`map_slab`'s `shm_dirs`)."""
     if not path.startswith("/") or "\x00" in path or len(path) > 4096:
         raise _bad(name, f"{path!r} must be an absolute path without NUL bytes")
+    if os.path.normpath(path) != path:
+        raise _bad(name, f"{path!r} must be a normalized path (no '..', '.', '//' or trailing '/')")
+    if not SHM_NAME[name].fullmatch(os.path.basename(path)):
+        prefix = TABLE_PREFIX if name == "table_path" else SLAB_PREFIX
+        raise _bad(name, f"{path!r}: the file name must be the sidecar's, {prefix}<random letters, digits or _>")
 
 
 def _check_ipc(ipc: CudaIpcHandle | None, slab_bytes: int, itemsize: int) -> None:
@@ -185,27 +210,70 @@ def _check_ipc(ipc: CudaIpcHandle | None, slab_bytes: int, itemsize: int) -> Non
 
 
 # ---------------------------------------------------------------------------- consumer side
-def map_slab(desc: SlabDescriptor) -> tuple[torch.Tensor, torch.Tensor, list[mmap.mmap]]:
-    """Consumer side: validate the descriptor, then map the table (and, on cpu, the slab) read-only.
+def map_slab(
+    desc: SlabDescriptor, device: torch.device | None = None, shm_dirs: Sequence[str | Path] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[mmap.mmap]]:
+    """Consumer side: validate the descriptor, check the slab is on `device` (the model's; not checked when
+    None), then map the table (and, on cpu, the slab) read-only.
 
-    On cuda the slab comes from its IPC export (`open_ipc`). Returns (slab, table, mmaps);
-    keep the mmaps alive as long as the tensors are used (`SlabMapping` does, and closes them).
+    The files must be regular files directly in one of `shm_dirs` (default `default_shm_dirs()`), named as
+    the sidecar names them, and are opened without following a symlink (`open_shm_file`). On cuda the slab
+    comes from its IPC export (`open_ipc`), opened only after `check_device` accepted its GPU. Returns
+    (slab, table, mmaps); keep the mmaps alive as long as the tensors are used (`SlabMapping` does).
     """
     dtype = validate_descriptor(desc)
+    if device is not None:
+        check_device(desc, device)  # before anything is opened: opening an IPC handle creates a CUDA context
+    dirs = default_shm_dirs() if shm_dirs is None else tuple(shm_dirs)
     maps: list[mmap.mmap] = []
-    table = _map_readonly(desc.table_path, desc.table_bytes, torch.int64, maps).view(desc.num_slots, desc.table_words)
+    table = _map_readonly("table_path", desc.table_path, desc.table_bytes, torch.int64, maps, dirs)
+    table = table.view(desc.num_slots, desc.table_words)
     if desc.transport == "cuda_ipc":
-        return open_ipc(desc), table, maps
-    slab = _map_readonly(desc.slab_path, desc.slab_bytes, dtype, maps).view(desc.num_slots, desc.width, desc.page_numel)
-    return slab, table, maps
+        return open_ipc(desc, device), table, maps
+    slab = _map_readonly("slab_path", desc.slab_path, desc.slab_bytes, dtype, maps, dirs)
+    return slab.view(desc.num_slots, desc.width, desc.page_numel), table, maps
 
 
-def _map_readonly(path: str, nbytes: int, dtype: torch.dtype, maps: list[mmap.mmap]) -> torch.Tensor:
-    size = Path(path).stat().st_size
-    if size != nbytes:
-        raise ValueError(f"{path}: file is {size} bytes, the descriptor says {nbytes}")
-    with open(path, "rb") as fh:
-        mm = mmap.mmap(fh.fileno(), nbytes, prot=mmap.PROT_READ)
+def open_shm_file(name: str, path: str, nbytes: int, shm_dirs: Sequence[str | Path]) -> int:
+    """A read-only fd of the sidecar's file `path` (descriptor field `name`), refused (SlabDescriptorError)
+    unless it is a regular file of exactly `nbytes` bytes, directly in one of `shm_dirs`, named as the sidecar
+    names it. The file is opened relative to its directory with O_NOFOLLOW, so a symlink planted under the
+    sidecar's name (to any other readable file) is refused, not followed."""
+    _check_path(name, path)
+    parent, base = os.path.split(path)
+    allowed = {os.path.normpath(os.path.abspath(d)) for d in shm_dirs}
+    allowed |= {os.path.realpath(d) for d in allowed}
+    if parent not in allowed:
+        raise _bad(name, f"{path!r} is not in the shm directory ({', '.join(sorted(map(str, shm_dirs)))})")
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        why = "is a symlink (not followed)" if os.path.islink(path) else f"cannot be opened: {e.strerror}"
+        raise _bad(name, f"{path!r} {why}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _bad(name, f"{path!r} is not a regular file")
+        if st.st_size != nbytes:
+            raise _bad(name, f"{path!r} is {st.st_size} bytes, the descriptor says {nbytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_readonly(
+    name: str, path: str, nbytes: int, dtype: torch.dtype, maps: list[mmap.mmap], shm_dirs: Sequence[str | Path]
+) -> torch.Tensor:
+    fd = open_shm_file(name, path, nbytes, shm_dirs)
+    try:
+        mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
     maps.append(mm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: writes would fault
@@ -229,8 +297,11 @@ class SlabMapping:
     _storage_ref: Any = None  # StorageWeakRef of a released cuda slab until its storage is freed
 
     @classmethod
-    def open(cls, desc: SlabDescriptor) -> SlabMapping:
-        slab, table, maps = map_slab(desc)
+    def open(
+        cls, desc: SlabDescriptor, device: torch.device | None = None, shm_dirs: Sequence[str | Path] | None = None
+    ) -> SlabMapping:
+        """`map_slab`: validated, on `device` (checked before anything is opened), the sidecar's files only."""
+        slab, table, maps = map_slab(desc, device, shm_dirs)
         return cls(desc, slab, table, maps)
 
     @property
@@ -323,16 +394,65 @@ def device_uuid(device: torch.device) -> str:
     return str(getattr(props, "uuid", ""))
 
 
+def visible_uuids() -> list[str]:
+    """The UUIDs of the CUDA devices this process sees, by local index (CUDA_VISIBLE_DEVICES applies)."""
+    if not torch.cuda.is_available():
+        return []
+    return [device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+
+
+def _visible_note() -> str:
+    return f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+
+
+def check_device(
+    desc: SlabDescriptor,
+    model_device: torch.device,
+    uuid_of: Callable[[torch.device], str] | None = None,
+    visible: Callable[[], list[str]] | None = None,
+) -> None:
+    """Refuse a slab that is not on the model's device, naming both, before anything is opened (opening a CUDA
+    IPC handle creates a CUDA context on whichever GPU has the slab's UUID). On cuda the GPU is compared by UUID
+    (the two processes may number their GPUs differently); a UUID no device of this process has is named as
+    such. `uuid_of` / `visible` default to this module's `device_uuid` / `visible_uuids` (tests pass fakes)."""
+    uuid_of = uuid_of or device_uuid
+    if desc.transport != "cuda_ipc":
+        if model_device.type != "cpu":
+            raise ValueError(
+                f"the slab is on {desc.device} (shared memory) but the model runs on {model_device} (--device)"
+            )
+        return
+    if model_device.type != "cuda":
+        raise ValueError(
+            f"the slab is on {desc.device} (GPU UUID {desc.device_uuid}) but the model runs on {model_device} "
+            "(--device): start both services on the same GPU"
+        )
+    model_uuid = uuid_of(model_device)
+    if model_uuid == desc.device_uuid:
+        return
+    if desc.device_uuid not in (visible or visible_uuids)():
+        raise ValueError(
+            f"the slab is on GPU UUID {desc.device_uuid} ({desc.device} at the sidecar), which no CUDA device "
+            f"visible to this process has ({_visible_note()}); the model runs on {model_device}, GPU UUID "
+            f"{model_uuid}: start both services on the same GPU (--device)"
+        )
+    raise ValueError(
+        f"the slab is on GPU UUID {desc.device_uuid} ({desc.device} at the sidecar) but the model runs on "
+        f"{model_device}, GPU UUID {model_uuid}: start both services on the same GPU (--device)"
+    )
+
+
 def local_device_for_uuid(uuid: str) -> torch.device:
     """This process's index of the CUDA device with `uuid` (CUDA_VISIBLE_DEVICES may differ)."""
-    for i in range(torch.cuda.device_count()):
-        if device_uuid(torch.device("cuda", i)) == uuid:
+    for i, u in enumerate(visible_uuids()):
+        if u == uuid:
             return torch.device("cuda", i)
-    raise ValueError(f"no visible CUDA device has uuid {uuid}")
+    raise ValueError(f"no CUDA device visible to this process has UUID {uuid} ({_visible_note()})")
 
 
-def open_ipc(desc: SlabDescriptor) -> torch.Tensor:
-    """Consumer side (cuda): open the slab's IPC export (once per attachment).
+def open_ipc(desc: SlabDescriptor, device: torch.device | None = None) -> torch.Tensor:
+    """Consumer side (cuda): open the slab's IPC export (once per attachment) on `device`, which must have the
+    slab's UUID (`check_device`, run first); None: the device with that UUID (`local_device_for_uuid`).
 
     The validated fields go to `torch.UntypedStorage._new_shared_cuda` (what torch's own
     `rebuild_cuda_tensor` calls), and the tensor is the contiguous (num_slots, width, page_numel)
@@ -341,7 +461,12 @@ def open_ipc(desc: SlabDescriptor) -> torch.Tensor:
     dtype = validate_descriptor(desc)
     ipc = desc.cuda_ipc
     assert ipc is not None  # validate_descriptor
-    device = local_device_for_uuid(desc.device_uuid)
+    if device is None:
+        device = local_device_for_uuid(desc.device_uuid)
+    else:
+        check_device(desc, device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(device):
         storage = torch.UntypedStorage._new_shared_cuda(
             device.index,

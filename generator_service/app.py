@@ -48,7 +48,7 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
         weights = CachedWeights(device)
         link = SidecarClient(
             cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state,
-            credentials=sidecar_credentials(cfg), admin_token=cfg.admin_token,
+            credentials=sidecar_credentials(cfg), admin_token=cfg.admin_token, device=device,
         )  # fmt: skip
         backend = CachedBackend(link, weights)
         prefetch = cfg.prefetch

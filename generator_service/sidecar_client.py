@@ -4,7 +4,9 @@ every RpcError to a domain error here, with one set of "the answer was lost" sta
 
 A background thread holds the Attach stream open (the session), maps the slab once per
 attachment (a read-only /dev/shm mapping on cpu, the CUDA IPC handle on cuda), and reconnects
-by itself when the sidecar goes away; the serving state follows the session.
+by itself when the sidecar goes away; the serving state follows the session. Before it maps
+anything it checks the descriptor (every field) and that the slab is on the model's device (by
+GPU UUID on cuda): a slab on another GPU is refused before its IPC handle is opened.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import torch
 
 from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
@@ -72,6 +75,10 @@ def _channel(target: str, reconnect_s: float, credentials: grpc.ChannelCredentia
 class SidecarClient(SidecarSession):
     """Keeps a session with the sidecar at `target`; `on_attach` vets each attachment (may raise).
 
+    `device` is the model's (`--device`): a slab elsewhere is refused before it is mapped or its IPC
+    handle opened (`ditruntime.slab.check_device`). None skips that early check (`on_attach` still
+    checks the mapped slab); the generator always passes it.
+
     A TCP sidecar needs `credentials` (mutual TLS); its weight-update RPCs then carry
     `admin_token` as `authorization: Bearer` metadata. A unix socket needs neither (the sidecar
     checks this process's uid)."""
@@ -85,8 +92,10 @@ class SidecarClient(SidecarSession):
         *,
         credentials: grpc.ChannelCredentials | None = None,
         admin_token: str = "",
+        device: torch.device | None = None,
     ) -> None:
         self.target = target
+        self.device = device
         self._admin_metadata = bearer_metadata(admin_token) if credentials is not None and admin_token else None
         self.reconnect_s = reconnect_s
         self._on_attach = on_attach
@@ -94,6 +103,8 @@ class SidecarClient(SidecarSession):
         self._lock = threading.Lock()
         self._att: Attachment | None = None
         self._mapping: SlabMapping | None = None  # the latest mapped slab (released on detach)
+        self._mapping_session = ""  # the session `_mapping` belongs to
+        self.last_closed: tuple[str, bool] | None = None  # (session, its storage freed) of the last old mapping
         self._epoch = 0
         self._stop = threading.Event()
         self._stream: Any = None  # the Attach call (a grpc iterator that can be cancelled)
@@ -159,8 +170,10 @@ class SidecarClient(SidecarSession):
     def _attach(self, session: pb.Session) -> None:
         old, self._mapping = self._mapping, None
         if old is not None:  # a sidecar restart: unmap the old slab before mapping the new one
-            old.close()
-        self._mapping = SlabMapping.open(descriptor_from_proto(session.slab))  # validates every field first
+            self._close_old(old)
+        # validates every field, then the device, before anything is mapped or opened
+        self._mapping = SlabMapping.open(descriptor_from_proto(session.slab), self.device)
+        self._mapping_session = session.session_id
         with self._lock:
             self._epoch += 1
             att = Attachment(
@@ -172,6 +185,15 @@ class SidecarClient(SidecarSession):
         self._last_error = ""
         log.info("attached to sidecar %s (session %s, generation %d)", self.target, att.session_id, att.generation)
         self._state.set_attached(True)
+
+    def _close_old(self, old: SlabMapping) -> None:
+        """Close the previous session's mapping; logged either way (scripts/gpu_check.py reads the log)."""
+        freed = old.close()
+        self.last_closed = (self._mapping_session, freed)
+        if freed:
+            log.info("closed the slab mapping of session %s: its storage is freed", self._mapping_session)
+        else:
+            log.warning("the slab mapping of session %s is still referenced after close", self._mapping_session)
 
     def _detach(self) -> None:
         was = self._att

@@ -12,10 +12,12 @@ import torch
 
 from ditcore.checkpoint import CheckpointError
 from ditruntime.paths import prepare_dir
+from ditruntime.slab import SLAB_PREFIX, TABLE_PREFIX
 from ditruntime.tls import mutual_tls_server_credentials
 
 from .cache import PlanCache
 from .config import SidecarConfig
+from .device import check_ipc_allocator
 from .metrics import sidecar_registry
 from .rebuild import RebuildSource
 from .server import SidecarHealth, SidecarServer
@@ -38,7 +40,7 @@ def remove_stale_shm(manifest: Path) -> None:
         return
     for line in manifest.read_text().splitlines():
         p = Path(line.strip())
-        if p.name.startswith(("ditserve-slab-", "ditserve-table-")) and p.exists():
+        if p.name.startswith((SLAB_PREFIX, TABLE_PREFIX)) and p.exists():
             log.warning("removing %s left behind by a sidecar that did not stop cleanly", p)
             p.unlink()
     manifest.unlink()
@@ -76,6 +78,8 @@ def server_tls(cfg: SidecarConfig) -> grpc.ServerCredentials | None:
 
 
 def build_server(cfg: SidecarConfig) -> SidecarServer:
+    if cfg.cache.device.startswith("cuda"):  # fail fast: no generator could map a slab it cannot export
+        check_ipc_allocator()
     tls = server_tls(cfg)  # unreadable or non-PEM files are refused before anything is built
     if cfg.state_dir is not None:  # created 0700, or refused naming the flag, before anything reads it
         prepare_dir(cfg.state_dir, "--state-dir")

@@ -3,10 +3,12 @@
 This is the one module of the cache that touches device memory and `torch.cuda`.
 
 - Slab: `[num_slots, width, page_numel]` in the checkpoint's projection dtype, allocated once, never moved.
-  `cpu`: a file in /dev/shm (mode 0600, random name, unlinked on close) mapped shared;
+  `cpu`: a file in /dev/shm (mode 0600, random name `ditserve-slab-*`, unlinked on close) mapped shared;
   `cuda`: device memory, exported once per Attach session (`SlabMemory.export`, `export_ipc`: typed
-  fields, no pickle), the export closed when the session ends.
-- Slot table: int64 `[num_slots, ROW_WORDS + width]` in host shared memory (always a file),
+  fields, no pickle). Closing a session's export is bookkeeping (`live_exports`): torch keeps what each
+  export registered on the slab's storage until the slab is freed (see `SlabMemory.export`).
+  `check_ipc_allocator` refuses an allocator configuration whose memory cannot be shared by CUDA IPC.
+- Slot table: int64 `[num_slots, ROW_WORDS + width]` in host shared memory (always a file, `ditserve-table-*`),
   one row per slot: state, generation, length, publish sequence, key words.
 - Host buffer: pages in chunks of whole pages (`HostBuffer`); on cuda each chunk is page-locked by
   `cudaHostRegister` of exactly its bytes (torch's pinned allocator rounds up to a power of two).
@@ -19,7 +21,7 @@ import logging
 import os
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +30,15 @@ from typing import Protocol
 import torch
 
 from ditcore.plans import dtype_name
-from ditruntime.slab import ROW_WORDS, CudaIpcHandle, SlabDescriptor, device_uuid, validate_descriptor
+from ditruntime.slab import (
+    ROW_WORDS,
+    SLAB_PREFIX,
+    TABLE_PREFIX,
+    CudaIpcHandle,
+    SlabDescriptor,
+    device_uuid,
+    validate_descriptor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +47,9 @@ def _shm_dir(preferred: str) -> str:
     return preferred if os.path.isdir(preferred) and os.access(preferred, os.W_OK) else tempfile.gettempdir()
 
 
-def _shm_file(shm_dir: str, kind: str, nbytes: int) -> str:
-    fd, path = tempfile.mkstemp(prefix=f"ditserve-{kind}-", dir=_shm_dir(shm_dir))  # 0600, random name
+def _shm_file(shm_dir: str, prefix: str, nbytes: int) -> str:
+    # 0600, random name; the generator maps only files named so (ditruntime.slab.open_shm_file)
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=_shm_dir(shm_dir))
     try:
         os.ftruncate(fd, nbytes)
     finally:
@@ -62,14 +73,14 @@ class SlabMemory:
         elem = torch.empty((), dtype=dtype).element_size()
         numel = num_slots * width * page_numel
         table_numel = num_slots * (ROW_WORDS + width)
-        table_path = _shm_file(shm_dir, "table", table_numel * 8)
+        table_path = _shm_file(shm_dir, TABLE_PREFIX, table_numel * 8)
         self._paths.append(table_path)
         self.table = torch.from_file(table_path, shared=True, size=table_numel, dtype=torch.int64)
         self.table = self.table.view(num_slots, ROW_WORDS + width)
         self.table.zero_()
         slab_path = ""
         if self.device.type == "cpu":
-            slab_path = _shm_file(shm_dir, "slab", numel * elem)
+            slab_path = _shm_file(shm_dir, SLAB_PREFIX, numel * elem)
             self._paths.append(slab_path)
             flat = torch.from_file(slab_path, shared=True, size=numel, dtype=dtype)
             self.slab = flat.view(num_slots, width, page_numel)
@@ -99,7 +110,17 @@ class SlabMemory:
     def export(self) -> SlabExport:
         """One Attach session's descriptor. On cuda it carries an IPC export of its own: torch gives
         every export its own reference counter, which one consumer releases once, so an export is
-        never handed to a second session. Close it when the session ends."""
+        never handed to a second session. Close it when the session ends.
+
+        Closing is bookkeeping only (`live_exports`, at most one per live session); it cannot revoke
+        anything. Each `_share_cuda_()` wraps the slab's storage in one more torch `CudaIPCSentData`: an
+        8-byte slot in torch's reference-counter file (/dev/shm/torch_*, 80 KB per 10 000 slots) and an
+        interprocess CUDA event (torch keeps at most 1000 at once, then synchronizes the stream instead).
+        They stay on the storage until the slab itself is freed (sidecar exit); `torch.cuda.ipc_collect()`
+        frees only blocks their owner already freed. So each Attach (a generator start or reconnect) costs a
+        small, bounded amount, released when the sidecar exits: a few hundred bytes of host memory, one
+        counter slot and at most one event; never device memory.
+        """
         desc = self.descriptor
         if desc.transport == "cuda_ipc":
             desc = replace(desc, cuda_ipc=export_ipc(self.slab))
@@ -114,10 +135,8 @@ class SlabMemory:
         return len(self._exports)
 
     def _closed(self, export: SlabExport) -> None:
+        # bookkeeping only: torch's per-export counter slot and event stay on the slab until it is freed
         self._exports.discard(export)
-        if self.device.type == "cuda":
-            # frees torch's bookkeeping of exports whose consumers have released their mapping
-            torch.cuda.ipc_collect()
 
     def close(self) -> None:
         """Close every export and unlink the shared files (mappings already handed out stay valid until dropped)."""
@@ -127,7 +146,8 @@ class SlabMemory:
 
 
 class SlabExport:
-    """The slab as one Attach session sees it; `close()` (idempotent) ends that session's export."""
+    """The slab as one Attach session sees it; `close()` (idempotent) ends that session's export in the
+    sidecar's bookkeeping (`SlabMemory.live_exports`); torch's registration of it stays until the slab is freed."""
 
     def __init__(self, memory: SlabMemory, descriptor: SlabDescriptor) -> None:
         self._memory: SlabMemory | None = memory
@@ -467,18 +487,34 @@ class Copier:
 
 
 # ---------------------------------------------------------------------------- CUDA IPC
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""The environment variables torch reads its caching allocator's configuration from (the second is the older name)."""
+
+
+def check_ipc_allocator(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse (ValueError) an allocator configuration that turns on expandable segments, in either variable:
+    memory from expandable segments cannot be shared by a CUDA IPC memory handle, so the generator could not map
+    the slab. Called when a cuda sidecar starts (before the checkpoint is read) and before every export."""
+    env = os.environ if environ is None else environ
+    for var in ALLOC_CONF_VARS:
+        for option in env.get(var, "").split(","):
+            key, _, value = option.partition(":")
+            if key.strip().lower() == "expandable_segments" and value.strip().lower() == "true":
+                raise ValueError(
+                    f"{var}={env[var]}: expandable_segments:True makes the cuda slab impossible to share by CUDA "
+                    f"IPC; unset it (or set expandable_segments:False) for the plan-cache sidecar"
+                )
+
+
 def export_ipc(slab: torch.Tensor) -> CudaIpcHandle:
     """A new CUDA IPC export of the slab's storage (torch's `UntypedStorage._share_cuda_()`, what
     `reduce_tensor` calls), as typed fields for the Attach descriptor: nothing is pickled.
 
     Each call registers a new reference counter with torch, so the slab outlives every consumer
-    that opened this export. Expandable segments cannot be shared this way and are refused.
+    that opened this export (and the registration outlives the session: `SlabMemory.export`).
+    Expandable segments cannot be shared this way and are refused (`check_ipc_allocator`).
     """
-    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
-        raise ValueError(
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the cuda slab cannot be shared by CUDA IPC; "
-            "unset it for the plan-cache sidecar"
-        )
+    check_ipc_allocator()
     if not slab.is_contiguous() or slab.storage_offset() != 0:
         raise ValueError("the slab must be a contiguous tensor at storage offset 0 to be exported")
     storage = slab.untyped_storage()

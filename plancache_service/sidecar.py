@@ -2,8 +2,9 @@
 generation, its persistence, and the two-phase weight update.
 
 A session is tied to an open Attach stream: `attach()` opens it (refused while another is
-live) with a slab export of its own (`SlabMemory.export`), `detach()` closes that export, drops
-an uncommitted update and *retires* the session's leases: their slots stay pinned (never
+live) with a slab export of its own (`SlabMemory.export`), `detach()` retires that export from
+the sidecar's books (bookkeeping only: torch keeps a CUDA export's registration until the slab is
+freed, a small per-Attach cost, see `SlabMemory.export`), drops an uncommitted update and *retires* the session's leases: their slots stay pinned (never
 evicted nor refilled, still readable as slot hits) until the peer process is known to be gone
 or `grace_s` has passed, because a vanished session's kernels may still read them
 (docs/architecture.md, "The slab and the lease protocol"). Retired leases are reaped lazily,
@@ -156,7 +157,7 @@ class Sidecar:
             return self._session
 
     def detach(self, session_id: str, peer_pid: int | None = None) -> int:
-        """End the session: close its export, drop its uncommitted update and retire its leases (released at once
+        """End the session: close its export (bookkeeping), drop its uncommitted update and retire its leases (released at once
         only when its peer process is known to be gone, or `grace_s` is 0). Returns how many leases it held.
 
         `peer_pid` (or the one given to attach) names the peer process; without one the grace period alone decides.

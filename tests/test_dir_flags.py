@@ -1,6 +1,10 @@
 """Every directory flag is created with mode 0700 when missing (parents too) or refused at startup with a message
 naming the flag: `--state-dir`, `--run-dir` / `--socket`'s directory, `--out`; an input directory (`--weights-root`)
-must exist. Nothing starts (no server, no request) when one is refused."""
+must exist. Nothing starts (no server, no request) when one is refused.
+
+Only what was created is chmod-ed: an existing private directory (`--run-dir`, `--socket`'s directory) open to
+group/other is refused naming the flag, its mode and the fix, and left as it was (`--socket ~/x.sock` must not chmod
+$HOME); an existing `--state-dir` / `--out` may be shared (a volume root) and is used as it is."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 import pytest
 from clikit import run_cli_inprocess
 
-from ditruntime.paths import DirectoryFlagError, prepare_dir, require_dir
+from ditruntime.paths import DirectoryFlagError, ensure_private_dir, prepare_dir, require_dir
 from plancache_service.app import build_server
 from plancache_service.cli import build_parser, config_from_args
 from plancache_service.state import STATE_FILE
@@ -30,6 +34,63 @@ def test_missing_directories_are_created_0700_parents_too(tmp_path: Path) -> Non
     assert got == tmp_path / "a" / "b" / "c" and got.is_dir()
     assert [_mode(tmp_path / p) for p in ("a", "a/b", "a/b/c")] == [0o700] * 3
     assert prepare_dir(got, "--state-dir") == got  # an existing directory is accepted as it is
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o705, 0o770, 0o701, 0o1777])
+def test_an_existing_private_dir_open_to_others_is_refused_and_left_as_it_is(tmp_path: Path, mode: int) -> None:
+    shared = tmp_path / "home"
+    shared.mkdir()
+    shared.chmod(mode)
+    want = (
+        f"^--socket {shared}: the directory has mode {stat.S_IMODE(mode):04o}, open to group/other; it must be "
+        f"private \\(0700\\): run `chmod 700 {shared}` if only this user should use it, or choose another directory$"
+    )
+    with pytest.raises(DirectoryFlagError, match=want):
+        ensure_private_dir(shared, "--socket")
+    with pytest.raises(DirectoryFlagError, match=r"^--run-dir .*: the directory has mode"):
+        prepare_dir(shared, "--run-dir", private=True)
+    assert _mode(shared) == stat.S_IMODE(mode), "an existing directory was chmod-ed"
+
+
+def test_a_private_dir_is_created_0700_inside_a_shared_parent_which_keeps_its_mode(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    old = os.umask(0o000)
+    try:
+        got = ensure_private_dir(shared / "run" / "sock.d", "--socket")
+    finally:
+        os.umask(old)
+    assert [_mode(p) for p in (shared / "run", got)] == [0o700, 0o700] and _mode(shared) == 0o755
+    assert ensure_private_dir(got, "--socket") == got and _mode(got) == 0o700  # existing and private: accepted
+
+
+def test_existing_state_and_out_dirs_may_be_shared_and_keep_their_mode(tmp_path: Path) -> None:
+    """A volume's root (Kubernetes fsGroup: group-writable, setgid) is a legitimate --state-dir; never chmod-ed."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    volume.chmod(0o2775)
+    assert prepare_dir(volume, "--state-dir") == volume and prepare_dir(volume, "--out") == volume
+    assert stat.S_IMODE(volume.stat().st_mode) == 0o2775
+
+
+def test_the_sidecar_refuses_a_socket_dir_open_to_others_before_starting(tiny_ckpt: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o755)
+    res = run_cli_inprocess(["plancache", "--checkpoint", tiny_ckpt, "--socket", home / "x.sock"])
+    assert res.code == 2, res.err
+    assert f"--socket {home}: the directory has mode 0755" in res.err and f"chmod 700 {home}" in res.err
+    assert _mode(home) == 0o755 and not (home / "x.sock").exists()
+
+
+def test_serve_refuses_a_run_dir_open_to_others_before_starting_anything(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o750)
+    res = run_cli_inprocess(["serve", "--run-dir", run])
+    assert res.code == 2 and f"--run-dir {run}: the directory has mode 0750" in res.err, res.err
+    assert _mode(run) == 0o750 and list(run.iterdir()) == []
 
 
 def test_a_file_or_a_file_parent_is_refused_naming_the_flag(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ Marked `gpu`: skipped without CUDA (run them where a GPU is lent)."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from servicekit import FOX_REQUEST, RAIN_REQUEST, ProcessGroup, distinct_plans
 
 from ditcore import GenerationRequest, generate, load_model, validate_checkpoint, write_repository
-from ditruntime.slab import READY, SlabMapping, device_uuid, map_slab
+from ditruntime.slab import READY, SlabMapping, check_device, device_uuid, map_slab
 from ditserve.client import GeneratorClient
 from generator_service.cached import check_slab_device
 from plancache_service.cache import PlanCache
@@ -32,7 +33,7 @@ def _consumer(desc, q) -> None:  # type: ignore[no-untyped-def]
 
 def _session_consumer(descs, q) -> None:  # type: ignore[no-untyped-def]
     """One generator across a sidecar restart: map, read, close, then map the next session's export."""
-    out = []
+    out: list[Any] = []
     for desc in descs:
         mapping = SlabMapping.open(desc)
         out.append((mapping.slab.sum().item(), str(mapping.slab.device)))
@@ -58,7 +59,26 @@ def test_cuda_slab_is_shared_by_ipc_handle(tmp_path: Path) -> None:
         p.join(60)
         assert total == 1.5 * 4 * 2 * 1024 and state == READY and device.startswith("cuda")
         export.close()
-        assert mem.live_exports == 0
+        assert mem.live_exports == 0  # the sidecar's books; torch's registration stays until the slab is freed
+    finally:
+        mem.close()
+
+
+def test_an_export_costs_no_device_memory_and_closing_it_is_bookkeeping() -> None:
+    """Every export wraps the storage in one more torch CudaIPCSentData (a counter slot, an event) that stays until
+    the slab is freed: a small per-Attach cost in host memory, none in device memory."""
+    mem = SlabMemory(4, 2, 1024, torch.bfloat16, "cuda", "/dev/shm")
+    try:
+        torch.cuda.synchronize()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        handles = set()
+        for _ in range(50):
+            export = mem.export()
+            assert export.descriptor.cuda_ipc is not None
+            handles.add((export.descriptor.cuda_ipc.ref_counter_handle, export.descriptor.cuda_ipc.ref_counter_offset))
+            export.close()
+        assert len(handles) == 50 and mem.live_exports == 0
+        assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) == (allocated, reserved)
     finally:
         mem.close()
 
@@ -82,7 +102,7 @@ def test_each_attach_gets_its_own_ipc_export_and_the_consumer_closes_each_mappin
         assert out == [(2.0 * 8 * 1024, "cuda:0"), True, (2.0 * 8 * 1024, "cuda:0"), True]
         first.close()
         second.close()
-        assert mem.live_exports == 0
+        assert mem.live_exports == 0  # bookkeeping (see test_an_export_costs_no_device_memory_...)
     finally:
         mem.close()
 
@@ -94,6 +114,18 @@ def test_slab_device_uuid_check_on_the_real_gpu() -> None:
     check_slab_device("cuda_ipc", "cuda:0", uuid, dev, device_uuid)
     with pytest.raises(ValueError, match=rf"GPU UUID GPU-not-this-one .*GPU UUID {uuid}"):
         check_slab_device("cuda_ipc", "cuda:0", "GPU-not-this-one", dev, device_uuid)
+    # the generator's early check (before the IPC open): a UUID no visible device has is named as such
+    mem = SlabMemory(4, 2, 1024, torch.bfloat16, "cuda", "/dev/shm")
+    try:
+        desc = mem.export().descriptor
+        assert desc.device_uuid == uuid
+        check_device(desc, dev)
+        with pytest.raises(ValueError, match=rf"GPU-not-this-one .*which no CUDA device visible .*GPU UUID {uuid}"):
+            check_device(dataclasses.replace(desc, device_uuid="GPU-not-this-one"), dev)
+        with pytest.raises(ValueError, match=r"but the model runs on cpu"):
+            check_device(desc, torch.device("cpu"))
+    finally:
+        mem.close()
 
 
 def test_pinned_host_tier() -> None:
@@ -142,5 +174,6 @@ def test_service_pair_on_cuda_equals_resident(procs: ProcessGroup, svc_ckpt: Pat
         for req in (FOX_REQUEST, RAIN_REQUEST, FOX_REQUEST):
             res = client.generate(req, timeout=120)
             want = generate(resident, GenerationRequest.from_dict(req))
+            assert res.video is not None and res.audio is not None  # latents output (the default)
             assert torch.equal(res.video, want.video) and torch.equal(res.audio, want.audio), res.cache
         assert res.cache.gpu_hit_plans == res.cache.plans

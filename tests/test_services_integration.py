@@ -623,3 +623,28 @@ def test_next_request_is_prefetched_while_one_denoises(
         assert "result" in rest, rest
         assert queued.result().sha256 == ref_sha(svc_ckpt, second)
     assert pair.state().leases_held == 0
+
+
+def test_session_lost_after_the_last_step_fails_the_request(slow_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session is checked again after the request's reads are known finished (generate() synchronizes before it
+    releases): a session that ends between the last step's check and then fails the request with UNAVAILABLE instead
+    of returning a result whose slots may have been retired and refilled; the next request is served."""
+    backend = slow_pair.generator.backend
+    real_alive = backend.alive
+    forwards = NARROW["num_inference_steps"] - 1
+    calls: list[int] = []
+
+    def alive(lease: Any) -> bool:
+        calls.append(1)
+        # verify() before step 1, then one check per step: all live; the check after the reads finished: lost
+        return real_alive(lease) and len(calls) <= 1 + forwards
+
+    monkeypatch.setattr(backend, "alive", alive)
+    with slow_pair.channel() as ch:
+        stub = gen_grpc.GeneratorStub(ch)
+        err = _rpc_error(stub.Generate, _proto(NARROW, request_id="lost-at-end"), timeout=60)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "before the request's reads finished" in (err.details() or "")
+        assert len(calls) == 2 + forwards
+        monkeypatch.setattr(backend, "alive", real_alive)
+        assert stub.Generate(_proto(NARROW, request_id="after-lost"), timeout=60).sha256

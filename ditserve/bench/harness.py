@@ -134,9 +134,12 @@ class Services:
         t0 = time.perf_counter()
         res = self.generator.generate({**request, "request_id": request_id}, timeout=1800)
         latency = time.perf_counter() - t0
+        extra = {}
+        if res.media is not None:
+            extra["media"] = {"content_type": res.media.content_type, "size_bytes": res.media.size}
         return Record(
             self.arm.name, label, request_id, latency, res.sha256, res.generation,
-            res.timings_ms, res.cache, tier_of(res.cache, self.arm.mode),
+            res.timings_ms, res.cache, tier_of(res.cache, self.arm.mode), extra,
         )  # fmt: skip
 
     def status(self) -> pb.GetStatusResponse:

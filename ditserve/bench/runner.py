@@ -92,6 +92,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ctx.log("8. rebuild overlap")
     results["rebuild_overlap"] = scenarios.rebuild_overlap(ctx)
     results["generator_memory"] = memory
+    ctx.log("10. decode + mux share of an MP4 request")
+    results["media_share"] = scenarios.media_share(ctx)
+    ctx.log("11. fl2va plans over repeated requests")
+    results["fl2va_cache"] = scenarios.fl2va_cache(ctx, _keyframe_png())
     meta = {
         "checkpoint": str(ckpt), "preset": info.preset, "precision": info.precision,
         "num_inference_steps": steps, "forwards": ctx.forwards, "device": args.device, "threads": threads,
@@ -104,6 +108,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(report.table(results))
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'} ({meta['seconds']} s)")
     return 0
+
+
+def _keyframe_png() -> bytes:
+    """The fl2va scenario's first frame: a fixed 64 x 48 gradient PNG."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:48, 0:64]
+    pixels = np.stack([x * 4, y * 5, (x + y) * 2], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -373,10 +373,64 @@ def rebuild_overlap(ctx: BenchContext) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# ------------------------------------------------------------------ 10. decode + mux share
+MEDIA_SHARE_TARGET = 0.25
+"""Decode + mux may take at most this share of an MP4 request's service time on the bench preset."""
+
+
+def media_share(ctx: BenchContext) -> dict[str, Any]:
+    """An MP4 request against the same request's latents: decode (diffusers' two VAE decode steps on the model's
+    device) and mux (H.264 + AAC with PyAV) as a share of the MP4 request's service time. Warm plans (each request is
+    run once before it is measured), so the share is of a steady request."""
+    base = {**ctx.request("A")}
+    mp4 = {**base, "output_type": "mp4"}
+    with ctx.services(Arm("media", gpu_plans=2 * ctx.forwards + 8)) as svc:
+        ctx.run(svc, ["A"])  # warm the plans
+        latents = svc.run("A", base, "media-latents")
+        video = svc.run("A", mp4, "media-mp4")
+    ctx.records.extend([latents, video])
+    decode_ms, mux_ms = video.timings_ms.get("decode_ms", 0.0), video.timings_ms.get("mux_ms", 0.0)
+    total_ms = video.service_s * 1000
+    share = (decode_ms + mux_ms) / total_ms
+    media = video.extra.get("media", {})
+    return {
+        "ratio": round(share, 4), "target": f"(decode + mux) / MP4 request <= {MEDIA_SHARE_TARGET}",
+        "met": bool(share <= MEDIA_SHARE_TARGET and video.sha256 == latents.sha256),
+        "decode_ms": round(decode_ms, 2), "mux_ms": round(mux_ms, 2), "request_ms": round(total_ms, 2),
+        "latents_request_ms": round(latents.service_s * 1000, 2), "same_latents_sha256": video.sha256 == latents.sha256,
+        "mp4_bytes": media.get("size_bytes"), "canvas": [base.get("height", 32), base.get("width", 32)],
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------ 11. fl2va plans
+def fl2va_cache(ctx: BenchContext, keyframe: bytes) -> dict[str, Any]:
+    """Repeated fl2va requests (one PNG first frame, the same schedule): their plans are up to 3 wide and keyed
+    apart from the same schedule's t2va plans; after the first request builds them, repeats build none."""
+    fl2va = {**ctx.request("A"), "task": "fl2va", "first_frame": keyframe}
+    keys = ctx.model().plan_keys(GenerationRequest(**fl2va))
+    t2va_keys = set(ctx.plan_keys("A"))
+    widths = sorted({k.width for k in keys})
+    runs = max(3, ctx.repeats)
+    with ctx.services(Arm("fl2va", gpu_plans=4 * ctx.forwards)) as svc:
+        recs = [svc.run("A+kf", fl2va, f"fl2va-{i}") for i in range(runs)]
+    ctx.records.extend(recs)
+    rebuilds_after = sum(r.cache.built_plans for r in recs[1:])
+    shared = len(set(keys) & t2va_keys)
+    return {
+        "ratio": rebuilds_after, "target": "rebuilds after warm-up = 0; fl2va plans up to 3 wide, none shared with t2va",
+        "met": bool(rebuilds_after == 0 and max(widths) == 3 and shared == 0 and len({r.sha256 for r in recs}) == 1),
+        "plan_widths": widths, "distinct_plans": len(distinct_keys(keys)), "shared_with_t2va": shared,
+        "built_per_request": [r.cache.built_plans for r in recs], "tiers": [r.tier for r in recs],
+        "latency_s": [round(r.service_s, 4) for r in recs],
+    }  # fmt: skip
+
+
 __all__ = [
     "BenchContext",
     "alternating",
+    "fl2va_cache",
     "generator_memory",
+    "media_share",
     "prepare_latency",
     "rebuild_efficiency",
     "rebuild_overlap",

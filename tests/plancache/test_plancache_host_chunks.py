@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -327,8 +328,9 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.gpu
-def test_just_over_4_gib_pins_less_than_4_5_gib() -> None:
-    """torch's pinned allocator would pin 8 GiB for this tier (the next power of two); chunks pin what is asked."""
+def test_just_over_4_gib_pins_less_than_4_5_gib(record_property: Callable[[str, object], None]) -> None:
+    """torch's pinned allocator would pin 8 GiB for this tier (the next power of two); chunks pin what is asked.
+    The byte counts are printed and recorded as test properties (scripts/gpu_check.py prints them)."""
     page_numel = 4_849_152  # a released MiniMax-H3 page: 9.25 MiB in bfloat16
     configured = 4 * GiB + 64 * MiB
     config = CacheConfig(host_cache_bytes=configured, host_reserve_bytes=0, device="cuda")
@@ -344,6 +346,11 @@ def test_just_over_4_gib_pins_less_than_4_5_gib() -> None:
     buf = tier.host.buffer
     try:
         rss_grown = _rss_bytes() - rss_before
+        counts = {"configured_bytes": configured, "tier_bytes": buf.nbytes, "pinned_bytes": buf.pinned_bytes,
+                  "rss_growth_bytes": rss_grown, "torch_pinned_allocator_growth_bytes": torch_pinned() - host_before}  # fmt: skip
+        for name, value in counts.items():
+            record_property(name, value)
+        print(f"host tier: {counts}")
         assert buf.pinned and all(c.is_pinned() for c in buf.chunks)
         assert buf.pinned_bytes == buf.nbytes and 0 <= configured - buf.nbytes < buf.page_bytes
         assert buf.pinned_bytes < 4.5 * GiB
@@ -358,6 +365,5 @@ def test_just_over_4_gib_pins_less_than_4_5_gib() -> None:
         torch.cuda.synchronize()
         for i, p in enumerate((0, buf.chunk_pages, last)):
             assert torch.equal(buf.page(p).cuda(), dev[i])
-        print(f"host tier: configured {configured} bytes, pinned {buf.pinned_bytes} (RSS +{rss_grown})")
     finally:
         buf.close()

@@ -59,7 +59,8 @@ class Client:
         session = next(self.stream).session
         self.session_id, self.generation = session.session_id, session.generation
         self.descriptor = descriptor_from_proto(session.slab)
-        self.slab, self.table, self._maps = map_slab(self.descriptor)
+        shm_dir = Path(self.descriptor.table_path).parent  # running_sidecar's run dir (not /dev/shm)
+        self.slab, self.table, self._maps = map_slab(self.descriptor, shm_dirs=[shm_dir])
 
     def prepare(self, keys: list[PlanKey]) -> pb.PreparePlansResponse:
         req = pb.PreparePlansRequest(

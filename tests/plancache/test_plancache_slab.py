@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -135,8 +136,8 @@ def test_shm_files_are_private_and_removed_on_close(source: RebuildSource, tmp_p
         paths = [Path(desc.slab_path), Path(desc.table_path)]
         assert desc.transport == "shm"
         assert sorted(map(str, paths)) == sorted(cache.memory.paths)
-        for p in paths:
-            assert p.parent == shm_dir
+        for p, prefix in zip(paths, ("ditserve-slab-", "ditserve-table-"), strict=True):
+            assert p.parent == shm_dir and p.name.startswith(prefix)  # the names the generator accepts
             assert os.stat(p).st_mode & 0o777 == 0o600
         assert os.stat(paths[0]).st_size == desc.slab_bytes == cache.slab.numel() * cache.slab.element_size()
         assert os.stat(paths[1]).st_size == desc.table_bytes
@@ -146,10 +147,10 @@ def test_shm_files_are_private_and_removed_on_close(source: RebuildSource, tmp_p
     cache.close()  # idempotent
 
 
-def test_map_slab_gives_read_only_views_of_the_live_slab(make: MakeCache) -> None:
-    cache = make(gpu_plans=6)
+def test_map_slab_gives_read_only_views_of_the_live_slab(make: MakeCache, tmp_path: Path) -> None:
+    cache = make(gpu_plans=6)  # its files in tmp_path
     desc = cache.memory.descriptor
-    slab, table, maps = map_slab(desc)
+    slab, table, maps = map_slab(desc, shm_dirs=[tmp_path])
     run(cache, sched(4, 5.0, 3.0))  # written after mapping: the views are shared, not copies
     assert slab.shape == cache.slab.shape and table.shape == cache.table.shape
     assert torch.equal(slab, cache.slab) and torch.equal(table, cache.table)
@@ -169,5 +170,9 @@ def test_map_slab_gives_read_only_views_of_the_live_slab(make: MakeCache) -> Non
         slab_bytes=desc.slab_bytes // desc.num_slots * (desc.num_slots + 1),
         table_bytes=desc.table_bytes // desc.num_slots * (desc.num_slots + 1),
     )
-    with pytest.raises(ValueError, match="file is"):
-        map_slab(bigger)
+    with pytest.raises(
+        ValueError, match=re.escape(f"table_path: '{desc.table_path}' is {desc.table_bytes} bytes, the descriptor says")
+    ):
+        map_slab(bigger, shm_dirs=[tmp_path])
+    with pytest.raises(ValueError, match="is not in the shm directory"):  # the default: /dev/shm and the temp dir
+        map_slab(desc)
