@@ -20,7 +20,7 @@ import torch
 from ditcore import CheckpointInfo, GenerationRequest, H3Model, load_model, validate_checkpoint
 from ditcore.plans import PlanKey, distinct_keys, dtype_name
 from ditruntime.faults import crash_point
-from ditruntime.slab import device_uuid
+from ditruntime.slab import check_device, device_uuid
 
 from .backend import Backend, BackendStatus, Rollback, ServedLease, StagedWeights, validate_compatible
 from .errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
@@ -71,32 +71,9 @@ def check_slab(model: H3Model, att: Attachment, uuid_of: Callable[[torch.device]
     numel, dtype = info.layout.page_numel, dtype_name(info.projection_dtype)
     if d.page_numel != numel or d.dtype != dtype:
         raise ValueError(f"slab pages are {d.page_numel} x {d.dtype} but {info.path} needs {numel} x {dtype}")
-    check_slab_device(d.transport, d.device, d.device_uuid, model.device, uuid_of)
+    check_device(d, model.device, uuid_of)  # done before the mapping was opened too; the model may have changed since
     if not _same_device(att.slab.device, model.device):
         raise ValueError(f"the slab is on {att.slab.device} but the model runs on {model.device} (--device)")
-
-
-def check_slab_device(
-    transport: str, slab_device: str, slab_uuid: str, model_device: torch.device, uuid_of: Callable[[torch.device], str]
-) -> None:
-    """Refuse a slab on another device than the model's, naming both (cuda: by device UUID, since
-    the two processes may number their GPUs differently)."""
-    if transport != "cuda_ipc":
-        if model_device.type != "cpu":
-            raise ValueError(
-                f"the slab is on {slab_device} (shared memory) but the model runs on {model_device} (--device)"
-            )
-        return
-    if model_device.type != "cuda":
-        raise ValueError(
-            f"the slab is on {slab_device} (UUID {slab_uuid}) but the model runs on {model_device} (--device)"
-        )
-    model_uuid = uuid_of(model_device)
-    if model_uuid != slab_uuid:
-        raise ValueError(
-            f"the slab is on GPU UUID {slab_uuid} ({slab_device} at the sidecar) but the model runs on "
-            f"{model_device}, GPU UUID {model_uuid}: start both services on the same GPU (--device)"
-        )
 
 
 class CachedBackend(Backend):

@@ -32,12 +32,12 @@ from ditruntime.slab import (
     SlabDescriptorError,
     SlabMapping,
     SlabMappingClosedError,
+    check_device,
     descriptor_from_proto,
     descriptor_to_proto,
     map_slab,
     validate_descriptor,
 )
-from generator_service.cached import check_slab_device
 from generator_service.health import ServingState
 from generator_service.sidecar_client import SidecarClient
 from generator_service.sidecar_port import Attachment
@@ -289,14 +289,21 @@ def test_a_slab_on_another_gpu_is_refused_naming_both_uuids() -> None:
     def uuid_of(d: torch.device) -> str:
         return uuids[d.index or 0]
 
-    check_slab_device("cuda_ipc", "cuda:0", "GPU-aaaa", torch.device("cuda", 0), uuid_of)  # same GPU: accepted
+    def on(uuid: str) -> SlabDescriptor:
+        return dataclasses.replace(_cuda_descriptor(), device_uuid=uuid)
+
+    def visible() -> list[str]:
+        return list(uuids.values())
+
+    shm = dataclasses.replace(_cuda_descriptor(), transport="shm", device="cpu", device_uuid="", cuda_ipc=None)
+    check_device(on("GPU-aaaa"), torch.device("cuda", 0), uuid_of, visible)  # same GPU: accepted
     with pytest.raises(ValueError, match=r"GPU UUID GPU-bbbb .*GPU UUID GPU-aaaa"):
-        check_slab_device("cuda_ipc", "cuda:0", "GPU-bbbb", torch.device("cuda", 0), uuid_of)
+        check_device(on("GPU-bbbb"), torch.device("cuda", 0), uuid_of, visible)
     with pytest.raises(ValueError, match=r"UUID GPU-aaaa.* runs on cpu"):
-        check_slab_device("cuda_ipc", "cuda:0", "GPU-aaaa", torch.device("cpu"), uuid_of)
+        check_device(on("GPU-aaaa"), torch.device("cpu"), uuid_of, visible)
     with pytest.raises(ValueError, match=r"shared memory.* runs on cuda:0"):
-        check_slab_device("shm", "cpu", "", torch.device("cuda", 0), uuid_of)
-    check_slab_device("shm", "cpu", "", torch.device("cpu"), uuid_of)
+        check_device(shm, torch.device("cuda", 0), uuid_of, visible)
+    check_device(shm, torch.device("cpu"), uuid_of, visible)
 
 
 def test_the_marker_mechanism_really_runs_code(tmp_path: Path) -> None:
