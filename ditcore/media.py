@@ -65,11 +65,13 @@ _JPEG_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}  # RSTn, TEM: no length
 
 
 class MediaError(ValueError):
-    """Input media (a keyframe image) breaks a rule. `description` names the rule and the numbers."""
+    """Input media (a keyframe image) breaks a rule. `description` names the rule and the numbers; `limit` is the
+    ImageLimits field it is over ("max_bytes", "max_pixels"), "" for any other rule."""
 
-    def __init__(self, description: str) -> None:
+    def __init__(self, description: str, limit: str = "") -> None:
         super().__init__(description)
         self.description = description
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -92,14 +94,14 @@ def decode_image(data: bytes, limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> Ima
     if not data:
         raise MediaError("is empty")
     if len(data) > limits.max_bytes:
-        raise MediaError(f"is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+        raise MediaError(f"is {len(data)} bytes, over the limit of {limits.max_bytes} bytes", "max_bytes")
     from diffusers.utils import load_image
 
     data = bytes(data)
     try:
         image = Image.open(io.BytesIO(data), formats=["PNG", "JPEG"])
     except Image.DecompressionBombError as e:  # Pillow's own guard fired first: say it with our numbers
-        raise MediaError(_bomb_message(data, limits, str(e))) from None
+        raise _bomb_error(data, limits, str(e)) from None
     except (OSError, SyntaxError, ValueError, struct.error, IndexError) as e:  # UnidentifiedImageError is an OSError
         raise MediaError(_unreadable_message(data, e)) from None
     with image:
@@ -109,13 +111,13 @@ def decode_image(data: bytes, limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> Ima
             raise MediaError(f"has a zero width or height ({width}x{height})")
         pixels = width * height
         if pixels > limits.max_pixels:
-            raise MediaError(_pixels_message(width, height, limits.max_pixels))
+            raise _pixels_error(width, height, limits.max_pixels)
         _check_complete(data, kind)  # truncation is ours to refuse, not LOAD_TRUNCATED_IMAGES's
         try:
             image.load()
             upright = load_image(image)  # diffusers' own: exif_transpose, then convert("RGB")
         except Image.DecompressionBombError as e:
-            raise MediaError(_bomb_message(data, limits, str(e))) from None
+            raise _bomb_error(data, limits, str(e)) from None
         except (OSError, SyntaxError, ValueError, struct.error, IndexError) as e:
             raise MediaError(f"could not be decoded as {kind} ({e})") from None
     width, height = upright.size
@@ -139,18 +141,22 @@ def _unreadable_message(data: bytes, error: Exception) -> str:
     return f"is not a readable {kind} image ({error})"
 
 
-def _pixels_message(width: int, height: int, limit: int) -> str:
-    return f"is {width}x{height} = {width * height} pixels, over the limit of {limit} (decompression-bomb guard)"
+def _pixels_error(width: int, height: int, limit: int) -> MediaError:
+    return MediaError(
+        f"is {width}x{height} = {width * height} pixels, over the limit of {limit} (decompression-bomb guard)",
+        "max_pixels",
+    )
 
 
-def _bomb_message(data: bytes, limits: ImageLimits, pil_message: str) -> str:
+def _bomb_error(data: bytes, limits: ImageLimits, pil_message: str) -> MediaError:
+    """Pillow's own decompression-bomb refusal, said with our numbers where the header gives them."""
     try:
         width, height = _check_complete(data, "PNG" if data.startswith(_PNG_SIGNATURE) else "JPEG")
     except MediaError:
-        return f"is too large to decode ({pil_message}) (decompression-bomb guard)"
+        return MediaError(f"is too large to decode ({pil_message}) (decompression-bomb guard)")
     if width * height > limits.max_pixels:
-        return _pixels_message(width, height, limits.max_pixels)
-    return f"is {width}x{height} = {width * height} pixels, over Pillow's limit ({pil_message})"
+        return _pixels_error(width, height, limits.max_pixels)
+    return MediaError(f"is {width}x{height} = {width * height} pixels, over Pillow's limit ({pil_message})")
 
 
 def _check_complete(data: bytes, kind: str) -> tuple[int, int]:

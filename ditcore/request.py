@@ -110,6 +110,10 @@ class GenerationRequest:
     def has_keyframes(self) -> bool:
         return bool(self.first_frame or self.last_frame)
 
+    def with_task_inferred(self) -> GenerationRequest:
+        """This request, its task resolved by `infer_task` if a front end left it unset ("")."""
+        return self if self.task else dataclasses.replace(self, task=infer_task(self.task, self.has_keyframes))
+
     @property
     def decodes(self) -> bool:
         """Whether the result is decoded to video and audio (any output type but "latents")."""
@@ -117,7 +121,7 @@ class GenerationRequest:
 
     def keyframes(self, limits: RequestLimits = H3_LIMITS) -> dict[str, Any]:
         """diffusers' keyframe inputs, `image` / `last_image`, as RGB PIL images decoded from the request's bytes
-        (MediaError, as RequestError naming the field, on bad media)."""
+        (MediaError, as RequestError naming the field, on bad media; the MediaError is its `__cause__`)."""
         inputs: dict[str, Any] = {}
         for name, key in zip(KEYFRAME_FIELDS, ("image", "last_image"), strict=True):
             data = getattr(self, name)

@@ -7,13 +7,17 @@ directory) that already exists must already be private: one owned by another use
 group/other permission bit, is refused (naming the flag, the mode and the fix), never changed —
 `--socket ~/x.sock` must not chmod $HOME. The other directory flags (`--state-dir`, `--out`) may
 be shared directories (a Kubernetes volume's root is group-writable with fsGroup) and are used as
-they are."""
+they are.
+
+`write_atomically` is the one way a result file is written: to a temporary name beside it, then renamed into place,
+so a reader never sees a partial file and a failed write leaves none."""
 
 from __future__ import annotations
 
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 SOCKET_NAME = "plancache.sock"
@@ -116,3 +120,16 @@ def grpc_target(address: str) -> str:
     if address.startswith("unix:") or (":" in address and not address.startswith("/")):
         return address
     return f"unix:{address}"
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
+    """Call `write(tmp)` on a temporary file beside `path` (same directory, so same filesystem), then rename it to
+    `path`; the temporary file is removed if anything fails. The directory must exist."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target

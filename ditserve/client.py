@@ -30,8 +30,8 @@ import torch
 from ditcore import GenerationRequest, RequestError, latents_sha256
 from ditcore.plans import DTYPES
 from ditcore.report import CacheReport
-from ditcore.request import infer_task
 from ditruntime.convert import from_proto
+from ditruntime.paths import write_atomically
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
@@ -73,14 +73,7 @@ class ClientMedia:
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the file to `path` (through a temporary file in the same directory, renamed into place)."""
-        target = Path(path)
-        tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
-        try:
-            tmp.write_bytes(self.data)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return target
+        return write_atomically(path, lambda tmp: tmp.write_bytes(self.data))
 
 
 @dataclass
@@ -109,7 +102,7 @@ def as_request(request: GenerationRequest | Mapping[str, Any]) -> GenerationRequ
     else:
         data = dict(request)
         req = GenerationRequest.from_dict({**data, "task": data.get("task") or ""})
-    return req if req.task else dataclasses.replace(req, task=infer_task(req.task, req.has_keyframes))
+    return req.with_task_inferred()
 
 
 def request_to_proto(

@@ -37,7 +37,7 @@ from plancache_service.errors import PlanCapacityError
 from plancache_service.rebuild import RebuildSource
 
 from .errors import UsageError
-from .outputs import OutputTarget, file_fields, write_latents, write_media
+from .outputs import OutputTarget, write_output
 from .progress import Progress, progress_enabled
 from .requests_io import prepare_run, result_line, validate_all
 
@@ -238,10 +238,9 @@ def _run_local(
 ) -> None:
     show = progress_enabled(args.progress)
     for req in requests:
-        files: dict[str, Any] = {}
+        media = None
         with Progress(req.request_id, show, decodes=req.decodes) as bar:
             result = generate(model, req, provider, on_step=bar.step)
-            path = target.path_for(req)
             if result.media is not None:
                 bar.stage("mux")
                 t0 = time.perf_counter()
@@ -249,12 +248,7 @@ def _run_local(
                 mux_ms = round((time.perf_counter() - t0) * 1000.0, 3)
                 result.timings_ms["mux"] = mux_ms
                 result.timings_ms["total"] = round(result.timings_ms["total"] + mux_ms, 3)
-                if path is not None:
-                    write_media(path, media.data)
-                    files = file_fields(path, media.size, media.content_type, media.sha256)
-            elif path is not None:
-                write_latents(path, result, req)
-                files = file_fields(path, path.stat().st_size)
+            files = write_output(target.path_for(req), req, media, result)
         shapes = None if req.decodes else (result.video.shape, result.audio.shape)
         line = result_line(
             req, result.sha256, result.timings_ms, result.cache, shapes, adaln_mode=args.adaln_mode, **files

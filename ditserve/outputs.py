@@ -21,13 +21,13 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from safetensors.torch import save_file
 
 from ditcore import GenerationRequest, GenerationResult
 from ditcore.media import OUTPUT_TYPES, SUFFIXES, output_type_for_path
-from ditruntime.paths import check_dir, prepare_dir
+from ditruntime.paths import check_dir, prepare_dir, write_atomically
 
 from .errors import UsageError
 
@@ -105,15 +105,9 @@ def output_target(out: str | None, output_type: str | None) -> OutputTarget:
 
 
 # ---------------------------------------------------------------------------- files
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> Path:
+def _write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     prepare_dir(path.parent, "--out")
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_atomically(path, write)
 
 
 def write_latents(path: Path, result: GenerationResult, request: GenerationRequest) -> Path:
@@ -126,11 +120,33 @@ def write_latents(path: Path, result: GenerationResult, request: GenerationReque
 
 def write_media(path: Path, data: bytes) -> Path:
     """An encoded result file (MP4 or ZIP) as is."""
+    return _write_atomic(path, lambda tmp: tmp.write_bytes(data))
 
-    def write(tmp: Path) -> None:
-        tmp.write_bytes(data)
 
-    return _write_atomic(path, write)
+class MediaFile(Protocol):
+    """An encoded result file as either side holds it (ditcore.media.EncodedMedia, ditserve.client.ClientMedia)."""
+
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def content_type(self) -> str: ...
+    @property
+    def sha256(self) -> str: ...
+
+
+def write_output(
+    path: Path | None, request: GenerationRequest, media: MediaFile | None, latents: GenerationResult | None
+) -> dict[str, Any]:
+    """Write one request's result where --out says (`path`, None: nowhere): the media file as is, else the latents;
+    returns the JSON line's file fields ({} when nothing is written)."""
+    if path is None:
+        return {}
+    if media is not None:
+        write_media(path, media.data)
+        return file_fields(path, len(media.data), media.content_type, media.sha256)
+    assert latents is not None  # a latents result (the caller's output type says which)
+    write_latents(path, latents, request)
+    return file_fields(path, path.stat().st_size)
 
 
 def file_fields(path: Path, data_len: int, content_type: str = "", sha256: str = "") -> dict[str, Any]:

@@ -21,7 +21,7 @@ from ditcore import GenerationRequest, GenerationResult
 
 from .client import ClientResult, GeneratorClient, IntegrityError
 from .errors import UsageError
-from .outputs import file_fields, write_latents, write_media
+from .outputs import write_output
 from .progress import Progress, progress_enabled
 from .requests_io import prepare_run, result_line
 
@@ -99,20 +99,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             except IntegrityError as e:
                 print(f"ditserve generate: request {req.request_id}: bad result: {e}", file=sys.stderr)
                 return 1
-            path = target.path_for(req)
-            files: dict[str, Any] = {}
-            shapes = None
-            if res.media is not None:
-                if path is not None:
-                    write_media(path, res.media.data)
-                    files = file_fields(path, res.media.size, res.media.content_type, res.media.sha256)
-            else:
+            shapes, latents = None, None
+            if res.media is None:
                 assert res.video is not None and res.audio is not None  # checked by the client for latents
                 shapes = (res.video.shape, res.audio.shape)
-                if path is not None:
-                    result = GenerationResult(res.request_id, res.video, res.audio, res.sha256, res.timings_ms)
-                    write_latents(path, result, req)
-                    files = file_fields(path, path.stat().st_size)
+                latents = GenerationResult(res.request_id, res.video, res.audio, res.sha256, res.timings_ms)
+            files = write_output(target.path_for(req), req, res.media, latents)
             extra = {"generation": res.generation, "adaln_mode": res.adaln_mode, **files}
             print(result_line(req, res.sha256, res.timings_ms, res.cache, shapes, **extra), flush=True)
     return 0

@@ -12,7 +12,6 @@ nothing (`generate` leaves that to the server, whose operator limits may be tigh
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import stat
 from collections.abc import Sequence
@@ -30,7 +29,6 @@ from ditcore.request import (
     MIN_FRAMES,
     MIN_STEPS,
     TASKS,
-    infer_task,
 )
 
 from .errors import UsageError
@@ -152,17 +150,13 @@ def _line_keyframes(data: dict[str, Any], where: str, base: Path) -> None:
             raise RequestError(name, f"{where}: must be a file path (a string), got {type(value).__name__}")
 
 
-def _with_task(req: GenerationRequest) -> GenerationRequest:
-    return req if req.task else dataclasses.replace(req, task=infer_task(req.task, req.has_keyframes))
-
-
 def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = None) -> list[GenerationRequest]:
     """The requests a command will run (not yet validated). `target`: --out / --output-type, resolved."""
     if target is None:
         target = output_target(args.out, args.output_type)
     defaults = _defaults_from_args(args, target)
     if not args.requests:
-        return [_with_task(GenerationRequest.from_dict({"request_id": args.request_id or "req-0"}, defaults))]
+        return [GenerationRequest.from_dict({"request_id": args.request_id or "req-0"}, defaults).with_task_inferred()]
     path = Path(args.requests)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -188,7 +182,7 @@ def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = N
                 "output_type", f"{path}:{n}: {data['output_type']!r} conflicts with {target.fixed_by} ({fixed})"
             )
         try:
-            out.append(_with_task(GenerationRequest.from_dict(data, defaults)))
+            out.append(GenerationRequest.from_dict(data, defaults).with_task_inferred())
         except RequestError as e:
             raise RequestError(e.field, f"{path}:{n}: {e.description}") from e
     if not out:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ditcore import GenerationRequest, GenerationResult, PlanKey, RequestError, RequestLimits, generate
-from ditcore.media import EncodedMedia, encode
+from ditcore.media import EncodedMedia, MediaError, encode
 from ditcore.request import KEYFRAME_FIELDS
 from ditruntime.errors import GenerationMismatchError
 
@@ -68,11 +68,11 @@ def check_request(request: GenerationRequest, limits: RequestLimits) -> None:
 
 def _operator_limit(request: GenerationRequest, limits: RequestLimits, e: RequestError) -> str:
     """'--flag is value' of the operator limit `e` broke ("" if it broke H3's own rule or a format rule)."""
-    if e.field in KEYFRAME_FIELDS:
-        data: bytes = getattr(request, e.field)
-        if len(data) > limits.max_keyframe_bytes:
+    if e.field in KEYFRAME_FIELDS:  # the limit ditcore.media names on the MediaError behind it
+        broken = e.__cause__.limit if isinstance(e.__cause__, MediaError) else ""
+        if broken == "max_bytes":
             return f"--max-keyframe-mb is {limits.max_keyframe_bytes / MIB:g}"
-        if "pixels, over the limit" in e.description:  # ditcore.media's decompression-bomb refusal
+        if broken == "max_pixels":
             return f"--max-keyframe-pixels is {limits.max_keyframe_pixels}"
         return ""
     attr = LIMITED_FIELDS.get(e.field)

@@ -64,11 +64,7 @@ _OUTPUT_TYPES = {
     pb.OUTPUT_TYPE_MP4: "mp4",
     pb.OUTPUT_TYPE_FRAMES_AND_WAV: "frames_and_wav",
 }
-_OUTPUT_ENUMS = {
-    "latents": pb.OUTPUT_TYPE_LATENTS,
-    "mp4": pb.OUTPUT_TYPE_MP4,
-    "frames_and_wav": pb.OUTPUT_TYPE_FRAMES_AND_WAV,
-}
+_OUTPUT_ENUMS = {name: value for value, name in _OUTPUT_TYPES.items() if value != pb.OUTPUT_TYPE_UNSPECIFIED}
 _OPTIONAL = ("num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width")
 _ENVELOPE = 4096
 """Bytes a unary response keeps free under --max-message-mb for gRPC's own framing."""
