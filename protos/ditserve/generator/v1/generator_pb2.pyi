@@ -97,7 +97,7 @@ class CacheReport(_message.Message):
     def __init__(self, gpu_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ..., host_stored: _Optional[bool] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms", "decode_ms", "mux_ms")
+    __slots__ = ("queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms", "decode_ms", "mux_ms", "attention_backend")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class StageTimings(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     MUX_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prepare_ms: float
     encode_ms: float
@@ -112,7 +113,8 @@ class StageTimings(_message.Message):
     total_ms: float
     decode_ms: float
     mux_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., denoise_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., mux_ms: _Optional[float] = ...) -> None: ...
+    attention_backend: str
+    def __init__(self, queue_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., denoise_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., mux_ms: _Optional[float] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class Media(_message.Message):
     __slots__ = ("content_type", "size_bytes", "sha256", "data", "filename")
@@ -270,7 +272,7 @@ class SlabGeometry(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision")
+    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,9 @@ class GetStatusResponse(_message.Message):
     MODEL_PRESET_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     weights_path: str
     fingerprint: str
@@ -297,7 +302,28 @@ class GetStatusResponse(_message.Message):
     model_preset: str
     memory: ModelMemory
     precision: str
-    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ...) -> None: ...
+    components: _containers.RepeatedCompositeFieldContainer[ComponentPlacement]
+    attention_backend: str
+    decode_dtype: str
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ...) -> None: ...
+
+class ComponentPlacement(_message.Message):
+    __slots__ = ("name", "device", "placement", "dtype", "bytes", "device_bytes", "note")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    device: str
+    placement: str
+    dtype: str
+    bytes: int
+    device_bytes: int
+    note: str
+    def __init__(self, name: _Optional[str] = ..., device: _Optional[str] = ..., placement: _Optional[str] = ..., dtype: _Optional[str] = ..., bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ModelMemory(_message.Message):
     __slots__ = ("transformer_bytes", "plan_tensor_bytes", "held_plan_bytes", "saved_bytes", "saved_fraction")

@@ -105,16 +105,18 @@ class PlanKey(_message.Message):
     def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PreparePlansRequest(_message.Message):
-    __slots__ = ("session_id", "generation", "plan_keys", "request_id")
+    __slots__ = ("session_id", "generation", "plan_keys", "request_id", "step_bound_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_KEYS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_BOUND_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generation: int
     plan_keys: _containers.RepeatedCompositeFieldContainer[PlanKey]
     request_id: str
-    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    step_bound_s: float
+    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., request_id: _Optional[str] = ..., step_bound_s: _Optional[float] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored")
