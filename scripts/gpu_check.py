@@ -16,6 +16,13 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
                    memory did not grow by half a slab (a leaked slab would add all of it)
   resident-abab    the same requests on `--adaln-mode resident`: sha256 equal to cached
 
+`--out DIR` keeps what the checks measure there: the gpu tests' JUnit XML (gpu-tests.xml) and, when a service check
+failed, the tails of the serve logs (serve-logs.txt). DITSERVE_GPU_CHECK_SERVICES (default cached,kill,resident)
+picks the service checks: cached-abab and swap-in always run (the others compare with their sha256); leaving out
+kill or resident skips sidecar-kill or resident-abab. Every service runs as `python -m ditserve` (no console
+scripts), so the offline layout (scripts/gpu_check.sh --offline: the repository root and the carried wheels on
+PYTHONPATH, no venv) runs them as the venv does.
+
 Without any GPU (`nvidia-smi -L` lists none) every check is skipped (exit 0). A GPU that torch cannot use
 (`nvidia-smi -L` lists one, `torch.cuda.is_available()` is False: a CPU build of torch, a driver too old for its CUDA)
 is a FAIL (exit 1). DITSERVE_GPU_CHECK_DEVICE=cpu runs the service checks on the CPU (a slow test does, so this
@@ -25,6 +32,7 @@ default 270 s); a check still running when it is spent fails.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -59,6 +67,8 @@ REQUESTS = [
 ]
 CLOSED_LINE = re.compile(r"closed the slab mapping of session (\S+): its storage is freed")
 STILL_REFERENCED = "is still referenced after close"
+SERVICES = ("cached", "kill", "resident")
+SELECTED = tuple(s for s in os.environ.get("DITSERVE_GPU_CHECK_SERVICES", ",".join(SERVICES)).split(",") if s)
 failures: list[str] = []
 deadline = time.monotonic() + BUDGET_S
 
@@ -104,12 +114,12 @@ def _case_properties(case: ET.Element) -> dict[str, str]:
     return {p.get("name", ""): p.get("value", "") for p in case.iter("property")}
 
 
-def gpu_tests(work: Path, cuda: bool) -> None:
+def gpu_tests(out: Path, cuda: bool) -> None:
     if not cuda:
         for name in ("gpu-tests", *NAMED_TESTS):
             line("SKIP", name, "needs CUDA")
         return
-    xml = work / "gpu-tests.xml"
+    xml = out / "gpu-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
            "-o", "junit_family=xunit1", *gpu_test_files()]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left(170))
@@ -193,11 +203,16 @@ class Serve:
         raise RuntimeError(f"serve ({self.name}) not serving after {timeout} s; see {self.log.name}")
 
     def sidecar_pid(self) -> int | None:
-        out = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid), "-f", "plancache_service"], capture_output=True, text=True
-        )
-        pids = [int(p) for p in out.stdout.split()]
-        return pids[0] if pids else None
+        """The sidecar among serve's children, read from /proc (pgrep may be missing on the device)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue  # a process that ended meanwhile
+            if ppid == self.proc.pid and b"plancache_service" in cmdline:
+                return int(stat.parent.name)
+        return None
 
     def generator_log(self) -> str:
         path = self.run_dir / "generator.log"
@@ -250,7 +265,35 @@ def services(work: Path, device: str) -> None:
     subprocess.run([*DITSERVE, "make-checkpoint", "--preset", PRESET, "--dtype", "mixed", "--out", str(ckpt)],
                    cwd=ROOT, check=True, capture_output=True, timeout=left(300))  # fmt: skip
     base_port = 50000 + os.getpid() % 4000
-    cached = Serve(work, ckpt, "cached", "cached", device, base_port, STEPS)
+    out, page_bytes, width = _cached_abab(work, ckpt, device, base_port)
+    skipped = f"not selected (DITSERVE_GPU_CHECK_SERVICES={','.join(SELECTED)})"
+    if "kill" not in SELECTED:
+        line("SKIP", "sidecar-kill", skipped)
+    else:
+        kill_plans = max(STEPS, math.ceil(kill_check_slab_bytes(device) / (width * page_bytes)))
+        big = Serve(work, ckpt, "kill", "cached", device, base_port + 1, kill_plans)
+        try:
+            big.wait_serving()
+            _kill_sidecar(big, work, out[0]["sha256"] if out else "", kill_plans * width * page_bytes)
+        finally:
+            big.stop()
+    if "resident" not in SELECTED:
+        line("SKIP", "resident-abab", skipped)
+        return
+    resident = Serve(work, ckpt, "resident", "resident", device, base_port + 2, STEPS)
+    try:
+        resident.wait_serving()
+        rc, res_out, err = generate(resident.target, REQUESTS, work)
+        same = rc == 0 and [r["sha256"] for r in res_out] == [r["sha256"] for r in out]
+        check("resident-abab", same, f"sha256 {'equal to' if same else 'DIFFERENT from'} cached for A, B, A, B"
+              + ("" if rc == 0 else f"; {err.strip()[-300:]}"))  # fmt: skip
+    finally:
+        resident.stop()
+
+
+def _cached_abab(work: Path, ckpt: Path, device: str, port: int) -> tuple[list[Any], int, int]:
+    """cached-abab and swap-in; returns the four results, the page bytes and the slab width."""
+    cached = Serve(work, ckpt, "cached", "cached", device, port, STEPS)
     try:
         st = cached.wait_serving()
         page_bytes, width = st.slab.page_bytes, st.slab.width
@@ -274,23 +317,17 @@ def services(work: Path, device: str) -> None:
             line("FAIL", "swap-in", "no host-tier hit to measure")
     finally:
         cached.stop()
-    sha_a = out[0]["sha256"] if out else ""
-    kill_plans = max(STEPS, math.ceil(kill_check_slab_bytes(device) / (width * page_bytes)))
-    big = Serve(work, ckpt, "kill", "cached", device, base_port + 1, kill_plans)
-    try:
-        big.wait_serving()
-        _kill_sidecar(big, work, sha_a, kill_plans * width * page_bytes)
-    finally:
-        big.stop()
-    resident = Serve(work, ckpt, "resident", "resident", device, base_port + 2, STEPS)
-    try:
-        resident.wait_serving()
-        rc, res_out, err = generate(resident.target, REQUESTS, work)
-        same = rc == 0 and [r["sha256"] for r in res_out] == [r["sha256"] for r in out]
-        check("resident-abab", same, f"sha256 {'equal to' if same else 'DIFFERENT from'} cached for A, B, A, B"
-              + ("" if rc == 0 else f"; {err.strip()[-300:]}"))  # fmt: skip
-    finally:
-        resident.stop()
+    return out, page_bytes, width
+
+
+def keep_serve_logs(work: Path, out: Path) -> None:
+    """The tail of every serve log and of the generator's and sidecar's own logs, in one file under `out`."""
+    parts = []
+    for log in sorted([*work.glob("serve-*.log"), *work.glob("run-*/*.log")]):
+        text = log.read_text(errors="replace")
+        parts.append(f"===== {log.relative_to(work)} (last 20000 of {len(text)} characters)\n{text[-20000:]}")
+    if parts:
+        (out / "serve-logs.txt").write_text("\n".join(parts))
 
 
 def _sidecar_host_pinned(run_dir: Path) -> bool | None:
@@ -359,7 +396,13 @@ def _kill_sidecar(serve: Serve, work: Path, sha_a: str, slab_bytes: int) -> None
           f"{after_shm}")  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="keep the JUnit XML (and failed checks' serve logs) here")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(SELECTED) - set(SERVICES))
+    if unknown:
+        parser.error(f"DITSERVE_GPU_CHECK_SERVICES: {', '.join(unknown)} not among {', '.join(SERVICES)}")
     import torch
 
     device = os.environ.get("DITSERVE_GPU_CHECK_DEVICE", "cuda")
@@ -382,12 +425,16 @@ def main() -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-", dir="/tmp") as tmp:
         work = Path(tmp)
-        steps: list[Callable[[], None]] = [lambda: gpu_tests(work, cuda), lambda: services(work, device)]
+        out = args.out or work
+        out.mkdir(parents=True, exist_ok=True)
+        steps: list[Callable[[], None]] = [lambda: gpu_tests(out, cuda), lambda: services(work, device)]
         for step in steps:
             try:
                 step()
             except Exception as e:  # a broken check is a failure line, never a silent skip
                 line("FAIL", "error", f"{type(e).__name__}: {e}")
+        if failures and args.out:
+            keep_serve_logs(work, args.out)
     verdict = "FAIL: " + ", ".join(failures) if failures else "all checks passed"
     print(f"gpu_check: {verdict} in {time.monotonic() - t0:.0f} s", flush=True)
     return 1 if failures else 0
