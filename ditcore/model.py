@@ -20,19 +20,25 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .attention import AUTO, backend_of, check_name, use_backend
 from .checkpoint import CheckpointInfo, validate_checkpoint
 from .media import DecodedMedia
 from .pipeline import (
+    DECODE_DTYPES,
     ScheduleKeys,
     decode,
     generate_latents,
     load_decoder,
     load_pipeline,
-    use_cached_transformer,
+    pipeline_with,
+    plan_holder,
+    released_decode_dtype,
+    vae_dtype,
 )
 from .plans import PlanKey, SlotReads, is_plan_tensor
 from .report import CacheReport
 from .request import H3_LIMITS, GenerationRequest, RequestLimits
+from .text_encoder import LoadedTextEncoder, TextEncoderPlacement
 
 ADALN_MODES = ("resident", "cached")
 
@@ -72,6 +78,17 @@ def reads_finished(device: torch.device) -> None:
         done.synchronize()
 
 
+def stage_synchronize(device: torch.device) -> None:
+    """Return once every kernel queued so far on `device`'s current stream has finished, so that a stage clock read
+    next counts the stage's kernels and not only their launch (the host runs ahead of a CUDA stream): the same event
+    wait as reads_finished, kept apart because it serves the clocks, not the lease. CPU: a no-op. `generate` calls it
+    at each stage boundary: a few times per request, inside the loop only at the first forward."""
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
+
+
 class PlanProvider(Protocol):
     def acquire(self, keys: Sequence[PlanKey]) -> PlanLease:
         """A lease on the pages of `keys` (one key per step)."""
@@ -95,6 +112,27 @@ class GenerationResult:
     media: DecodedMedia | None = None
     """The decoded frames and waveform (requests whose output_type is not "latents")."""
     extra: dict[str, Any] = field(default_factory=dict)
+    attention_backend: str = ""
+    """The diffusers attention backend the request's transformer forwards ran with ("native", "_native_cudnn", ...)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a loaded checkpoint runs, beside its weights and mode (the generator's flags of the same names)."""
+
+    attention_backend: str = AUTO
+    """diffusers' attention backend for the transformer (ditcore.attention); "auto": the best one that runs on the
+    device ("native" on CPU)."""
+    decode_dtype: str = AUTO
+    """The dtype the VAEs decode in (pipeline.DECODE_DTYPES); "auto": the released one for the checkpoint's precision
+    (bfloat16 for mixed, float32 for float32: pipeline.released_decode_dtype)."""
+    text_encoder: TextEncoderPlacement = field(default_factory=TextEncoderPlacement)
+    """Where the text encoder runs and keeps its weights (ditcore.text_encoder); the default: on the model's device."""
+
+    def __post_init__(self) -> None:
+        check_name(self.attention_backend)
+        if self.decode_dtype != AUTO and self.decode_dtype not in DECODE_DTYPES:
+            raise ValueError(f"decode dtype must be one of {[AUTO, *DECODE_DTYPES]}, got {self.decode_dtype!r}")
 
 
 def latents_sha256(video: torch.Tensor, audio: torch.Tensor | None) -> str:
@@ -140,10 +178,57 @@ def _module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
+COMPONENTS = ("transformer", "text_encoder", "vae", "audio_vae")
+"""The pipeline's weight-bearing components, as GetStatus lists them."""
+
+
+@dataclass(frozen=True)
+class ComponentInfo:
+    """One loaded component: where its weights are and how many bytes (GetStatus' ComponentPlacement)."""
+
+    name: str
+    """As in model_index.json: one of COMPONENTS."""
+    device: str
+    """Where its weights live while serving ("cuda:0", "cpu"; "cpu" for an offloaded text encoder)."""
+    placement: str
+    """"device" (kept on its device), "cpu" (runs on the CPU while the model does not) or "offload" (kept in host
+    memory, moved to the execution device for each use): text_encoder.PLACEMENTS."""
+    dtype: str
+    """The dtype holding most of its parameter bytes ("bfloat16", "float32", ...)."""
+    bytes: int
+    """Parameter and buffer bytes as loaded (tensors left on meta excluded)."""
+    device_bytes: int
+    """Of those, bytes on an accelerator now."""
+    note: str = ""
+
+
+def _component_info(name: str, module: torch.nn.Module, placement: str, note: str) -> ComponentInfo:
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
+    dtype = str(max(by_dtype, key=lambda d: by_dtype[d])).removeprefix("torch.") if by_dtype else ""
+    devices = {str(t.device) for t in tensors}
+    device = "cpu" if placement == "offload" or not devices else sorted(devices)[0]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    on_device = sum(t.numel() * t.element_size() for t in tensors if t.device.type != "cpu")
+    return ComponentInfo(name, device, placement, dtype, size, on_device, note)
+
+
 class H3Model:
     """diffusers' MiniMax-H3 pipeline on one checkpoint, resident or cached; one request at a time (see generate)."""
 
-    def __init__(self, info: CheckpointInfo, mode: str, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        info: CheckpointInfo,
+        mode: str,
+        device: torch.device | str = "cpu",
+        text_encoder: TextEncoderPlacement | None = None,
+        decode_dtype: str | None = None,
+    ) -> None:
+        """Load `info` in `mode`: each component moved to `device` as it is loaded (pipeline.load_pipeline), the
+        cached transformer built without its plan tensors, the text encoder trimmed and placed as `text_encoder`
+        says (default: on `device`), the VAEs at `decode_dtype` (default: the precision's load dtype)."""
         if mode not in ADALN_MODES:
             raise ValueError(f"adaln mode must be one of {list(ADALN_MODES)}, got {mode!r}")
         if mode == "resident" and not info.has_adaln:
@@ -152,13 +237,16 @@ class H3Model:
         self.mode = mode
         self.device = torch.device(device)
         self.precision = info.precision
-        self.pipe: Any = load_pipeline(info.path, self.precision)
-        self.bytes_read = self.bytes_skipped = 0
+        self.pipe: Any = load_pipeline(
+            info.path,
+            self.precision,
+            cached=mode == "cached",
+            device=self.device,
+            text_encoder=text_encoder,
+            vae_dtype=decode_dtype,
+        )
         if mode == "cached":
-            self.holder = use_cached_transformer(self.pipe, info.path, self.precision)
-        if self.device.type != "cpu":
-            for name in ("transformer", "text_encoder", "vae", "audio_vae"):
-                self.pipe.update_components(**{name: getattr(self.pipe, name).to(self.device)})
+            self.holder = plan_holder(self.pipe.transformer)
         self.decoder: Any = load_decoder(self.pipe, info.path)
         self.schedule = ScheduleKeys(info.path)
 
@@ -171,46 +259,91 @@ class H3Model:
         """diffusers' MiniMaxH3Transformer3DModel this model runs."""
         return self.pipe.transformer
 
+    @property
+    def attention_backend(self) -> str:
+        """The diffusers attention backend the transformer's forwards run with (read from its processors)."""
+        return backend_of(self.transformer)
+
+    @property
+    def decode_dtype(self) -> str:
+        """The dtype the VAEs decode in ("bfloat16", "float16" or "float32"; as the decoder's video VAE is loaded)."""
+        return vae_dtype(self.decoder)
+
     def plan_keys(self, request: GenerationRequest) -> list[PlanKey]:
         """Every step's plan key (cheap: the schedulers alone; safe while another request runs)."""
         return self.schedule.keys(request)
 
     def memory(self) -> ModelMemory:
+        """The transformer's bytes against the checkpoint's plan tensors (none held in cached mode)."""
         plan_bytes = self.info.layout.plan_tensor_bytes(self.info.projection_dtype)
         held = sum(t.numel() * t.element_size() for n, t in self.transformer.state_dict().items() if is_plan_tensor(n))
         return ModelMemory(_module_bytes(self.transformer), plan_bytes, held)
+
+    def components(self) -> list[ComponentInfo]:
+        """Each weight-bearing component (COMPONENTS, in that order): device, placement, dtype and bytes."""
+        loaded: LoadedTextEncoder = self.pipe.text_encoder_load
+        transformer_note = (
+            "adaln_proj / norm_out.linear not loaded: modulation rows read from plan pages"
+            if self.mode == "cached"
+            else "as diffusers' from_pretrained loads it, adaln_proj included"
+        )
+        out = [_component_info("transformer", self.transformer, "device", transformer_note)]
+        out.append(_component_info("text_encoder", self.pipe.text_encoder, loaded.placement, loaded.note()))
+        out += [_component_info(name, getattr(self.pipe, name), "device", "") for name in ("vae", "audio_vae")]
+        return out
 
     def with_tensors(self, tensors: dict[str, torch.Tensor]) -> H3Model:
         """A resident copy whose transformer has the named tensors replaced (checked by the caller); the text
         encoder and the rest are shared."""
         if self.mode != "resident":
             raise ValueError("only a resident model takes pushed tensors")
-        from diffusers import MiniMaxH3ModularPipeline
-
         transformer = copy.deepcopy(self.transformer)
         state = transformer.state_dict()
         for name, t in tensors.items():
             state[name].copy_(t.to(state[name].device))
-        # self.pipe.blocks is a copy of its quiet blocks: no progress bars either
-        pipe = MiniMaxH3ModularPipeline(blocks=self.pipe.blocks, pretrained_model_name_or_path=str(self.info.path))
-        pipe.update_components(**{**self.pipe.components, "transformer": transformer})
         other = copy.copy(self)
-        other.pipe = pipe
+        # self.pipe.blocks is a copy of its quiet blocks: no progress bars either
+        other.pipe = pipeline_with(self.pipe, self.info.path, transformer=transformer)
         return other
 
 
-def load_model(checkpoint: CheckpointInfo | str | Path, mode: str, device: torch.device | str = "cpu") -> H3Model:
-    """Validate (unless given a CheckpointInfo) and load a checkpoint for serving in `mode`."""
+def load_model(
+    checkpoint: CheckpointInfo | str | Path,
+    mode: str,
+    device: torch.device | str = "cpu",
+    options: RunOptions | None = None,
+) -> H3Model:
+    """Validate (unless given a CheckpointInfo) and load a checkpoint for serving in `mode`, run as `options` say
+    (default: RunOptions(), the released decode dtype and the device's best attention backend)."""
     info = (
         checkpoint
         if isinstance(checkpoint, CheckpointInfo)
         else validate_checkpoint(checkpoint, require_adaln=mode == "resident")
     )
-    return H3Model(info, mode, device)
+    options = options if options is not None else RunOptions()
+    decode_dtype = released_decode_dtype(info.precision) if options.decode_dtype == AUTO else options.decode_dtype
+    model = H3Model(info, mode, device, options.text_encoder, decode_dtype)  # the VAEs read once, at that dtype
+    _run_as(model, options)
+    return model
 
 
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000.0, 3)
+def _run_as(model: H3Model, options: RunOptions) -> None:
+    """Decode at the options' dtype (the VAEs loaded again at it if they are not) and set the attention backend on
+    the served transformer (resolved for its device and dtype; AttentionBackendError if it cannot run there)."""
+    dtype = released_decode_dtype(model.precision) if options.decode_dtype == AUTO else options.decode_dtype
+    if dtype != model.decode_dtype:
+        model.decoder = load_decoder(model.pipe, model.info.path, dtype)
+    use_backend(model.transformer, options.attention_backend)
+
+
+def _clock(device: torch.device) -> float:
+    """A stage clock: perf_counter once `device` has finished the work queued so far (stage_synchronize)."""
+    stage_synchronize(device)
+    return time.perf_counter()
+
+
+def _ms(t0: float, device: torch.device) -> float:
+    return round((_clock(device) - t0) * 1000.0, 3)
 
 
 def generate(
@@ -225,25 +358,32 @@ def generate(
     The lease (if any) is acquired after validation and released in every outcome (before decoding, which reads no
     plan). Timings: `plans` (acquire), `encode` (start of the loop to the first transformer forward: text and keyframe
     encoding, layout), `denoise` (the rest of the loop), `decode` (diffusers' decode steps, on the model's device;
-    only for requests that ask for media).
+    only for requests that ask for media). Each stage clock is read once the device has finished the stage's work
+    (stage_synchronize; on CUDA a stream sync at each boundary, the first forward's included), in both modes.
     """
     request.validate(limits)
     if (plans is None) != (model.mode == "resident"):
         raise ValueError(f"a {model.mode} model {'takes no' if plans is not None else 'needs a'} plan provider")
-    t_start = time.perf_counter()
+    device = model.device
+    t_start = _clock(device)
     timings: dict[str, float] = {}
+    backend = model.attention_backend
     keys = model.plan_keys(request)
-    t0 = time.perf_counter()
+    t0 = _clock(device)
     lease = plans.acquire(keys) if plans is not None else None
-    timings["plans"] = _ms(t0)
-    marks: list[float] = []
+    timings["plans"] = _ms(t0, device)
+    first_forward: list[float] = []  # the end of "encode": text and keyframe encoding done on the device
+    forwards = 0
 
     def forward_started(module: Any, args: Any) -> None:
-        marks.append(time.perf_counter())
+        if not first_forward:
+            first_forward.append(_clock(device))
 
     def forward_done(module: Any, args: Any, output: Any) -> None:
+        nonlocal forwards
+        forwards += 1
         if on_step is not None:
-            on_step(len(marks), len(keys))
+            on_step(forwards, len(keys))
 
     transformer = model.transformer
     handles = [
@@ -252,11 +392,11 @@ def generate(
     ]
     reads = None
     try:
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         reads = _plan_reads(lease, keys)
         video, audio = generate_latents(model.pipe, request, reads, keys)
-        end = time.perf_counter()
-        first = marks[0] if marks else end
+        end = _clock(device)  # resident mode too: the last step's kernels have run
+        first = first_forward[0] if first_forward else end
         timings["encode"] = round((first - t0) * 1000.0, 3)
         timings["denoise"] = round((end - first) * 1000.0, 3)
     finally:
@@ -268,19 +408,22 @@ def generate(
             # released before the last kernel that reads one has finished (docs/architecture.md, "The slab and the
             # lease protocol").
             reads_finished(model.device)
-            reads = None  # no slab view outlives the request (an exception's traceback keeps this frame)
+            if isinstance(reads, SlotReads):  # no slab view outlives the request: a failed request's traceback
+                reads.close()  # keeps this frame and generate_latents', which hold the reads
+            reads = None
             lease.release()
     media = None
     if request.decodes:
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         media = decode(model.decoder, video, audio)
-        timings["decode"] = _ms(t0)
-    timings["total"] = _ms(t_start)
+        timings["decode"] = _ms(t0, device)
+    timings["total"] = _ms(t_start, device)
     v_out = video.detach().cpu().contiguous()
     a_out = audio.detach().cpu().contiguous()
     return GenerationResult(
-        request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report, media=media
-    )
+        request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report, media=media,
+        attention_backend=backend,
+    )  # fmt: skip
 
 
 def _plan_reads(lease: PlanLease | None, keys: Sequence[PlanKey]) -> Any:

@@ -3,12 +3,13 @@ own decode steps after them.
 
 Protocol for one request on one pipeline (the pipeline's schedulers are stateful: one request at a time):
 
-    pipe = load_pipeline(repo, dtype)                       # diffusers' MiniMaxH3Blocks less decode (t2va / fl2va)
+    pipe = load_pipeline(repo, dtype, device=d)             # diffusers' MiniMaxH3Blocks less decode (t2va / fl2va)
     keys = plan_keys(pipe, request)                         # per step: float32 bits of its sorted distinct timesteps
     video, audio = generate_latents(pipe, request)          # resident: diffusers' transformer, unmodified
-    holder = use_cached_transformer(pipe, repo, dtype)      # or: transformer without adaln_proj / norm_out.linear
+    pipe = load_pipeline(repo, dtype, cached=True, device=d)  # or: transformer without adaln_proj / norm_out.linear
+    holder = plan_holder(pipe.transformer)                  # (use_cached_transformer swaps one into a loaded pipe)
     video, audio = generate_latents(pipe, request, pages_for_step, keys)   # pages_for_step(i, keys[i]) -> pages
-    decoder = load_decoder(pipe, repo)                      # diffusers' MiniMaxH3DecodeStep on the same VAEs
+    decoder = load_decoder(pipe, repo, "bfloat16")          # diffusers' MiniMaxH3DecodeStep; the VAEs at that dtype
     media = decode(decoder, video, audio)                   # uint8 frames, stereo waveform, sampling rate
 
 The task follows the inputs as in diffusers: a request with keyframes (`image` / `last_image`) runs every
@@ -18,6 +19,7 @@ conditional block's fl2va branch, one without runs t2va. (The ref2va branch is n
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -28,6 +30,7 @@ import torch
 from .media import DecodedMedia
 from .plans import PlanKey, PlanLinear, PlanPages, SlotReads, load_transformer_without_adaln
 from .request import GenerationRequest
+from .text_encoder import TextEncoderPlacement, load_text_encoder
 
 PagesForStep = Callable[[int, PlanKey], torch.Tensor]
 """(step index, plan key) -> that plan's pages, (len(key), page_numel) in the projections' dtype."""
@@ -49,6 +52,9 @@ _PLANNING_SKIP = (
     "denoise.prepare_latents",
     "denoise.prepare_latents_fl2va",
 )
+DECODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""The dtypes the VAEs may decode in (load_decoder)."""
+_VAES = ("vae", "audio_vae")
 _UNLOADED = ("transformer_ref",)  # ref2va's partition: never selected, never loaded
 KEYFRAME_NOISE_AUG = 0.999
 """The timestep an fl2va keyframe's rows are held at (diffusers' `MiniMaxH3ModularPipeline.keyframe_noise_aug`;
@@ -72,22 +78,93 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {dtype!r}")
 
 
-def load_pipeline(repo: str | os.PathLike[str], dtype: str = "float32") -> Any:
-    """diffusers' MiniMaxH3ModularPipeline on `repo`: MiniMaxH3Blocks without `decode` (see load_decoder).
+def load_pipeline(
+    repo: str | os.PathLike[str],
+    dtype: str = "float32",
+    *,
+    cached: bool = False,
+    device: torch.device | str = "cpu",
+    text_encoder: TextEncoderPlacement | None = None,
+    vae_dtype: str | None = None,
+) -> Any:
+    """diffusers' MiniMaxH3ModularPipeline on `repo`: MiniMaxH3Blocks without `decode` (see load_decoder), every
+    from_pretrained component but `transformer_ref` at `dtype`'s precision, each moved to `device` as soon as it is
+    loaded, so the host holds about one component at a time.
 
-    Every from_pretrained component but `transformer_ref` is loaded at `dtype`'s precision (the Qwen3-VL processor
-    included: fl2va's text encoder runs the keyframes through its image processor). The pipeline ends at
-    `denoise.after_denoise`, with the final latents in its state.
+    In order: the text encoder (trimmed to the layers diffusers reads, placed as `text_encoder` says:
+    ditcore.text_encoder); the tokenizer, the Qwen3-VL processor (fl2va's text encoder runs the keyframes through its
+    image processor), the schedulers and the VAEs; the transformer last: diffusers' from_pretrained (resident), or
+    with `cached` built without its plan tensors (use_cached_transformer), so that no full transformer is ever built
+    and no adaln_proj / norm_out.linear byte is read. The execution device is `device` wherever the text encoder
+    runs. `vae_dtype` (DECODE_DTYPES; None: `dtype`'s) loads the two VAEs at the dtype they will decode in, as
+    load_decoder would load them again (so they are read once). The pipeline ends at `denoise.after_denoise`, with the
+    final latents in its state.
     """
-    from diffusers import MiniMaxH3Blocks, MiniMaxH3ModularPipeline
+    from diffusers import MiniMaxH3Blocks
 
     _check_dtype(dtype)
+    if vae_dtype is not None and vae_dtype not in DECODE_DTYPES:
+        raise ValueError(f"decode dtype must be one of {list(DECODE_DTYPES)}, got {vae_dtype!r}")
+    target = torch.device(device)
     blocks = MiniMaxH3Blocks()
     blocks.sub_blocks.pop("decode")  # run apart (load_decoder): the latents and their sha256 come first
-    pipe = MiniMaxH3ModularPipeline(blocks=quiet(blocks), pretrained_model_name_or_path=os.fspath(repo))
-    names = [n for n in pipe.pretrained_component_names if n not in _UNLOADED]
-    pipe.load_components(names=names, dtype=_LOAD_DTYPES[dtype])
+    pipe = pipeline_class()(blocks=quiet(blocks), pretrained_model_name_or_path=os.fspath(repo))
+    pipe.execution_device = target
+    placement = text_encoder if text_encoder is not None else TextEncoderPlacement()
+    pipe.text_encoder_load = load_text_encoder(pipe, _component_dtype(dtype, "text_encoder"), placement, target)
+    for name in pipe.pretrained_component_names:
+        if name not in (*_UNLOADED, "text_encoder", "transformer"):
+            at = DECODE_DTYPES[vae_dtype] if vae_dtype is not None and name in _VAES else _LOAD_DTYPES[dtype]
+            pipe.load_components(names=[name], dtype=at)
+            _move(getattr(pipe, name), target)
+    if cached:
+        use_cached_transformer(pipe, repo, dtype, target)
+    else:
+        pipe.load_components(names=["transformer"], dtype=_LOAD_DTYPES[dtype])
+        _move(pipe.transformer, target)
     return pipe
+
+
+def _component_dtype(precision: str, name: str) -> torch.dtype:
+    dtypes = _LOAD_DTYPES[precision]
+    if not isinstance(dtypes, dict):
+        return dtypes  # type: ignore[no-any-return]
+    chosen: torch.dtype = dtypes[name] if name in dtypes else dtypes["default"]
+    return chosen
+
+
+def _move(component: Any, device: torch.device) -> None:
+    if isinstance(component, torch.nn.Module) and device.type != "cpu":
+        component.to(device)  # in place: the pipeline keeps the same module
+
+
+@functools.cache
+def pipeline_class() -> type:
+    """diffusers' MiniMaxH3ModularPipeline with its execution device set at load (`execution_device`) instead of
+    inferred from its first module (diffusers looks at the text encoder, which may run elsewhere: text_encoder.py),
+    and what load_text_encoder kept (`text_encoder_load`)."""
+    from diffusers import MiniMaxH3ModularPipeline
+
+    class H3Pipeline(MiniMaxH3ModularPipeline):  # type: ignore[misc, valid-type]
+        execution_device: torch.device | None = None
+        text_encoder_load: Any = None
+
+        @property
+        def _execution_device(self) -> torch.device:
+            if self.execution_device is not None:
+                return self.execution_device
+            return super()._execution_device  # type: ignore[no-any-return]
+
+    return H3Pipeline
+
+
+def pipeline_with(pipe: Any, repo: str | os.PathLike[str], **components: Any) -> Any:
+    """A new pipeline on `pipe`'s blocks and execution device sharing its components, those given replaced."""
+    other = type(pipe)(blocks=pipe.blocks, pretrained_model_name_or_path=os.fspath(repo))
+    other.execution_device = getattr(pipe, "execution_device", None)
+    other.text_encoder_load = getattr(pipe, "text_encoder_load", None)
+    other.update_components(**{**pipe.components, **components})
+    return other
 
 
 def quiet(blocks: Any) -> Any:
@@ -101,14 +178,42 @@ def quiet(blocks: Any) -> Any:
     return blocks
 
 
-def load_decoder(pipe: Any, repo: str | os.PathLike[str]) -> Any:
-    """diffusers' MiniMaxH3DecodeStep (video, then audio) as a pipeline sharing `pipe`'s two VAEs."""
+def released_decode_dtype(precision: str) -> str:
+    """The dtype the VAEs decode in by default: the released bfloat16 for a mixed checkpoint (diffusers' MiniMax-H3
+    recipe, `pipe.load_components(dtype=torch.bfloat16)`), float32 for a float32 one."""
+    _check_dtype(precision)
+    return "bfloat16" if precision == "mixed" else "float32"
+
+
+def vae_dtype(pipe: Any) -> str:
+    """The dtype `pipe`'s video VAE was loaded at (its decoder's: diffusers keeps the encoder in float32)."""
+    return str(pipe.vae.dtype).removeprefix("torch.")
+
+
+def load_decoder(pipe: Any, repo: str | os.PathLike[str], dtype: str | None = None) -> Any:
+    """diffusers' MiniMaxH3DecodeStep (video, then audio) as a pipeline sharing `pipe`'s two VAEs.
+
+    `dtype` (DECODE_DTYPES; None: as `pipe` loaded them): unless `pipe`'s VAEs are at it already, both are loaded
+    again with diffusers' loader at `dtype`, as `load_components(dtype=...)` does (so each class's
+    `_keep_in_fp32_modules` stay float32: the video VAE's encoder, quant_conv and norms, the whole audio VAE), moved
+    to `pipe`'s VAE device and installed in both pipelines. fl2va's keyframe encoder (the `vae_encoder` block) thus
+    reads the same video VAE, whose encoder path is float32 at every dtype: keyframe latents do not depend on it.
+    """
     from diffusers import MiniMaxH3Blocks, MiniMaxH3ModularPipeline
 
     decoder = MiniMaxH3ModularPipeline(
         blocks=quiet(MiniMaxH3Blocks().sub_blocks["decode"]), pretrained_model_name_or_path=os.fspath(repo)
     )
-    decoder.update_components(vae=pipe.vae, audio_vae=pipe.audio_vae)
+    if dtype is None or dtype == vae_dtype(pipe):
+        decoder.update_components(vae=pipe.vae, audio_vae=pipe.audio_vae)
+        return decoder
+    if dtype not in DECODE_DTYPES:
+        raise ValueError(f"decode dtype must be one of {list(DECODE_DTYPES)}, got {dtype!r}")
+    decoder.load_components(names=list(_VAES), dtype=DECODE_DTYPES[dtype])
+    device = pipe.vae.device
+    vaes = {name: getattr(decoder, name).to(device) for name in _VAES}  # a move, no cast
+    decoder.update_components(**vaes)
+    pipe.update_components(**vaes)
     return decoder
 
 
@@ -124,16 +229,21 @@ def decode(decoder: Any, video: torch.Tensor, audio: torch.Tensor) -> DecodedMed
     return DecodedMedia(frames=frames, audio=waveform, sampling_rate=int(out["sampling_rate"]))
 
 
-def use_cached_transformer(pipe: Any, repo: str | os.PathLike[str], dtype: str = "float32") -> PlanPages:
-    """Swap in the repository's transformer loaded without its plan tensors; returns the holder its PlanLinears read.
+def use_cached_transformer(
+    pipe: Any, repo: str | os.PathLike[str], dtype: str = "float32", device: torch.device | str | None = None
+) -> PlanPages:
+    """Install the repository's transformer loaded without its plan tensors (never read, never allocated; no full
+    transformer is built: plans.load_transformer_without_adaln) and moved to `device` (default: the pipeline's
+    execution device); returns the holder its PlanLinears read. Replaces a transformer `pipe` already holds.
 
-    `dtype` must be the one `pipe` was loaded with, so the two transformers share the released precision.
+    `dtype` must be the precision `pipe` was loaded with, so the transformer shares the released precision.
     """
     _check_dtype(dtype)
     holder = PlanPages()
     transformer_dir = os.path.join(os.fspath(repo), "transformer")
-    transformer, _, _ = load_transformer_without_adaln(transformer_dir, holder, _TRANSFORMER_DTYPES[dtype])
-    pipe.update_components(transformer=transformer.to(pipe.transformer.device))
+    target = torch.device(device) if device is not None else pipe._execution_device
+    transformer, _, _ = load_transformer_without_adaln(transformer_dir, holder, _TRANSFORMER_DTYPES[dtype], target)
+    pipe.update_components(transformer=transformer)
     return holder
 
 
@@ -225,6 +335,11 @@ class ScheduleKeys:
 def _condition_timesteps(task: str, video_t: float) -> tuple[float, ...]:
     """The timesteps of a step's conditioning rows: fl2va's keyframe rows, none in t2va."""
     return (max(video_t, KEYFRAME_NOISE_AUG),) if task == "fl2va" else ()
+
+
+def plan_holder(transformer: Any) -> PlanPages:
+    """The PlanPages a cached transformer's PlanLinears read; NotCachedError for a resident one."""
+    return _plan_holder(transformer)
 
 
 def _plan_holder(transformer: Any) -> PlanPages:

@@ -273,6 +273,13 @@ class SlotReads:
         torch.index_select(self.source, 0, self.index[a:b], out=out)
         return out
 
+    def close(self) -> None:
+        """Drop the slab view, the index and the page buffer, once the request's reads have finished: whoever still
+        holds this object (the loop's frames, kept by a failed request's traceback) no longer reaches the slab, so
+        closing the slab's mapping frees it. No step can be read from here on (`steps` is 0)."""
+        self.spans = []
+        self.source = self.index = self.buffer = torch.empty(0)
+
 
 class PlanLinear(nn.Module):
     """Stands in for a projection `nn.Linear`: returns its rows of the current pages and ignores its input.
@@ -347,9 +354,10 @@ def safetensors_layer_loader(transformer_dir: str, torch_dtype: torch.dtype | No
 
 
 def _read_state_dict(
-    transformer_dir: str, torch_dtype: torch.dtype, keep_fp32: list[str]
+    transformer_dir: str, torch_dtype: torch.dtype, keep_fp32: list[str], device: torch.device | None = None
 ) -> tuple[dict[str, torch.Tensor], int, int]:
-    """Every tensor except the plan tensors, cast by the from_pretrained rule. Returns (state, bytes read, skipped)."""
+    """Every tensor except the plan tensors, cast by the from_pretrained rule and moved to `device` one at a time (so
+    the host holds one tensor, not the transformer). Returns (state, bytes read, skipped)."""
     by_file: dict[str, list[str]] = {}
     for name, file in shard_map(transformer_dir).items():
         by_file.setdefault(file, []).append(name)
@@ -364,18 +372,23 @@ def _read_state_dict(
                     continue
                 t = f.get_tensor(name)
                 read += t.numel() * t.element_size()
-                state[name] = t.to(load_dtype(name, torch_dtype, keep_fp32))
+                state[name] = t.to(device=device, dtype=load_dtype(name, torch_dtype, keep_fp32))
+                del t
     return state, read, skipped
 
 
 def load_transformer_without_adaln(
-    transformer_dir: str, holder: PlanPages, torch_dtype: torch.dtype = torch.float32
+    transformer_dir: str,
+    holder: PlanPages,
+    torch_dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
 ) -> tuple[Any, int, int]:
     """Cached-mode construction of diffusers' MiniMaxH3Transformer3DModel: never reads nor allocates a plan tensor.
 
     Builds on meta, installs PlanLinear modules (dtype = torch_dtype, the projections' dtype under the from_pretrained
     rule), then assigns every other tensor from the shards. torch_dtype=bfloat16 on the released checkpoint gives the
-    released mixed precision. Returns (model in eval mode, bytes read, plan-tensor bytes skipped).
+    released mixed precision. Each tensor goes to `device` (default: stays on the CPU) as it is read, so no host copy
+    of the transformer is ever whole. Returns (model in eval mode, bytes read, plan-tensor bytes skipped).
     """
     from accelerate import init_empty_weights
     from diffusers import MiniMaxH3Transformer3DModel
@@ -387,8 +400,12 @@ def load_transformer_without_adaln(
         owner.linear.to(torch_dtype)  # still on meta; the PlanLinear anchors take this dtype
     install_plan_modules(model, holder)
     keep_fp32 = list(model._keep_in_fp32_modules or [])
-    state, read, skipped = _read_state_dict(transformer_dir, torch_dtype, keep_fp32)
+    target = torch.device(device) if device is not None else None
+    state, read, skipped = _read_state_dict(transformer_dir, torch_dtype, keep_fp32, target)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    if target is not None and target.type != "cpu":
+        model.to(target)  # the buffers (rope, the PlanLinear anchors) follow; the parameters are there already
     if missing or unexpected:
         raise ValueError(f"{transformer_dir}: tensors missing {missing}, unexpected {unexpected}")
     meta_left = [n for n, p in model.named_parameters() if p.is_meta]

@@ -5,6 +5,8 @@ Every service and CLI builds a `GenerationRequest` and calls `validate(limits)`;
 The rules are the released model's: 24 fps, 5 to 15 seconds, `num_frames` of the form 17n + 5 (the video VAE's
 grouping: 124 to 345 frames), both canvas sides multiples of 32, aspect ratio 1:4 to 4:1. diffusers would round an
 off-grid frame count up with a warning; the service refuses it instead, so a caller gets exactly what it asked for.
+The default limits are the released envelope (sides up to 1344, at most 768 x 1344 pixels, either orientation);
+an operator may raise them up to MAX_SIDE (the memory admission check then decides what fits the device).
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ MIN_FRAMES = FRAMES_PER_CHUNK * math.ceil((MIN_SECONDS * FPS - FRAMES_OFFSET) / 
 MAX_FRAMES = FRAMES_PER_CHUNK * ((MAX_SECONDS * FPS - FRAMES_OFFSET) // FRAMES_PER_CHUNK) + FRAMES_OFFSET  # 345
 CANVAS_MULTIPLE = 32
 MAX_SIDE = 4096
-"""Largest canvas side accepted (H3's own canvas is 768 x 1344)."""
+"""Largest canvas side an operator may allow (`--max-height` / `--max-width` go up to it)."""
+MAX_PIXELS = MAX_SIDE * MAX_SIDE
+"""Largest canvas area an operator may allow (`--max-canvas-pixels`)."""
+RELEASED_MAX_SIDE = 1344
+RELEASED_MAX_PIXELS = 768 * 1344
+"""The released canvas: 768 x 1344 in either orientation, the default limits (~104k tokens at 345 frames)."""
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0  # width / height
 MIN_STEPS, MAX_STEPS = 2, 1000
 """num_inference_steps is the schedule's grid points: N points drive N - 1 forwards, so at least 2."""
@@ -56,17 +63,23 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Operator limits, at most H3's own (a server may serve a smaller envelope than the model can)."""
+    """Operator limits: by default the released envelope; each may be raised up to its hard cap (MAX_SIDE,
+    MAX_PIXELS) or tightened."""
 
     max_num_frames: int = MAX_FRAMES
-    max_height: int = MAX_SIDE
-    max_width: int = MAX_SIDE
+    max_height: int = RELEASED_MAX_SIDE
+    max_width: int = RELEASED_MAX_SIDE
     max_prompt_bytes: int = MAX_PROMPT_BYTES
     max_keyframe_bytes: int = MAX_KEYFRAME_BYTES
     max_keyframe_pixels: int = MAX_KEYFRAME_PIXELS
+    max_pixels: int = RELEASED_MAX_PIXELS
+    """Largest height x width."""
 
 
 H3_LIMITS = RequestLimits()
+"""The released envelope: every front end validates against it unless an operator set other limits."""
+MODEL_LIMITS = RequestLimits(max_height=MAX_SIDE, max_width=MAX_SIDE, max_pixels=MAX_PIXELS)
+"""Every canvas H3's rules allow up to the hard caps (what `ditserve inspect` models)."""
 
 
 @dataclass(frozen=True)
@@ -192,8 +205,7 @@ class GenerationRequest:
                 raise RequestError(name, f"must be finite and in (0, {MAX_SHIFT:g}], got {value}")
         if not 0 <= self.seed <= MAX_SEED:
             raise RequestError("seed", f"must be in [0, 2^63-1], got {self.seed}")
-        _check_frames(self.num_frames, limits)
-        _check_canvas(self.height, self.width, limits)
+        check_canvas(self.height, self.width, self.num_frames, limits)
         if self.task == "fl2va" and not self.has_keyframes:
             raise RequestError("first_frame", "fl2va needs a first_frame and/or a last_frame (PNG or JPEG bytes)")
         if self.task == "t2va" and self.has_keyframes:
@@ -242,6 +254,12 @@ def _check_types(req: GenerationRequest) -> None:
             raise RequestError(f.name, f"has the wrong type ({type(v).__name__}: {v!r})")
 
 
+def check_canvas(height: int, width: int, num_frames: int, limits: RequestLimits = H3_LIMITS) -> None:
+    """H3's canvas and frame rules within `limits` (RequestError naming the field)."""
+    _check_frames(num_frames, limits)
+    _check_canvas(height, width, limits)
+
+
 def _check_frames(frames: int, limits: RequestLimits) -> None:
     top = min(limits.max_num_frames, MAX_FRAMES)
     rule = (
@@ -267,3 +285,10 @@ def _check_canvas(height: int, width: int, limits: RequestLimits) -> None:
         raise RequestError(
             "width", f"aspect ratio width:height must be between 1:4 and 4:1 (MiniMax-H3's range), got {width}:{height}"
         )
+    area = min(limits.max_pixels, MAX_PIXELS)
+    if height * width > area:
+        released = " (768 x 1344, the released canvas)" if area == RELEASED_MAX_PIXELS else ""
+        raise RequestError(
+            "width", f"height x width must be at most {area:,} pixels{released}, got {height} x {width} = "
+            f"{height * width:,}"
+        )  # fmt: skip

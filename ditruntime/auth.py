@@ -20,16 +20,22 @@ ADMIN_TOKEN_HELP = (
 
 
 class MissingTokenError(ServiceError):
+    """An admin RPC (UpdateWeights; a TCP sidecar's weight-update RPCs) came without `authorization: Bearer <token>`."""
+
     reason = "MISSING_TOKEN"
     grpc_code = "UNAUTHENTICATED"
 
 
 class BadTokenError(ServiceError):
+    """An admin RPC's bearer token is not the configured `--admin-token`."""
+
     reason = "BAD_TOKEN"
     grpc_code = "PERMISSION_DENIED"
 
 
 class UpdatesDisabledError(ServiceError):
+    """Weight updates are off: no `--admin-token` (nor $DITSERVE_ADMIN_TOKEN) was configured."""
+
     reason = "UPDATES_DISABLED"
     grpc_code = "PERMISSION_DENIED"
 

@@ -91,6 +91,8 @@ class _Option:
     """The field's type with Optional removed: int, float, str, bool or Path."""
     optional: bool
     """The field's type admits None."""
+    owner: type = object
+    """The config dataclass that declares the field (docs read its docstring from there)."""
 
     @property
     def name(self) -> str:
@@ -207,7 +209,7 @@ def _fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], type, _Option | No
         spec = f.metadata.get(_KEY)
         if spec is not None and kind not in _SCALARS:
             raise TypeError(f"{cls.__name__}.{f.name}: a flag needs int, float, str, bool or Path, not {kind}")
-        out.append((f, kind, _Option(f, spec, kind, optional) if spec is not None else None))
+        out.append((f, kind, _Option(f, spec, kind, optional, cls) if spec is not None else None))
     return tuple(out)
 
 
@@ -240,7 +242,8 @@ def add_flags(
     target: argparse._ActionsContainer = parser.add_argument_group(group) if group else parser
     for opt in _options(cls, only, exclude):
         if opt.kind is bool:
-            target.add_argument(opt.name, dest=opt.dest, action="store_true", help=opt.spec.help)
+            action = target.add_argument(opt.name, dest=opt.dest, action="store_true", help=opt.spec.help)
+            setattr(action, _KEY, opt)
             continue
         kwargs: dict[str, Any] = {"dest": opt.dest, "type": _ParseFlag(opt), "help": opt.spec.help}
         if opt.spec.choices:
@@ -249,7 +252,14 @@ def add_flags(
             kwargs["default"] = opt.flag_default()
         else:
             kwargs["required"] = True
-        target.add_argument(opt.name, **kwargs)
+        setattr(target.add_argument(opt.name, **kwargs), _KEY, opt)
+
+
+def declared_option(action: argparse.Action) -> _Option | None:
+    """The declaration an `add_flags` argument was made from (None for a hand-written one): the generated
+    flag tables (ditserve.docgen) read defaults, units, bounds, env and docstrings from it."""
+    opt = getattr(action, _KEY, None)
+    return opt if isinstance(opt, _Option) else None
 
 
 def from_args(

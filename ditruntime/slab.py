@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ditcore.plans import DTYPES
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
@@ -287,14 +288,16 @@ class SlabMappingClosedError(RuntimeError):
 @dataclass(eq=False)
 class SlabMapping:
     """One attachment's mapped slab and table. `close()` drops every reference this mapping
-    holds and, on cuda, waits (bounded) until the IPC storage is freed, so the producer's
-    reference counter is released and the old allocation unmapped before a new slab is mapped."""
+    holds and waits (bounded) until nothing else holds the slab's storage, on either transport
+    (a weak reference to it tells): on cuda so the IPC mapping is closed and the producer's
+    reference counter released before a new slab is mapped; on cpu so the shm pages are
+    unmapped (their last view gone) rather than pinned by a stale reader."""
 
     descriptor: SlabDescriptor
     _slab: torch.Tensor | None
     _table: torch.Tensor | None
     _maps: list[mmap.mmap] = field(default_factory=list)
-    _storage_ref: Any = None  # StorageWeakRef of a released cuda slab until its storage is freed
+    _storage_ref: StorageWeakRef | None = None  # the released slab's storage (cpu or cuda) until it is freed
 
     @classmethod
     def open(
@@ -325,17 +328,16 @@ class SlabMapping:
     def release(self) -> None:
         """Drop this mapping's references now (idempotent); reads through it fail from here on."""
         slab, self._slab, self._table = self._slab, None, None
-        if slab is not None and slab.device.type == "cuda":
-            from torch.multiprocessing.reductions import StorageWeakRef
-
+        if slab is not None:
             self._storage_ref = StorageWeakRef(slab.untyped_storage())
         del slab
         self._close_maps()
 
     def close(self, timeout_s: float = 10.0) -> bool:
-        """`release()`, then wait (bounded) until nothing holds the slab's storage any more, so
-        the IPC mapping is closed and the producer's counter released. True once it is; views
-        taken from the slab keep it alive (an in-flight step's views are dropped within a step)."""
+        """`release()`, then wait (bounded) until nothing holds the slab's storage any more: on cuda
+        the IPC mapping is then closed and the producer's counter released, on cpu the shm pages
+        unmapped. True once it is (and on every later call); views taken from the slab keep it
+        alive (an in-flight step's views are dropped within a step). False, logged, on timeout."""
         self.release()
         ref = self._storage_ref
         if ref is None:

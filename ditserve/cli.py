@@ -18,9 +18,12 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ditcore import CheckpointError, PresetError, RequestError
+from ditcore.attention import AttentionBackendError
 from ditcore.repo import DTYPES as PRECISIONS
+from ditcore.text_encoder import TextEncoderError
 from ditruntime.flags import add_flags
 from ditruntime.paths import DirectoryFlagError
+from generator_service.config import GeneratorConfig
 from plancache_service.config import CacheConfig
 from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, PlanCapacityError
 
@@ -28,6 +31,7 @@ from . import __version__
 from .bench.runner import add_bench_flags, cmd_bench
 from .commands import (
     LOCAL_CACHE_FLAGS,
+    LOCAL_MODEL_FLAGS,
     MAX_SHARDS,
     WRITABLE_PRESETS,
     cmd_generate_local,
@@ -36,6 +40,7 @@ from .commands import (
 )
 from .errors import UsageError
 from .launcher import add_serve_flags, serve
+from .memory_view import add_memory_flags
 from .remote import add_client_flags, cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags
 
@@ -90,11 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     mk.add_argument("--force", action="store_true", help="overwrite an existing repository at --out")
     mk.set_defaults(func=cmd_make_checkpoint)
 
-    ins = sub.add_parser("inspect", help="parameters, adaln_proj share and bytes, page size, fingerprint")
+    ins = sub.add_parser(
+        "inspect", help="parameters, adaln_proj share and bytes, page size, fingerprint; memory and time at a canvas"
+    )
     ins.add_argument("checkpoint", nargs="?", help="repository directory")
     ins.add_argument("--preset", help="a preset's figures without a repository (h3: the released shapes)")
     ins.add_argument("--dtype", choices=PRECISIONS, default=None, help="with --preset: precision (default mixed)")
     ins.add_argument("--json", action="store_true", help="print one JSON object")
+    add_memory_flags(ins)
     ins.set_defaults(func=cmd_inspect)
 
     gl = sub.add_parser("generate-local", help="run requests in this process (no services)")
@@ -106,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         help="cached: plans from an embedded plan cache (default %(default)s)",
     )
     add_flags(gl, CacheConfig, only=LOCAL_CACHE_FLAGS, group="plan cache (cached mode)")
+    add_flags(gl, GeneratorConfig, only=LOCAL_MODEL_FLAGS, group="model")
     add_request_flags(gl)
     gl.set_defaults(func=cmd_generate_local)
 
@@ -141,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 USAGE_ERRORS = (
+    AttentionBackendError,
     DirectoryFlagError,
     RequestError,
     CheckpointError,
@@ -148,6 +158,7 @@ USAGE_ERRORS = (
     UsageError,
     PlanCapacityError,
     InvalidPlanRequestError,
+    TextEncoderError,
 )
 """Errors in what the user gave (flags, request fields, a repository): exit code 2."""
 

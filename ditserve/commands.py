@@ -26,8 +26,10 @@ from ditcore import (
 )
 from ditcore.checkpoint import is_repository_dir
 from ditcore.media import encode
+from ditcore.model import RunOptions
 from ditcore.plans import dtype_name
 from ditcore.repo import PRESETS
+from ditcore.text_encoder import TextEncoderPlacement
 from ditruntime.flags import from_args
 from ditruntime.paths import check_dir, prepare_dir
 from plancache_service.cache import PlanCache
@@ -37,6 +39,7 @@ from plancache_service.errors import PlanCapacityError
 from plancache_service.rebuild import RebuildSource
 
 from .errors import UsageError
+from .memory_view import memory_data, print_memory, wants_memory
 from .outputs import OutputTarget, write_output
 from .progress import Progress, progress_enabled
 from .requests_io import prepare_run, result_line, validate_all
@@ -47,6 +50,8 @@ MAX_SHARDS = 1000
 MAX_SEED = 2**63 - 1
 LOCAL_CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
 """The CacheConfig flags of `generate-local` (its slab is always in host memory)."""
+LOCAL_MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload")
+"""The GeneratorConfig flags of `generate-local`: how its model runs (ditcore.model.RunOptions)."""
 WRITABLE_PRESETS = tuple(name for name, p in PRESETS.items() if p.writable)
 _BYTES = {"mixed": 2, "float32": 4}  # bytes per element of the projections (mixed keeps them in bfloat16)
 
@@ -132,7 +137,15 @@ def _shape(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def inspect_data(args: argparse.Namespace) -> dict[str, Any]:
-    """What `inspect` prints: a preset's figures (no repository), or a repository's with its fingerprint."""
+    """What `inspect` prints: a preset's figures (no repository), or a repository's with its fingerprint; with a
+    canvas flag also the modeled memory and time at that canvas ("memory", ditserve.memory_view)."""
+    data = _figures_data(args)
+    if wants_memory(args):
+        data["memory"] = memory_data(args, data["precision"])
+    return data
+
+
+def _figures_data(args: argparse.Namespace) -> dict[str, Any]:
     if bool(args.checkpoint) == bool(args.preset):
         raise UsageError("give exactly one of a checkpoint DIR or --preset NAME")
     if args.preset:
@@ -202,6 +215,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if "memory" in data:
+        print_memory(data["memory"])
     return 0
 
 
@@ -211,13 +226,17 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
     validate_all(requests)
     quiet_model_libraries()
     info = validate_checkpoint(args.checkpoint, require_adaln=True)
+    text_encoder = TextEncoderPlacement(args.text_encoder_device, args.text_encoder_offload)
+    text_encoder.check(torch.device("cpu"))  # generate-local runs on the CPU: refused before anything loads
+    options = RunOptions(attention_backend=args.attention_backend, decode_dtype=args.decode_dtype,
+                         text_encoder=text_encoder)  # fmt: skip
     if args.adaln_mode == "resident":
-        _run_local(load_model(info, "resident"), None, requests, target, args)
+        _run_local(load_model(info, "resident", options=options), None, requests, target, args)
         return 0
     cache_config = from_args(CacheConfig, args, only=LOCAL_CACHE_FLAGS)  # bounds were checked while parsing
     cache = PlanCache(cache_config, RebuildSource(info, torch.device("cpu")))
     try:
-        model = load_model(info, "cached")
+        model = load_model(info, "cached", options=options)
         for req in requests:  # every request must fit this slab before any runs
             try:
                 cache.check_request(model.plan_keys(req))
@@ -250,7 +269,6 @@ def _run_local(
                 result.timings_ms["total"] = round(result.timings_ms["total"] + mux_ms, 3)
             files = write_output(target.path_for(req), req, media, result)
         shapes = None if req.decodes else (result.video.shape, result.audio.shape)
-        line = result_line(
-            req, result.sha256, result.timings_ms, result.cache, shapes, adaln_mode=args.adaln_mode, **files
-        )
+        timings: dict[str, Any] = {**result.timings_ms, "attention_backend": result.attention_backend}  # as remote
+        line = result_line(req, result.sha256, timings, result.cache, shapes, adaln_mode=args.adaln_mode, **files)
         print(line, flush=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import torch
 
+from ditcore.attention import AttentionBackendError, check_runs
 from ditruntime.paths import require_dir
 from ditruntime.tls import mutual_tls_channel_credentials
 
@@ -36,16 +37,20 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     if cfg.weights_root is not None:  # read, never created: it must exist
         require_dir(cfg.weights_root, "--weights-root")
     device = torch.device(cfg.device)
+    try:  # a named backend that cannot run on the device is refused now, not at the first load or attach
+        check_runs(cfg.attention_backend, device)
+    except AttentionBackendError as e:
+        raise AttentionBackendError(f"--attention-backend: {e}") from e
     publisher = HealthPublisher()
     backend: Backend
     if cfg.adaln_mode == "resident":
         assert cfg.checkpoint is not None  # GeneratorConfig checks it
         state = ServingState(attached=True, listener=publisher.publish)  # no sidecar to attach to
-        backend = ResidentBackend(cfg.checkpoint, device)
+        backend = ResidentBackend(cfg.checkpoint, device, options=cfg.run_options)
         prefetch = False  # nothing to lease ahead
     else:
         state = ServingState(attached=False, listener=publisher.publish)
-        weights = CachedWeights(device)
+        weights = CachedWeights(device, cfg.run_options)
         link = SidecarClient(
             cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state,
             credentials=sidecar_credentials(cfg), admin_token=cfg.admin_token, device=device,
@@ -53,7 +58,9 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
         backend = CachedBackend(link, weights)
         prefetch = cfg.prefetch
     metrics = GeneratorMetrics()
-    executor = Executor(backend, cfg.max_queue_depth, prefetch, on_finish=metrics.on_finish, limits=cfg.limits)
+    executor = Executor(
+        backend, cfg.max_queue_depth, prefetch, on_finish=metrics.on_finish, limits=cfg.limits, sizing=cfg.sizing
+    )
     register_state_gauges(metrics.registry, backend, executor)
     updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
     return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher)

@@ -16,7 +16,20 @@ from typing import ClassVar, Protocol
 import torch
 
 from ditcore import CheckpointError, CheckpointInfo, GenerationRequest, H3Model, PlanKey, PlanLease, validate_checkpoint
+from ditcore.sizing import ModelShapes, RequestSizer, device_class
+from ditruntime import memory
+from ditruntime.memory import MemoryBudget
 from ditruntime.slab import SlabDescriptor
+
+from .errors import RequestTooLargeForDeviceError
+
+MemoryReader = Callable[[], MemoryBudget]
+"""What the model's device has free now (ditruntime.memory.free_memory; tests inject their own)."""
+
+
+def device_free_memory(device: torch.device) -> MemoryBudget:
+    """The default MemoryReader: device memory on cuda, host memory (MemAvailable, cgroups) on cpu."""
+    return memory.free_memory(device)
 
 
 class ServedLease(PlanLease, Protocol):
@@ -59,13 +72,20 @@ Rollback = Callable[[], None]
 
 
 class Backend(ABC):
-    """Model, generation and plans for the executor; `model_lock` is held while a request denoises."""
+    """Model, generation and plans for the executor; `model_lock` is held while a request denoises.
+
+    `free_memory` reads what the model's device has free (default `device_free_memory`); the memory admission check
+    compares it with the modeled activation peak of a request (`check_memory`)."""
 
     mode: ClassVar[str]  # "resident" or "cached" (ditcore's adaln modes)
 
-    def __init__(self, device: torch.device, model_lock: threading.RLock) -> None:
+    def __init__(
+        self, device: torch.device, model_lock: threading.RLock, free_memory: MemoryReader | None = None
+    ) -> None:
         self.device = device
         self.model_lock = model_lock
+        self._free_memory = free_memory
+        self._sizer: tuple[H3Model, RequestSizer] | None = None
 
     # ---------------------------------------------------------------- lifecycle
     @abstractmethod
@@ -94,11 +114,56 @@ class Backend(ABC):
 
     @abstractmethod
     def check_fits(self, request: GenerationRequest) -> None:
-        """Raise if the request can never run on this server (before any work)."""
+        """Raise if the request's plans can never fit this server (before any work); memory: `check_memory`."""
 
     @abstractmethod
-    def acquire(self, request: GenerationRequest) -> ServedLease | None:
-        """The request's plans, leased; None when the model computes modulation itself."""
+    def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease | None:
+        """The request's plans, leased; None when the model computes modulation itself. `step_bound_s` bounds one of
+        its denoise steps: a sidecar keeps the lease's slots pinned at least that long after a session vanishes."""
+
+    # ---------------------------------------------------------------- memory and time (ditcore.sizing)
+    def sizer(self) -> RequestSizer | None:
+        """The memory and time model of the served model on this device (None while no model is loaded)."""
+        model = self.loaded()
+        if model is None:
+            return None
+        cached = self._sizer
+        if cached is None or cached[0] is not model:
+            shapes = ModelShapes.of_model(model)
+            cached = self._sizer = (model, RequestSizer(shapes, device_class(memory.device_name(self.device))))
+        return cached[1]
+
+    def free_memory(self) -> MemoryBudget:
+        return self._free_memory() if self._free_memory is not None else device_free_memory(self.device)
+
+    def check_memory(
+        self, request: GenerationRequest, running: GenerationRequest | None = None, reserve_bytes: int = 0
+    ) -> None:
+        """Raise RequestTooLargeForDeviceError when the request's modeled activation peak plus `reserve_bytes`
+        exceeds the device's free memory. The `running` request's own modeled peak counts as free: requests run one
+        at a time, so this one starts only once that one's activations are gone. Skipped while no model is loaded,
+        and when no free-memory figure could be read."""
+        sizer = self.sizer()
+        if sizer is None:
+            return
+        budget = self.free_memory()
+        if budget.bytes <= 0 and budget.source == "unknown":
+            return
+        need = sizer.activations(request)
+        reclaim = sizer.activations(running).peak if running is not None else 0
+        free = budget.bytes + reclaim
+        if need.peak + reserve_bytes <= free:
+            return
+        tokens = sizer.tokens(request).total
+        canvas = f"{request.height} x {request.width} x {request.num_frames} frames ({tokens:,} tokens)"
+        running_note = f", counting the running request's modeled {reclaim:,} as free" if reclaim else ""
+        raise RequestTooLargeForDeviceError(
+            f"request {request.request_id}: canvas {canvas} needs a modeled {need.peak:,} bytes of activations "
+            f"({need.phase}) + {reserve_bytes:,} reserve (--memory-reserve-gb), but {self.device} has {free:,} bytes "
+            f"free ({budget.source}{running_note}); ask for a smaller canvas or fewer frames",
+            {"height": str(request.height), "width": str(request.width), "num_frames": str(request.num_frames),
+             "tokens": str(tokens), "modeled_bytes": str(need.peak), "free_bytes": str(free), "phase": need.phase},
+        )  # fmt: skip
 
     @abstractmethod
     def verify(self, lease: ServedLease) -> None:

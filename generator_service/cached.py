@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from ditcore import CheckpointInfo, GenerationRequest, H3Model, load_model, validate_checkpoint
+from ditcore.model import RunOptions
 from ditcore.plans import PlanKey, distinct_keys, dtype_name
 from ditruntime.faults import crash_point
 from ditruntime.slab import check_device, device_uuid
 
-from .backend import Backend, BackendStatus, Rollback, ServedLease, StagedWeights, validate_compatible
+from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
 from .errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
 from .sidecar_port import Attachment, SidecarSession
 
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 class CachedWeights:
     """The cached-mode model and which checkpoint it came from; `on_attach` vets each session."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, options: RunOptions | None = None) -> None:
         self.device = device
+        self.options = options if options is not None else RunOptions()  # every model loaded here runs so
         self.lock = threading.RLock()  # the backend's model_lock
         self.model: H3Model | None = None
         self.loaded: tuple[str, str] | None = None  # (weights_path, fingerprint)
@@ -49,7 +51,7 @@ class CachedWeights:
                         f"{att.fingerprint[:16]}; the files changed"
                     )
                 log.info("loading MiniMax-H3 (cached mode) from %s", att.weights_path)
-                self.model = load_model(info, "cached", self.device)
+                self.model = load_model(info, "cached", self.device, self.options)
                 self.loaded = (att.weights_path, att.fingerprint)
             assert self.model is not None
             check_slab(self.model, att)
@@ -79,8 +81,8 @@ def check_slab(model: H3Model, att: Attachment, uuid_of: Callable[[torch.device]
 class CachedBackend(Backend):
     mode = "cached"
 
-    def __init__(self, link: SidecarSession, weights: CachedWeights) -> None:
-        super().__init__(weights.device, weights.lock)
+    def __init__(self, link: SidecarSession, weights: CachedWeights, free_memory: MemoryReader | None = None) -> None:
+        super().__init__(weights.device, weights.lock, free_memory)
         self.link = link
         self._weights = weights
 
@@ -132,8 +134,8 @@ class CachedBackend(Backend):
                 f"the request needs {n} distinct plans but the slab has {d.num_slots} slots (--gpu-plans)"
             )
 
-    def acquire(self, request: GenerationRequest) -> ServedLease:
-        return self.link.prepare(self._keys(request), self.generation(), request.request_id)
+    def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease:
+        return self.link.prepare(self._keys(request), self.generation(), request.request_id, step_bound_s)
 
     def verify(self, lease: ServedLease) -> None:
         if not self.alive(lease):
@@ -153,7 +155,7 @@ class CachedBackend(Backend):
         crash_point("update:after_prepare")
 
     def stage(self, info: CheckpointInfo) -> StagedWeights:
-        return StagedWeights(load_model(info, self.mode, self.device), info, info.fingerprint)
+        return StagedWeights(load_model(info, self.mode, self.device, self._weights.options), info, info.fingerprint)
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
         raise tensor_updates_refused()

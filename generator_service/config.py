@@ -6,21 +6,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from ditcore.attention import AUTO, check_name
+from ditcore.model import RunOptions
+from ditcore.pipeline import DECODE_DTYPES
 from ditcore.request import (
     CANVAS_MULTIPLE,
     MAX_FRAMES,
     MAX_KEYFRAME_BYTES,
     MAX_KEYFRAME_PIXELS,
+    MAX_PIXELS,
     MAX_PROMPT_BYTES,
     MAX_SIDE,
     MIN_FRAMES,
+    RELEASED_MAX_PIXELS,
+    RELEASED_MAX_SIDE,
     RequestLimits,
 )
+from ditcore.text_encoder import TEXT_ENCODER_DEVICES, TextEncoderPlacement
 from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP, check_tls_flags
 from ditruntime.flags import check_bounds, flag
 
 TOKEN_ENV = ADMIN_TOKEN_ENV
 MIB = 2**20
+GB = 1000**3
 
 LIMITED_FIELDS = {
     "num_frames": "max_num_frames",
@@ -29,6 +39,16 @@ LIMITED_FIELDS = {
     "prompt": "max_prompt_bytes",
 }
 """Request field -> the GeneratorConfig (and RequestLimits) field that may tighten H3's own rule for it."""
+
+
+@dataclass(frozen=True)
+class SizingPolicy:
+    """The generator's use of ditcore.sizing (GeneratorConfig's `memory_check`, `memory_reserve_bytes`,
+    `step_time_factor`)."""
+
+    memory_check: bool = True
+    memory_reserve_bytes: int = 1 * GB
+    step_time_factor: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +67,37 @@ class GeneratorConfig:
     """Public address (host:port; port 0 picks a free one)."""
     device: str = flag("cpu", "cpu or cuda[:N] (default %(default)s)")
     """Device the DiT runs on."""
+    attention_backend: str = flag(
+        AUTO,
+        "the transformer's diffusers attention backend (an AttentionBackendName, e.g. native, _native_cudnn, flash); "
+        "auto: the first that runs on the device of _flash_3, _native_cudnn, flash, _native_flash, native (cpu: "
+        "native) (default %(default)s)",
+    )
+    """diffusers' attention backend for the served transformer, and for every one an update swaps in
+    (ditcore.attention). "auto" is resolved at load by a tiny real call of each candidate; a named one that does not
+    run on the device is refused at start, naming those that do."""
+    decode_dtype: str = flag(
+        AUTO,
+        "dtype the VAEs decode in; auto: the released bfloat16 for a mixed checkpoint, float32 for a float32 one "
+        "(default %(default)s)",
+        choices=(AUTO, *DECODE_DTYPES),
+    )
+    """The VAEs' dtype (loaded at it as diffusers' `load_components(dtype=...)` does: the video VAE's encoder path
+    and the audio VAE stay float32, so only the video decoder changes; fl2va keyframe latents do not depend on it)."""
+    text_encoder_device: str = flag(
+        AUTO,
+        "where the Qwen3-VL text encoder runs: auto (the --device), cuda, or cpu (default %(default)s)",
+        choices=TEXT_ENCODER_DEVICES,
+    )
+    """Where the text encoder (trimmed to the layers MiniMax-H3 reads, no lm_head: ditcore.text_encoder) computes
+    and keeps its weights. "cpu" frees its device memory (48.9 GiB in bfloat16 at the released size) at the cost of
+    encoding on the CPU; the embeddings are moved to the model's device."""
+    text_encoder_offload: bool = flag(
+        False, "keep the text encoder in pinned host memory, streamed to its CUDA device per encode"
+    )
+    """Keep the text encoder's weights in pinned host memory and copy them layer by layer to its (CUDA) device for
+    each encode (diffusers' group offloading; the next layer's copy overlaps this layer's compute), so it holds no
+    device memory between requests. Needs --text-encoder-device to resolve to CUDA."""
     max_queue_depth: int = flag(
         16, "requests waiting or running before RESOURCE_EXHAUSTED (default %(default)s)", low=1, high=100_000
     )
@@ -68,8 +119,30 @@ class GeneratorConfig:
     Also presented to a TCP sidecar, whose weight-update RPCs require the same token."""
     weights_root: Path | None = flag(None, "UpdateWeights paths must resolve inside this directory")
     """UpdateWeights paths must resolve inside this directory."""
-    drain_timeout_s: float = flag(60.0, "update drain bound (default %(default)s)")
-    """How long an update waits for the running request before it aborts."""
+    drain_timeout_s: float | None = flag(
+        None, "update drain bound in seconds (default: the running request's modeled remaining time)", low=0
+    )
+    """How long an update waits for the running request before it aborts. None (the default): until the running
+    request finishes, bounded by its own remaining time (steps left x its observed or modeled step time, x
+    `step_time_factor`, + its decode, + 30 s)."""
+    step_time_factor: float = flag(
+        2.0, "safety factor on modeled and observed step times (default %(default)s)", low=1, high=100
+    )
+    """Multiplies the modeled step time (ditcore.sizing) in the step bound each PreparePlans carries (the larger of
+    it and the slowest step observed on this server) and the remaining time a derived drain waits. 2: the model's
+    assumed MFU may be off by that much before a bound is too short."""
+    memory_check: bool = flag(
+        True, "do not refuse requests whose modeled activation peak exceeds free memory", negate=True
+    )
+    """Refuse at admission (RESOURCE_EXHAUSTED, REQUEST_TOO_LARGE_FOR_DEVICE) a request whose modeled activation
+    peak (ditcore.sizing), plus `memory_reserve_bytes`, exceeds the memory free on the model's device.
+    `--no-memory-check` turns this off: a request that does not fit then fails out of memory while it runs."""
+    memory_reserve_bytes: int = flag(
+        1 * GB, "memory admission keeps this much free, in GB (default 1)", name="--memory-reserve-gb", scale=GB,
+        flag_type=float, low=0,
+    )  # fmt: skip
+    """Bytes the memory check keeps free beyond the modeled peak: the allocator's fragmentation and the kernels'
+    workspaces (cuBLAS, attention), which the model does not count."""
     metrics_port: int | None = flag(None, "serve Prometheus /metrics on this port (default off)")
     """Prometheus /metrics HTTP port (off when None)."""
     max_num_frames: int = flag(
@@ -77,13 +150,22 @@ class GeneratorConfig:
     )
     """Largest `num_frames` served (H3's rule still applies: 17n + 5 in [124, 345])."""
     max_height: int = flag(
-        MAX_SIDE, "operator limit on height in pixels (default %(default)s)", low=CANVAS_MULTIPLE, high=MAX_SIDE
-    )
-    """Largest `height` served, in pixels (a multiple of 32 still required)."""
+        RELEASED_MAX_SIDE, "operator limit on height in pixels (default: the released %(default)s)",
+        low=CANVAS_MULTIPLE, high=MAX_SIDE,
+    )  # fmt: skip
+    """Largest `height` served, in pixels (a multiple of 32 still required). The default is the released canvas's
+    long side (768 x 1344 in either orientation); raise it up to 4096 to serve larger canvases."""
     max_width: int = flag(
-        MAX_SIDE, "operator limit on width in pixels (default %(default)s)", low=CANVAS_MULTIPLE, high=MAX_SIDE
-    )
+        RELEASED_MAX_SIDE, "operator limit on width in pixels (default: the released %(default)s)",
+        low=CANVAS_MULTIPLE, high=MAX_SIDE,
+    )  # fmt: skip
     """Largest `width` served, in pixels (a multiple of 32 still required)."""
+    max_canvas_pixels: int = flag(
+        RELEASED_MAX_PIXELS, "operator limit on height x width (default: the released 768 x 1344 = %(default)s)",
+        low=CANVAS_MULTIPLE * CANVAS_MULTIPLE, high=MAX_PIXELS,
+    )  # fmt: skip
+    """Largest `height x width` served. With the side limits this is the released envelope by default; a larger
+    canvas must also pass the memory check (`memory_check`)."""
     max_prompt_bytes: int = flag(
         MAX_PROMPT_BYTES, "operator limit on prompt UTF-8 bytes (default %(default)s)", low=1, high=MAX_PROMPT_BYTES
     )
@@ -137,10 +219,33 @@ class GeneratorConfig:
             self.max_prompt_bytes,
             max_keyframe_bytes=self.max_keyframe_bytes,
             max_keyframe_pixels=self.max_keyframe_pixels,
+            max_pixels=self.max_canvas_pixels,
         )
+
+    @property
+    def run_options(self) -> RunOptions:
+        """How every model this generator loads runs: its attention backend and decode dtype."""
+        te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
+        return RunOptions(self.attention_backend, self.decode_dtype, te)
+
+    @property
+    def sizing(self) -> SizingPolicy:
+        """How admission and the drain use the memory and time model."""
+        return SizingPolicy(self.memory_check, self.memory_reserve_bytes, self.step_time_factor)
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        try:
+            check_name(self.attention_backend)  # diffusers' names; whether it runs on the device is checked at start
+        except ValueError as e:
+            raise ValueError(f"--attention-backend: {e}") from e
+        if self.decode_dtype not in (AUTO, *DECODE_DTYPES):
+            raise ValueError(
+                f"--decode-dtype must be one of {', '.join((AUTO, *DECODE_DTYPES))}, got {self.decode_dtype!r}"
+            )
+        text_encoder = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)  # checks the choice
+        if self.text_encoder_offload:  # where it resolves to (CUDA availability is checked at load)
+            text_encoder.check(torch.device(self.device))
         if self.adaln_mode not in ("cached", "resident"):
             raise ValueError(f"--adaln-mode must be cached or resident, got {self.adaln_mode!r}")
         if self.adaln_mode == "resident" and self.checkpoint is None:

@@ -11,11 +11,15 @@ from ditruntime.errors import ServiceError
 
 
 class GeneratorError(ServiceError):
+    """Base class of the generator's errors (unexpected where raised as such: INTERNAL)."""
+
     reason = "GENERATOR_ERROR"
     grpc_code = "INTERNAL"
 
 
 class QueueFullError(GeneratorError):
+    """The queue holds `--max-queue-depth` requests (waiting or running); retry later."""
+
     reason = "QUEUE_FULL"
     grpc_code = "RESOURCE_EXHAUSTED"
 
@@ -40,6 +44,8 @@ class CommitOutcomeUnknownError(SidecarUnavailableError):
 
 
 class NotServingError(GeneratorError):
+    """The generator is shutting down: queued requests are dropped, new ones refused."""
+
     reason = "NOT_SERVING"
     grpc_code = "UNAVAILABLE"
 
@@ -51,17 +57,34 @@ class PlanCapacityError(GeneratorError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class RequestTooLargeForDeviceError(GeneratorError):
+    """The request's modeled activation peak (ditcore.sizing) plus `--memory-reserve-gb` exceeds the memory free on
+    the model's device; refused at admission. The message names the canvas (height x width x frames, tokens), the
+    modeled bytes and the free bytes; ErrorInfo metadata `height`, `width`, `num_frames`, `tokens`, `modeled_bytes`,
+    `free_bytes`, `phase`."""
+
+    reason = "REQUEST_TOO_LARGE_FOR_DEVICE"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
 class CancelledError(GeneratorError):
+    """The client cancelled the call (checked after every denoise step)."""
+
     reason = "CANCELLED"
     grpc_code = "CANCELLED"
 
 
 class DeadlineExceededError(GeneratorError):
+    """The call's deadline passed (checked after every denoise step)."""
+
     reason = "DEADLINE_EXCEEDED"
     grpc_code = "DEADLINE_EXCEEDED"
 
 
 class ResultTooLargeError(GeneratorError):
+    """A unary result (latents or media file) is above `--max-message-mb` less 4 KiB of framing: use GenerateStream.
+    ErrorInfo metadata `result_bytes`, `max_message_bytes`."""
+
     reason = "RESULT_TOO_LARGE"
     grpc_code = "RESOURCE_EXHAUSTED"
 

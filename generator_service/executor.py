@@ -1,7 +1,11 @@
 """Request queue and the one denoise executor (no gRPC).
 
 Admission: validate against H3's rules and the operator's limits, check the request can ever
-fit the slab, check `expected_generation`, then enqueue (bounded; full -> QueueFullError). One
+fit the slab, check its modeled activation peak (ditcore.sizing) against the device's free memory
+(RequestTooLargeForDeviceError), check `expected_generation`, then enqueue (bounded; full ->
+QueueFullError). Every lease carries a bound on one of the request's steps (`step_bound_s`: the
+modeled step time x a factor, or the slowest step seen, whichever is larger), and a weight update's
+drain waits for the running request as long as its own remaining time (`drain`). One
 executor thread runs jobs in order: lease plans (or take the prefetched lease), check the
 lease's slot-table rows, run `ditcore.generate` (diffusers' t2va loop) with cancellation /
 deadline / sidecar-session checks after every transformer forward, release the lease in every
@@ -27,16 +31,18 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ditcore import GenerationRequest, GenerationResult, PlanKey, RequestError, RequestLimits, generate
 from ditcore.media import EncodedMedia, MediaError, encode
 from ditcore.request import KEYFRAME_FIELDS
+from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.errors import GenerationMismatchError
 
 from .backend import Backend, ServedLease
-from .config import LIMITED_FIELDS, MIB
+from .config import LIMITED_FIELDS, MIB, SizingPolicy
 from .errors import (
     CancelledError,
     DeadlineExceededError,
@@ -53,6 +59,10 @@ log = logging.getLogger(__name__)
 
 FinishListener = Callable[[Job, JobResult | None, BaseException | None], None]
 """Called once per job that ran: (job, result, None) or (job, None, error)."""
+DRAIN_SLACK_S = 30.0
+"""Added to a derived drain bound (scheduling, the lease release, a prefetch still in flight)."""
+DRAIN_POLL_S = 0.1
+"""How often a drain re-reads its clock (and a derived one re-estimates the running request's remaining time)."""
 
 
 def check_request(request: GenerationRequest, limits: RequestLimits) -> None:
@@ -75,6 +85,8 @@ def _operator_limit(request: GenerationRequest, limits: RequestLimits, e: Reques
         if broken == "max_pixels":
             return f"--max-keyframe-pixels is {limits.max_keyframe_pixels}"
         return ""
+    if e.field in ("height", "width") and request.height * request.width > limits.max_pixels:
+        return f"--max-canvas-pixels is {limits.max_pixels}"
     attr = LIMITED_FIELDS.get(e.field)
     if attr is None:
         return ""
@@ -108,9 +120,22 @@ class _Prefetched:
         return self._lease
 
 
+@dataclass
+class _Progress:
+    """The steps of the job that is denoising (under the executor's lock). The job is held weakly: a finished job's
+    request and events are not kept alive by its progress."""
+
+    job: weakref.ref[Job]
+    done: int
+    at: float  # the executor's clock at the last step
+    slowest_s: float = 0.0  # its slowest step so far (from its second step: the first one includes the encoding)
+
+
 class Executor:
     """`prefetch` only helps a backend that leases plans (cached mode). Every request is validated
-    against `limits` (H3's rules, tightened by the operator's flags)."""
+    against `limits` (H3's rules, tightened by the operator's flags) and, with `sizing.memory_check`,
+    its modeled activation peak against the device's free memory. `clock` (monotonic seconds) times
+    the steps and the drain; tests inject one."""
 
     def __init__(
         self,
@@ -119,9 +144,15 @@ class Executor:
         prefetch: bool,
         on_finish: FinishListener | None = None,
         limits: RequestLimits | None = None,
+        sizing: SizingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.limits = limits if limits is not None else RequestLimits()
+        self.sizing = sizing if sizing is not None else SizingPolicy()
+        self._clock = clock
+        self._progress: _Progress | None = None
+        self._slowest_step_s = 0.0  # the slowest step observed on this server
         self._on_finish: FinishListener = on_finish or (lambda *_: None)
         self.max_queue_depth = max_queue_depth
         self.prefetch = prefetch
@@ -175,6 +206,10 @@ class Executor:
         """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing."""
         check_request(job.request, self.limits)
         self.backend.check_fits(job.request)
+        if self.sizing.memory_check:
+            with self._lock:
+                running = self._running.request if self._running is not None else None
+            self.backend.check_memory(job.request, running, self.sizing.memory_reserve_bytes)
         self._check_generation(job)
         with self._lock:
             if self._stopping:
@@ -200,26 +235,75 @@ class Executor:
         with self._lock:
             self._paused = True
 
-    def drain(self, timeout_s: float) -> bool:
+    def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for the running job to finish and release every prefetched lease.
 
-        Call after `pause()`. Returns False on timeout (the running job is still running).
+        Call after `pause()`. `timeout_s` bounds the wait; None (the default) waits as long as the running job's own
+        remaining time (`remaining_s`, re-estimated after each of its steps), so a job that keeps stepping is waited
+        for and one that stalls is not, and then up to DRAIN_SLACK_S for a prefetch in flight. Returns False when
+        the bound passes with the job still running (or a prefetch still holding a lease).
         """
-        end = time.monotonic() + timeout_s
+        start = self._clock()
         with self._lock:
             while self._running is not None:
-                left = end - time.monotonic()
-                if left <= 0:
+                now = self._clock()
+                end = start + timeout_s if timeout_s is not None else self._drain_deadline(self._running, start)
+                if now >= end:
                     return False
-                self._lock.wait(left)
+                self._lock.wait(min(end - now, DRAIN_POLL_S))  # re-read on the executor's clock
             jobs = list(self._queue)
+        end = start + timeout_s if timeout_s is not None else self._clock() + DRAIN_SLACK_S
         for job in jobs:
-            if job.prefetching and not job.prefetch_done.wait(max(0.0, end - time.monotonic())):
+            if job.prefetching and not job.prefetch_done.wait(max(0.0, end - self._clock())):
                 return False  # a prefetch still holds (or is about to hold) a lease
             lease, job.prefetched = job.prefetched, None
             if lease is not None:
                 lease.release()
         return True
+
+    def _drain_deadline(self, job: Job, start: float) -> float:
+        """When a derived drain gives up on `job` (under _lock): its last step (or the drain's start) plus its
+        remaining time."""
+        progress = self._progress if self._progress is not None and self._progress.job() is job else None
+        since = max(start, progress.at) if progress is not None else start
+        return since + self.remaining_s(job.request, progress)
+
+    def remaining_s(self, request: GenerationRequest, progress: _Progress | None = None) -> float:
+        """A bound on the rest of a request: (steps left x its slowest observed step, else the modeled one, + the
+        encoding before its first step + its decode) x `sizing.step_time_factor`, + DRAIN_SLACK_S."""
+        sizer = self.backend.sizer()
+        done = progress.done if progress is not None else 0
+        if progress is not None and progress.slowest_s > 0:
+            step_s = progress.slowest_s
+        else:
+            step_s = sizer.step_s(request) if sizer is not None else 0.0
+        left = max(0, request.steps - done) * step_s
+        if sizer is not None:
+            left += (sizer.encode_s(request) if done == 0 else 0.0) + sizer.decode_s(request)
+        return left * self.sizing.step_time_factor + DRAIN_SLACK_S
+
+    def step_bound_s(self, request: GenerationRequest) -> float:
+        """The bound on one denoise step of `request` each PreparePlans carries: the larger of its modeled step time x
+        `sizing.step_time_factor` and the slowest step observed on this server (at most MAX_STEP_BOUND_S)."""
+        sizer = self.backend.sizer()
+        modeled = sizer.step_s(request) * self.sizing.step_time_factor if sizer is not None else 0.0
+        with self._lock:
+            observed = self._slowest_step_s
+        return min(max(modeled, observed), MAX_STEP_BOUND_S)
+
+    def _observe_step(self, job: Job, done: int) -> None:
+        """After each forward of the running job: its progress, and its step time from its second step on."""
+        now = self._clock()
+        with self._lock:
+            progress = self._progress
+            if progress is None or progress.job() is not job:
+                self._progress = _Progress(weakref.ref(job), done, now)
+            else:
+                step_s = (now - progress.at) / max(1, done - progress.done)
+                progress.slowest_s = max(progress.slowest_s, step_s)
+                self._slowest_step_s = max(self._slowest_step_s, step_s)
+                progress.done, progress.at = done, now
+            self._lock.notify_all()  # a derived drain re-estimates
 
     def resume(self) -> None:
         with self._lock:
@@ -247,11 +331,14 @@ class Executor:
                 final = Failed(e)
             if isinstance(final, _Denoised):
                 self._hand_to_muxer(final)
-                continue
-            with self._lock:  # free the queue slot before the client hears back
-                self._running = None
-                self._lock.notify_all()
-            job.emit(final)
+            else:
+                with self._lock:  # free the queue slot before the client hears back
+                    self._running = None
+                    self._lock.notify_all()
+                job.emit(final)  # a Failed error leaves with its traceback's frame locals cleared (Job.emit)
+            # This frame runs until the server stops: the job, its result or its error (whose traceback reached the
+            # loop's view of the slab) must not stay in it until the next job.
+            del job, final
 
     def _run(self, job: Job) -> JobEvent | _Denoised:
         """Run one job's loop; returns its failure, or what finishing it (muxing, results) needs."""
@@ -291,11 +378,12 @@ class Executor:
         }
         output = job.request.output_type
         log.info(
-            "request %s done: generation %d sha256 %s output %s%s timings %s cache %s",
+            "request %s done: generation %d sha256 %s output %s%s timings %s attention %s cache %s",
             job.request.request_id, generation, result.sha256[:16], output,
-            f" ({media.size} bytes)" if media is not None else "", timings, result.cache,
+            f" ({media.size} bytes)" if media is not None else "", timings, result.attention_backend, result.cache,
             extra={"request_id": job.request.request_id, "generation": generation, "sha256": result.sha256,
-                   "timings_ms": timings, "cache": result.cache.to_dict() if result.cache else None,
+                   "timings_ms": timings, "attention_backend": result.attention_backend,
+                   "cache": result.cache.to_dict() if result.cache else None,
                    "task": job.request.task, "steps": job.request.steps, "output_type": output,
                    "media_bytes": media.size if media is not None else None},
         )  # fmt: skip
@@ -337,6 +425,7 @@ class Executor:
                 self._muxing = None
                 self._lock.notify_all()
             done.job.emit(final)
+            del done, final  # as in _loop: nothing of the job (its media, its error) waits here for the next one
 
     def _mux(self, done: _Denoised) -> JobEvent:
         """Encode the decoded media as the request's output type and finish the job."""
@@ -359,13 +448,14 @@ class Executor:
     def _acquire(self, job: Job) -> ServedLease | None:
         """The job's plans, leased now; None in resident mode (the model has no plans to lease)."""
         t0 = time.perf_counter()
-        lease = self.backend.acquire(job.request)
+        lease = self.backend.acquire(job.request, self.step_bound_s(job.request))
         if lease is not None:
             job.prepare_ms += (time.perf_counter() - t0) * 1000
         return lease
 
     def _denoise(self, job: Job, lease: ServedLease | None) -> tuple[GenerationResult, int]:
         def on_step(done: int, total: int) -> None:
+            self._observe_step(job, done)
             self._check_live(job, lease)
             job.emit(StepDone(done, total))
             if done == total and job.request.decodes:  # the loop is done: decoding starts next

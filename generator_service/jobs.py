@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from ditcore import GenerationRequest, GenerationResult
@@ -54,6 +55,7 @@ class Decoding:
 @dataclass(frozen=True)
 class Failed:
     error: BaseException
+    """Emitted with no frame locals left in its traceback (`Job.emit`, `forget_frame_locals`)."""
 
 
 @dataclass(frozen=True)
@@ -83,4 +85,27 @@ class Job:
         self.cancelled.set()
 
     def emit(self, event: JobEvent) -> None:
+        if isinstance(event, Failed):  # whoever keeps the error from here on keeps none of the request's tensors
+            forget_frame_locals(event.error)
         self.events.put(event)
+
+
+def forget_frame_locals(error: BaseException) -> None:
+    """Clear the local variables of every finished frame in the traceback of `error` and of each exception it chains
+    (its cause, its context). The traceback itself (files, lines, functions: what a log prints) and the error's
+    type, message and attributes (its gRPC status, reason, metadata) stay.
+
+    A failed request's traceback runs through the denoise loop's frames, which held its tensors (the plan reads'
+    view of the mapped slab, the activations, the lease): whoever keeps the error (the client's event, a log
+    record) would keep them all. A frame still running is skipped (`traceback.clear_frames`), and a closure the
+    traceback ran keeps what it captured (ditcore closes its slab reads itself: `SlotReads.close`)."""
+    todo: list[BaseException] = [error]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]

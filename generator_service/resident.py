@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from ditcore import CheckpointInfo, GenerationRequest, H3Model, RequestError, load_model, validate_checkpoint
+from ditcore.model import RunOptions
 
-from .backend import Backend, BackendStatus, Rollback, ServedLease, StagedWeights, validate_compatible
+from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -30,10 +31,17 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 class ResidentBackend(Backend):
     mode = "resident"
 
-    def __init__(self, checkpoint: Path, device: torch.device) -> None:
-        super().__init__(device, threading.RLock())
+    def __init__(
+        self,
+        checkpoint: Path,
+        device: torch.device,
+        free_memory: MemoryReader | None = None,
+        options: RunOptions | None = None,
+    ) -> None:
+        super().__init__(device, threading.RLock(), free_memory)
         info = validate_checkpoint(checkpoint, require_adaln=True)
-        self._model = load_model(info, self.mode, device)
+        self._options = options if options is not None else RunOptions()  # every model this backend loads runs so
+        self._model = load_model(info, self.mode, device, self._options)
         self._generation = 1  # local to this process: resident mode has no sidecar to persist it
         self._fingerprint = info.fingerprint
 
@@ -69,7 +77,7 @@ class ResidentBackend(Backend):
     def check_fits(self, request: GenerationRequest) -> None:
         pass
 
-    def acquire(self, request: GenerationRequest) -> ServedLease | None:
+    def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease | None:
         return None
 
     def verify(self, lease: ServedLease) -> None:
@@ -86,7 +94,7 @@ class ResidentBackend(Backend):
         pass  # nothing outside this process to prepare
 
     def stage(self, info: CheckpointInfo) -> StagedWeights:
-        return StagedWeights(load_model(info, self.mode, self.device), info, info.fingerprint)
+        return StagedWeights(load_model(info, self.mode, self.device, self._options), info, info.fingerprint)
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
         """Check every tensor against the same-named transformer tensor (its state-dict name, e.g.

@@ -7,6 +7,7 @@ Its collaborators are built by `app.build_server`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
+from ditcore.model import ComponentInfo
 from ditcore.plans import DTYPES
 from ditcore.request import infer_task
 from ditruntime.auth import check_bearer
@@ -148,7 +150,7 @@ def response_from_result(res: JobResult, mode: pb.AdalnMode, with_data: bool = T
         sha256=r.sha256,
         tensors=_tensors(res, with_data),
         cache=cache,
-        timings=pb.StageTimings(**res.timings_ms),
+        timings=pb.StageTimings(**res.timings_ms, attention_backend=r.attention_backend),
         adaln_mode=mode,
         output_type=_OUTPUT_ENUMS[res.media.output_type if res.media is not None else "latents"],
         total_bytes=0 if with_data else _payload_bytes(res),
@@ -312,7 +314,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         if model is not None:
             resp.model_preset = model.info.preset
             resp.precision = model.precision
+            resp.attention_backend, resp.decode_dtype = model.attention_backend, model.decode_dtype
             resp.memory.CopyFrom(pb.ModelMemory(**model.memory().to_dict()))
+            resp.components.extend(component_placement(c) for c in model.components())
         slab = st.slab
         if slab is not None:
             page_bytes = slab.slab_bytes // max(1, slab.num_slots * slab.width)
@@ -321,6 +325,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 dtype=slab.dtype, device=slab.device, transport=slab.transport,
             ))  # fmt: skip
         return resp
+
+
+def component_placement(c: ComponentInfo) -> pb.ComponentPlacement:
+    """GetStatus' view of one loaded component (the two share their field names)."""
+    return pb.ComponentPlacement(**dataclasses.asdict(c))
 
 
 def _grpc_server(cfg: GeneratorConfig, metrics: GeneratorMetrics) -> grpc.Server:

@@ -206,7 +206,9 @@ class SidecarClient(SidecarSession):
             self._state.set_attached(False)
 
     # ---------------------------------------------------------------- leases
-    def prepare(self, keys: Sequence[PlanKey], generation: int, request_id: str) -> RemoteLease:
+    def prepare(
+        self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0
+    ) -> RemoteLease:
         att = self._att
         if att is None:
             raise SidecarUnavailableError(
@@ -217,6 +219,7 @@ class SidecarClient(SidecarSession):
             generation=generation,
             plan_keys=[pb.PlanKey(timestep_bits=list(k.bits)) for k in keys],
             request_id=request_id,
+            step_bound_s=step_bound_s,
         )
         try:
             resp = self._stub.PreparePlans(req, timeout=600)

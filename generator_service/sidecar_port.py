@@ -153,8 +153,11 @@ class SidecarSession(ABC):
 
     # ---------------------------------------------------------------- leases
     @abstractmethod
-    def prepare(self, keys: Sequence[PlanKey], generation: int, request_id: str) -> RemoteLease:
-        """Lease one READY slot per step of `keys`, built for `generation`."""
+    def prepare(
+        self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0
+    ) -> RemoteLease:
+        """Lease one READY slot per step of `keys`, built for `generation`. `step_bound_s` bounds one denoise step of
+        the request (0: unknown): should the session vanish, the sidecar keeps the slots pinned at least that long."""
 
     @abstractmethod
     def release(self, lease: RemoteLease) -> None:

@@ -4,8 +4,10 @@ UpdateWeights"); no gRPC here. Every step goes through the `Backend` interface:
     1 authorize (adapter) and validate: path inside --weights-root, checkpoint valid and
       compatible with the running model. Nothing is mutated yet.
     2 prepare: cached mode asks the sidecar (native adaln_proj present); nothing served changes.
-    3 drain: pause the queue, let the running request finish, release every lease
-      (bounded by drain_timeout_s; on timeout the update fails ABORTED and serving resumes).
+    3 drain: pause the queue, let the running request finish, release every lease (bounded by
+      drain_timeout_s, or by default by the running request's own remaining time: its steps left x
+      its observed or modeled step time, x a factor, + its decode; on timeout the update fails
+      ABORTED and serving resumes).
     4 stage the new weights and swap them in (the old model is kept for rollback).
     5 commit: generation + 1 (cached mode: the sidecar persists it, invalidates both tiers,
       retargets rebuilds). 6 resume the queue.
@@ -90,7 +92,7 @@ class UpdateCoordinator:
         backend: Backend,
         executor: Executor,
         state: ServingState,
-        drain_timeout_s: float,
+        drain_timeout_s: float | None = None,
         commit_timeout_s: float = 60.0,
     ) -> None:
         self.backend = backend
@@ -117,10 +119,7 @@ class UpdateCoordinator:
         self.state.set_updating(True)
         try:
             crash_point("update:during_drain")
-            self._drain(
-                f"the running request did not finish within --drain-timeout-s {self.drain_timeout_s:g}; "
-                "update aborted, serving resumed"
-            )
+            self._drain("update aborted, serving resumed")
             phases.mark("drain")
             staged = backend.stage(info)
             phases.mark("load")
@@ -143,16 +142,27 @@ class UpdateCoordinator:
             path = str(staged.info.path)
             self.executor.pause()
             try:
-                self._drain("the running request did not finish in time; update aborted")
+                self._drain("update aborted")
                 generation, fingerprint = self._install(previous, staged, path)
             finally:
                 self.executor.resume()
             ms = round((time.perf_counter() - t0) * 1000, 3)
             return UpdateResult(generation, previous, path, fingerprint, {"total_ms": ms})
 
-    def _drain(self, timeout_message: str) -> None:
-        if not self.executor.drain(self.drain_timeout_s):
-            raise UpdateError("ABORTED", "DRAIN_TIMEOUT", timeout_message)
+    def _drain(self, outcome: str) -> None:
+        """Wait for the running request (UpdateError ABORTED, DRAIN_TIMEOUT, when it does not finish in time)."""
+        if self.executor.drain(self.drain_timeout_s):
+            return
+        if self.drain_timeout_s is not None:
+            raise UpdateError(
+                "ABORTED", "DRAIN_TIMEOUT",
+                f"the running request did not finish within --drain-timeout-s {self.drain_timeout_s:g}; {outcome}",
+            )  # fmt: skip
+        raise UpdateError(
+            "ABORTED", "DRAIN_TIMEOUT",
+            "the running request did not finish within its own remaining time (steps left x its step time x "
+            f"--step-time-factor, + its decode, + 30 s; --drain-timeout-s sets a fixed bound); {outcome}",
+        )  # fmt: skip
 
     def _install(self, previous: int, staged: StagedWeights, path: str) -> tuple[int, str]:
         """Swap `staged` in and commit it; on any failure the old model goes back."""

@@ -92,7 +92,10 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
         manifest.write_text("\n".join(cache.memory.paths) + "\n")
     try:
         health = SidecarHealth()
-        sidecar = Sidecar(cache, cfg.state_dir, on_serving_change=health.plans_serving, grace_s=cfg.session_grace_s)
+        sidecar = Sidecar(
+            cache, cfg.state_dir, on_serving_change=health.plans_serving,
+            grace_s=cfg.session_grace_s, grace_steps=cfg.session_grace_steps,
+        )  # fmt: skip
         sidecar.check_source()
         registry = sidecar_registry(sidecar)
         return SidecarServer(

@@ -63,13 +63,22 @@ class SidecarConfig:
     heartbeat_s: float = flag(1.0, "session heartbeat interval (default %(default)s)", low=0.05, high=60)
     """Interval of Attach-stream heartbeats."""
     session_grace_s: float = flag(
-        30.0, "keep a vanished session's slots pinned this long unless its process is gone (default %(default)s)",
+        30.0, "keep a vanished session's slots pinned at least this long unless its process is gone (default "
+        "%(default)s; longer for long steps: --session-grace-steps)",
         low=0, high=3600,
     )  # fmt: skip
-    """How long the slots a vanished session leased stay unusable (never evicted nor refilled) when its
-    peer process is not known to be gone: a bound on how long its already-queued kernels may still read
-    them (docs/architecture.md, "The slab and the lease protocol"). Raise it above the longest denoise
-    step where the peer's pid is unknown (TCP)."""
+    """The floor of how long the slots a vanished session leased stay unusable (never evicted nor refilled)
+    when its peer process is not known to be gone: a bound on how long its already-queued kernels may still
+    read them (docs/architecture.md, "The slab and the lease protocol"). A lease whose PreparePlans carried a
+    step bound stays pinned for max(this, `session_grace_steps` x that bound): a released maximum canvas
+    step models at ~44 s on an H200, above this floor."""
+    session_grace_steps: float = flag(
+        2.0, "keep a vanished session's slots pinned at least this many of its step bounds (default %(default)s)",
+        low=0, high=100,
+    )  # fmt: skip
+    """How many of a lease's step bounds (PreparePlansRequest.step_bound_s, the generator's bound on one denoise
+    step) its slots stay pinned after its session vanished: the step in flight and one more that may already be
+    queued on the device."""
     state_dir: Path | None = flag(
         None, "persist the weight generation here (state file wins over --checkpoint; serve: default <run-dir>/state)"
     )

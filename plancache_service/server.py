@@ -158,10 +158,13 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
         self.guard.peer(context)
         keys = [PlanKey(tuple(k.timestep_bits)) for k in request.plan_keys]
         try:
-            lease = self.sidecar.prepare(request.session_id, request.generation, keys)
+            lease = self.sidecar.prepare(request.session_id, request.generation, keys, request.step_bound_s)
         except ServiceError as e:
             abort(context, e)
-        log.debug("request %s: lease %d %s", request.request_id, lease.lease_id, lease.report)
+        log.debug(
+            "request %s: lease %d (step bound %g s) %s",
+            request.request_id, lease.lease_id, request.step_bound_s, lease.report,
+        )  # fmt: skip
         return pb.PreparePlansResponse(
             lease_id=lease.lease_id,
             slots=list(lease.slots),

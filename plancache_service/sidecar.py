@@ -6,8 +6,10 @@ live) with a slab export of its own (`SlabMemory.export`), `detach()` retires th
 the sidecar's books (bookkeeping only: torch keeps a CUDA export's registration until the slab is
 freed, a small per-Attach cost, see `SlabMemory.export`), drops an uncommitted update and *retires* the session's leases: their slots stay pinned (never
 evicted nor refilled, still readable as slot hits) until the peer process is known to be gone
-or `grace_s` has passed, because a vanished session's kernels may still read them
-(docs/architecture.md, "The slab and the lease protocol"). Retired leases are reaped lazily,
+or its grace has passed, because a vanished session's kernels may still read them
+(docs/architecture.md, "The slab and the lease protocol"). The grace is max(`grace_s`,
+`grace_steps` x the largest step bound its leases' PreparePlans carried): the generator's bound on
+one denoise step of each request, so the wait scales with the requests. Retired leases are reaped lazily,
 before every attach, prepare, commit and state query. Plan calls
 must name the live session. Weight updates: `prepare_update` validates the new rebuild
 source and changes nothing served; `commit_update` persists (generation + 1, path, digests)
@@ -19,6 +21,7 @@ every change of it goes to the `on_serving_change` listener given at constructio
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
+from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.faults import crash_point
 from ditruntime.slab import SlabDescriptor
@@ -36,7 +40,7 @@ from ditruntime.slab import SlabDescriptor
 from .cache import CacheStats, Lease, PlanCache
 from .config import SidecarConfig
 from .device import SlabExport
-from .errors import CheckpointChangedError, SessionError, UpdateConflictError
+from .errors import CheckpointChangedError, InvalidPlanRequestError, SessionError, UpdateConflictError
 from .rebuild import RebuildSource, open_checkpoint
 from .state import PersistedState, save_state
 
@@ -44,6 +48,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SESSION_GRACE_S = float(next(f.default for f in fields(SidecarConfig) if f.name == "session_grace_s"))  # type: ignore[arg-type]
 """SidecarConfig.session_grace_s's default (`--session-grace-s`)."""
+DEFAULT_GRACE_STEPS = float(next(f.default for f in fields(SidecarConfig) if f.name == "session_grace_steps"))  # type: ignore[arg-type]
+"""SidecarConfig.session_grace_steps's default (`--session-grace-steps`)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class RetiredSession:
     leases: int
     deadline: float  # on the sidecar's clock: the grace period's end
     peer_pid: int | None  # the peer process, when the transport knows it (unix-socket credentials)
+    grace_s: float = 0.0  # max(grace_s, grace_steps x the largest step bound of its leases)
 
 
 def process_gone(pid: int) -> bool:
@@ -117,11 +124,15 @@ class Sidecar:
         grace_s: float = DEFAULT_SESSION_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
         peer_gone: Callable[[int], bool] = process_gone,
+        grace_steps: float = DEFAULT_GRACE_STEPS,
     ) -> None:
-        """`grace_s` (SidecarConfig.session_grace_s): how long a vanished session's slots stay pinned when its
-        process is not known to be gone; `clock` and `peer_gone` are injected by tests."""
+        """`grace_s` (SidecarConfig.session_grace_s): the floor of how long a vanished session's slots stay pinned
+        when its process is not known to be gone; `grace_steps` (session_grace_steps): how many of its leases'
+        step bounds they stay pinned at least; `clock` and `peer_gone` are injected by tests."""
         self.cache = cache
         self.grace_s = grace_s
+        self.grace_steps = grace_steps
+        self._step_bounds: dict[int, float] = {}  # lease id -> its PreparePlans' step_bound_s
         self._clock = clock
         self._peer_gone = peer_gone
         self._retired: dict[str, RetiredSession] = {}
@@ -173,18 +184,27 @@ class Sidecar:
             self._peer_pids.pop(session_id, None)
         if export is not None:
             export.close()
-        held = sum(1 for lease in self.cache.leases() if lease.owner == session_id)
+        leases = [lease.lease_id for lease in self.cache.leases() if lease.owner == session_id]
+        with self._lock:
+            bound = max((self._step_bounds.pop(i, 0.0) for i in leases), default=0.0)
+        held = len(leases)
         if held == 0:
             log.info("session %s detached; it held no lease", session_id)
             return 0
+        grace = self.session_grace_s(bound)
         with self._lock:
-            self._retired[session_id] = RetiredSession(session_id, client_name, held, self._clock() + self.grace_s, pid)
+            self._retired[session_id] = RetiredSession(session_id, client_name, held, self._clock() + grace, pid, grace)
+        why = f"max(--session-grace-s {self.grace_s:g}, {self.grace_steps:g} x step bound {bound:g} s)"
         log.info(
-            "session %s detached holding %d lease(s): their slots stay pinned until %s",
-            session_id, held, f"process {pid} is gone or {self.grace_s:g} s pass" if pid else f"{self.grace_s:g} s pass",
+            "session %s detached holding %d lease(s): their slots stay pinned until %s (%s)",
+            session_id, held, f"process {pid} is gone or {grace:g} s pass" if pid else f"{grace:g} s pass", why,
         )  # fmt: skip
         self.reap()
         return held
+
+    def session_grace_s(self, step_bound_s: float) -> float:
+        """How long a vanished session's slots stay pinned when its leases' largest step bound is `step_bound_s`."""
+        return max(self.grace_s, self.grace_steps * step_bound_s)
 
     def reap(self) -> int:
         """Release the leases of every retired session whose peer is gone or whose grace period ended; returns how
@@ -218,8 +238,14 @@ class Sidecar:
             raise SessionError(f"session {session_id!r} is not the attached session; Attach first")
 
     # ---------------------------------------------------------------- plans
-    def prepare(self, session_id: str, generation: int, keys: Sequence[PlanKey]) -> Lease:
+    def prepare(self, session_id: str, generation: int, keys: Sequence[PlanKey], step_bound_s: float = 0.0) -> Lease:
+        """Lease the plans of `keys`. `step_bound_s` (0: unknown) is the generator's bound on one denoise step of the
+        request: should the session vanish, the lease's slots stay pinned `session_grace_s(step_bound_s)`."""
         self._check_session(session_id)
+        if not (math.isfinite(step_bound_s) and 0 <= step_bound_s <= MAX_STEP_BOUND_S):
+            raise InvalidPlanRequestError(
+                "step_bound_s", f"must be finite and in [0, {MAX_STEP_BOUND_S:g}] seconds, got {step_bound_s}"
+            )
         self.reap()
         if self._not_serving:
             # The one reason not to serve is a rebuild source that changed on disk: the same
@@ -228,14 +254,20 @@ class Sidecar:
             # prefetch) saw the change first.
             raise CheckpointChangedError(f"not serving plans: {self._not_serving}")
         try:
-            return self.cache.prepare(generation, keys, owner=session_id)
+            lease = self.cache.prepare(generation, keys, owner=session_id)
         except CheckpointChangedError as e:
             self.set_not_serving(str(e))
             raise
+        if step_bound_s > 0:
+            with self._lock:
+                self._step_bounds[lease.lease_id] = step_bound_s
+        return lease
 
     def release(self, session_id: str, lease_id: int) -> None:
         self._check_session(session_id)
         self.cache.release(lease_id)
+        with self._lock:
+            self._step_bounds.pop(lease_id, None)
 
     @property
     def serving(self) -> bool:

@@ -3,8 +3,10 @@ for torch.equal comparisons.
 
 Independent of ditcore on purpose: it builds `MiniMaxH3Blocks` itself (with its decode steps when the frames and the
 waveform are wanted, without otherwise), loads every component (the Qwen3-VL processor included) at the
-repository's stored precision with diffusers' loader, sets the two schedulers' shifts, and records the `timestep`
-every transformer forward receives.
+repository's stored precision with diffusers' loader, the two VAEs at the decode dtype (by default the released
+recipe: a mixed repository loads as diffusers' MiniMax-H3 docs do, `pipe.load_components(dtype=torch.bfloat16)`),
+sets the transformer's attention backend (the one the run under test used), sets the two schedulers' shifts, and
+records the `timestep` every transformer forward receives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 MIXED: dict[str, Any] = {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "default": torch.float32}
+DECODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def stored_precision(repo: Path) -> str:
@@ -35,29 +38,51 @@ def stored_precision(repo: Path) -> str:
         return "mixed" if f.get_slice(name).get_dtype() == "BF16" else "float32"
 
 
-@functools.lru_cache(maxsize=4)
-def _pipeline(repo: str, precision: str, with_decode: bool = False) -> Any:
+def released_decode_dtype(precision: str) -> str:
+    """The released recipe decodes a mixed repository in bfloat16 (diffusers' docs load every component at it);
+    a float32 repository stays float32."""
+    return "bfloat16" if precision == "mixed" else "float32"
+
+
+def load_dtypes(precision: str, decode_dtype: str) -> Any:
+    """load_components' `dtype`: the stored precision, the VAEs at `decode_dtype`."""
+    if precision == "mixed" and decode_dtype == "bfloat16":
+        return torch.bfloat16  # the released recipe, literally: pipe.load_components(dtype=torch.bfloat16)
+    base = MIXED if precision == "mixed" else {"default": torch.float32}
+    return {**base, "vae": DECODE_DTYPES[decode_dtype], "audio_vae": DECODE_DTYPES[decode_dtype]}
+
+
+@functools.lru_cache(maxsize=8)
+def _pipeline(repo: str, precision: str, with_decode: bool, decode_dtype: str, attention_backend: str) -> Any:
     import diffusers
+    from diffusers.models.attention_dispatch import attention_backend as process_default
 
     blocks = diffusers.MiniMaxH3Blocks()
     if not with_decode:
         blocks.sub_blocks.pop("decode")
     pipe = diffusers.MiniMaxH3ModularPipeline(blocks=blocks, pretrained_model_name_or_path=repo)
     names = [n for n in pipe.pretrained_component_names if n != "transformer_ref"]  # ref2va's, not in the repo
-    pipe.load_components(names=names, dtype=MIXED if precision == "mixed" else torch.float32)
+    pipe.load_components(names=names, dtype=load_dtypes(precision, decode_dtype))
     pipe.set_progress_bar_config(disable=True)
+    # diffusers' set_attention_backend also makes it the process default (the VAEs' attention); a served model sets
+    # the transformer's alone, and so does the reference: the context puts the default back
+    with process_default():
+        pipe.transformer.set_attention_backend(attention_backend)
     return pipe
 
 
 def diffusers_outputs(
     repo: Path, prompt: str, num_inference_steps: int, seed: int, height: int, width: int, num_frames: int,
     flow_shift: float = 12.0, audio_flow_shift: float = 3.0, image: Any = None, last_image: Any = None,
-    decode: bool = False,
+    decode: bool = False, decode_dtype: str | None = None, attention_backend: str = "native",
 ) -> dict[str, Any]:  # fmt: skip
     """diffusers' own outputs: "latents", "audio_latents", "timesteps" (int32 bit patterns of each forward's
     `timestep`) and, with `decode`, "videos" (output_type "pil"), "audio" and "sampling_rate". `image` /
-    `last_image` (PIL) make it fl2va."""
-    pipe = _pipeline(str(repo), stored_precision(repo), decode)
+    `last_image` (PIL) make it fl2va. `decode_dtype` (None: the released one for the repository's precision) is the
+    VAEs' dtype; `attention_backend` the transformer's (diffusers' name; "native" is what "auto" is on CPU)."""
+    precision = stored_precision(repo)
+    dtype = decode_dtype if decode_dtype is not None else released_decode_dtype(precision)
+    pipe = _pipeline(str(repo), precision, decode, dtype, attention_backend)
     pipe.scheduler.set_shift(flow_shift)
     pipe.audio_scheduler.set_shift(audio_flow_shift)
     seen: list[tuple[int, ...]] = []
@@ -80,10 +105,12 @@ def diffusers_outputs(
 def diffusers_latents(
     repo: Path, prompt: str, num_inference_steps: int, seed: int, height: int, width: int, num_frames: int,
     flow_shift: float = 12.0, audio_flow_shift: float = 3.0, image: Any = None, last_image: Any = None,
+    attention_backend: str = "native",
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:  # fmt: skip
-    """(video latents, audio latents, int32 bit patterns of each forward's `timestep`) from diffusers itself."""
+    """(video latents, audio latents, int32 bit patterns of each forward's `timestep`) from diffusers itself, its
+    transformer on `attention_backend`."""
     out = diffusers_outputs(repo, prompt, num_inference_steps, seed, height, width, num_frames, flow_shift,
-                            audio_flow_shift, image, last_image)  # fmt: skip
+                            audio_flow_shift, image, last_image, attention_backend=attention_backend)  # fmt: skip
     return out["latents"], out["audio_latents"], out["timesteps"]
 
 
@@ -97,14 +124,16 @@ def pil_image(data: bytes) -> Any:
         return image.convert("RGB")
 
 
-def diffusers_request_latents(repo: Path, request: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def diffusers_request_latents(
+    repo: Path, request: Any, attention_backend: str = "native"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers_latents for a GenerationRequest or its dict (request_id, task and output_type ignored; keyframe
-    bytes decoded with Pillow)."""
+    bytes decoded with Pillow), the transformer on `attention_backend` (the run under test's)."""
     fields = request if isinstance(request, dict) else vars(request)
     keys = ("prompt", "num_inference_steps", "seed", "height", "width", "num_frames", "flow_shift", "audio_flow_shift")
     kwargs = {k: fields[k] for k in keys if k in fields}
     for field, name in (("first_frame", "image"), ("last_frame", "last_image")):
         if fields.get(field):
             kwargs[name] = pil_image(fields[field])
-    video, audio, _ = diffusers_latents(repo, **kwargs)
+    video, audio, _ = diffusers_latents(repo, **kwargs, attention_backend=attention_backend)
     return video, audio

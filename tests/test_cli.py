@@ -418,8 +418,9 @@ BAD_INPUT: list[tuple[str, list[str], list[str] | None, list[str]]] = [
     ("flow_shift-neg", ["--flow-shift", "-1"], None, ["flow_shift", "(0, 1000]"]),
     ("audio_flow_shift-nan", ["--audio-flow-shift", "nan"], None, ["audio_flow_shift", "(0, 1000]"]),
     ("task-t2v", ["--task", "t2v"], None, ["task", "'t2v'", "allowed: t2va"]),
-    ("height-48", ["--height", "48"], None, ["height", "multiple of 32", "[32, 4096]", "got 48"]),
-    ("height-4128", ["--height", "4128"], None, ["height", "[32, 4096]", "4128"]),
+    ("height-48", ["--height", "48"], None, ["height", "multiple of 32", "[32, 1344]", "got 48"]),
+    ("height-1376", ["--height", "1376"], None, ["height", "[32, 1344]", "1376"]),  # the released envelope
+    ("area-1344x1344", ["--height", "1344", "--width", "1344"], None, ["width", "at most 1,032,192 pixels"]),
     ("width-0", ["--width", "0"], None, ["width", "multiple of 32", "got 0"]),
     ("aspect-5:1", ["--width", "160"], None, ["width", "aspect ratio", "1:4 and 4:1", "160:32"]),
     ("num_frames-125", ["--num-frames", "125"], None, ["num_frames", "17n + 5", "124, 141, ..., 345", "got 125"]),

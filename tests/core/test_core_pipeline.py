@@ -1,6 +1,7 @@
 """Oracle tests for ditcore.pipeline: its resident and cached t2va and fl2va loops give torch.equal latents, and its
 decode the same frames and waveform, as diffusers' own MiniMax-H3 pipeline called directly on the same tiny
-repository, in float32 and in the released mixed precision."""
+repository, in float32 and in the released mixed precision (decoding at the released bfloat16, or a dtype asked
+for, against diffusers with its VAEs at the same dtype)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from oracle import diffusers_latents, diffusers_outputs, pil_image
 
 from ditcore.pipeline import (
+    DECODE_DTYPES,
     KEYFRAME_NOISE_AUG,
     NotCachedError,
     PlanKeyMismatchError,
@@ -24,7 +26,9 @@ from ditcore.pipeline import (
     load_pipeline,
     plan_key,
     plan_keys,
+    released_decode_dtype,
     use_cached_transformer,
+    vae_dtype,
 )
 from ditcore.plans import PageLayout, PlanKey, build_pages, plan_inputs, safetensors_layer_loader
 from ditcore.repo import write_repository
@@ -212,22 +216,65 @@ def test_fl2va_keys_are_wider_and_apart_from_t2va(repos: dict[str, Path], steps:
         assert a == b or a.width != b.width
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_equals_diffusers(repos: dict[str, Path], dtype: str) -> None:
-    """ditcore's decode (diffusers' decode steps run on the final latents) gives exactly the frames (uint8, as
-    output_type "pil" hands them over) and the waveform of diffusers' full pipeline, for t2va and fl2va."""
+DECODES = [("float32", None), ("mixed", None), ("mixed", "float16")]
+"""(stored precision, decode dtype; None: the released one, bfloat16 for mixed and float32 for float32). A mixed
+repository decoding in float32 is test_decode_dtype_is_the_video_vaes_and_leaves_its_encoder_float32's."""
+
+
+@pytest.mark.parametrize(("dtype", "decode_dtype"), DECODES)
+def test_decode_equals_diffusers(repos: dict[str, Path], dtype: str, decode_dtype: str | None) -> None:
+    """ditcore's decode (diffusers' decode steps run on the final latents, the VAEs loaded at the decode dtype and
+    shared with fl2va's keyframe encoder) gives exactly the frames (uint8, as output_type "pil" hands them over) and
+    the waveform of diffusers' full pipeline loaded with the VAEs at the same dtype (the released recipe for a mixed
+    repository: every component at bfloat16), for t2va and fl2va (fl2va alone off the released recipe: the decode
+    steps are the same, and fl2va also runs the keyframe encoder on the shared VAE)."""
     import numpy as np
 
-    for request in (REQUEST, FL2VA["both"]):
+    want_dtype = decode_dtype or released_decode_dtype(dtype)
+    released = (dtype, decode_dtype) == ("mixed", None)
+    for request in (REQUEST, FL2VA["both"]) if released else (FL2VA["both"],):
         r = request
         kwargs = {n: pil_image(d) for n, d in (("image", r.first_frame), ("last_image", r.last_frame)) if d}
         want = diffusers_outputs(repos[dtype], r.prompt, r.num_inference_steps, r.seed, r.height, r.width,
-                                 r.num_frames, r.flow_shift, r.audio_flow_shift, decode=True, **kwargs)  # fmt: skip
+                                 r.num_frames, r.flow_shift, r.audio_flow_shift, decode=True, decode_dtype=want_dtype,
+                                 **kwargs)  # fmt: skip
         pipe = load_pipeline(repos[dtype], dtype)
-        video, audio = generate_latents(pipe, request)
-        media = decode(load_decoder(pipe, repos[dtype]), video, audio)
+        decoder = load_decoder(pipe, repos[dtype], want_dtype)
+        assert decoder.vae is pipe.vae and decoder.audio_vae is pipe.audio_vae and vae_dtype(pipe) == want_dtype
+        video, audio = generate_latents(pipe, request)  # fl2va: the keyframes encoded by the decode-dtype VAE
+        assert torch.equal(video, want["latents"]) and torch.equal(audio, want["audio_latents"])
+        media = decode(decoder, video, audio)
         frames = np.stack([np.asarray(image) for image in want["videos"][0]])
         assert media.frames.dtype == np.uint8 and media.frames.shape == (r.num_frames, r.height, r.width, 3)
         assert np.array_equal(media.frames, frames)
         assert torch.equal(torch.from_numpy(media.audio), want["audio"][0])
         assert media.audio.shape[0] == 2 and media.sampling_rate == want["sampling_rate"]
+
+
+def test_decode_dtype_is_the_video_vaes_and_leaves_its_encoder_float32(repos: dict[str, Path]) -> None:
+    """At a half decode dtype diffusers' loader keeps the video VAE's encoder path (encoder, quant_conv) and the
+    whole audio VAE in float32 (`_keep_in_fp32_modules`): the video decoder is what changes, so the frames differ
+    from a float32 decode while the keyframe latents and the waveform are the same bits."""
+    import numpy as np
+
+    out = {}
+    for decode_dtype in ("float32", "bfloat16"):
+        pipe = load_pipeline(repos["mixed"], "mixed")
+        decoder = load_decoder(pipe, repos["mixed"], decode_dtype)
+        vae = pipe.vae
+        assert {p.dtype for p in [*vae.encoder.parameters(), *vae.quant_conv.parameters()]} == {torch.float32}
+        assert {p.dtype for p in pipe.audio_vae.parameters()} == {torch.float32}
+        assert vae.post_quant_conv.weight.dtype == DECODE_DTYPES[decode_dtype]
+        video, audio = generate_latents(pipe, FL2VA["both"])
+        out[decode_dtype] = (video, audio, decode(decoder, video, audio))
+    (v32, a32, m32), (v16, a16, m16) = out["float32"], out["bfloat16"]
+    assert torch.equal(v32, v16) and torch.equal(a32, a16)
+    assert np.array_equal(m32.audio, m16.audio)
+    assert not np.array_equal(m32.frames, m16.frames)
+
+
+def test_decode_dtype_default_is_the_release_and_an_unknown_one_is_refused(repos: dict[str, Path]) -> None:
+    assert (released_decode_dtype("mixed"), released_decode_dtype("float32")) == ("bfloat16", "float32")
+    pipe = load_pipeline(repos["float32"])
+    with pytest.raises(ValueError, match=r"decode dtype must be one of \['bfloat16', 'float16', 'float32'\]"):
+        load_decoder(pipe, repos["float32"], "float64")

@@ -1,0 +1,129 @@
+"""`ditserve inspect`'s memory and time model at a canvas (ditcore.sizing): its flags, its data and its table.
+
+ditserve inspect --preset h3 --height 768 --width 1344 --num-frames 345          # one H200, cached and resident
+ditserve inspect ./ckpt --height 512 --width 896 --num-frames 124 --json         # a repository's own configs
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ditcore.attention import check_name
+from ditcore.footprint import Placement, memory_report, meta_components
+from ditcore.pipeline import released_decode_dtype
+from ditcore.repo import TEXT_LAYERS
+from ditcore.request import MAX_PROMPT_BYTES, MAX_STEPS, MIN_STEPS, MODEL_LIMITS, check_canvas
+from ditcore.sizing import DECODE_DTYPES, DEVICE_CLASSES, Canvas, ModelShapes
+from ditruntime.flags import add_flags, from_args
+from generator_service.config import GeneratorConfig
+from plancache_service.config import CacheConfig
+
+from .errors import UsageError
+
+GIB = 1024**3
+MIB = 1024**2
+CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
+MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload")
+"""The generator's flags that change what the model holds: "auto" attention is a flash-style kernel on CUDA (only
+`_native_math` materializes the scores), "auto" decode the released dtype."""
+RELEASED_CANVAS = (768, 1344, 345)
+"""What an unset canvas flag means once another is given: the released maximum canvas."""
+
+
+def add_memory_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("memory and time model (any canvas flag turns it on)")
+    g.add_argument("--height", type=int, default=None, help="canvas height in pixels (default with the others: 768)")
+    g.add_argument("--width", type=int, default=None, help="canvas width in pixels (default with the others: 1344)")
+    g.add_argument("--num-frames", type=int, default=None, help="frames, 17n + 5 (default with the others: 345)")
+    g.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens (default %(default)s)")
+    g.add_argument("--keyframes", type=int, default=0, help="fl2va keyframes, 0 to 2 (default %(default)s)")
+    g.add_argument(
+        "--num-inference-steps", type=int, default=50, help="grid points; N - 1 forwards (default %(default)s)"
+    )
+    g.add_argument("--latents", action="store_true", help="the request returns latents (no decode)")
+    g.add_argument("--device-class", choices=tuple(DEVICE_CLASSES), default="h200", help="(default %(default)s)")
+    g.add_argument(
+        "--text-encoder", choices=("trimmed", "whole"), default="trimmed",
+        help=f"trimmed: {TEXT_LAYERS} layers, no lm_head, as served (default %(default)s)",
+    )  # fmt: skip
+    add_flags(parser, GeneratorConfig, only=MODEL_FLAGS, group="model (the generator's flags)")
+    add_flags(parser, CacheConfig, only=CACHE_FLAGS, group="plan cache (the sidecar's slab)")
+
+
+def wants_memory(args: argparse.Namespace) -> bool:
+    return any(getattr(args, name) is not None for name in ("height", "width", "num_frames"))
+
+
+def _canvas(args: argparse.Namespace) -> Canvas:
+    given = (args.height, args.width, args.num_frames)
+    h, w, f = (v if v is not None else d for v, d in zip(given, RELEASED_CANVAS, strict=True))
+    check_canvas(h, w, f, MODEL_LIMITS)  # H3's rules, up to the hard caps an operator may raise the limits to
+    if not 1 <= args.prompt_tokens <= MAX_PROMPT_BYTES:
+        raise UsageError(f"--prompt-tokens must be in [1, {MAX_PROMPT_BYTES}], got {args.prompt_tokens}")
+    if not 0 <= args.keyframes <= 2:
+        raise UsageError(f"--keyframes must be 0, 1 or 2 (fl2va's first and last frame), got {args.keyframes}")
+    if not MIN_STEPS <= args.num_inference_steps <= MAX_STEPS:
+        raise UsageError(f"--num-inference-steps must be in [{MIN_STEPS}, {MAX_STEPS}], got {args.num_inference_steps}")
+    return Canvas(h, w, f, args.prompt_tokens, args.keyframes, decodes=not args.latents)
+
+
+def memory_data(args: argparse.Namespace, precision: str) -> dict[str, Any]:
+    """The modeled memory and time of the canvas the flags name, on the chosen device class (`inspect`'s "memory")."""
+    canvas = _canvas(args)
+    check_name(args.attention_backend)  # AttentionBackendError naming the valid ones
+    cache = from_args(CacheConfig, args, only=CACHE_FLAGS)
+    text_device = "cpu" if args.text_encoder_device == "cpu" else "offload" if args.text_encoder_offload else "device"
+    placement = Placement(
+        cache.gpu_plans, cache.plan_width, cache.host_cache_bytes, args.text_encoder, text_device,
+        args.num_inference_steps - 1,
+    )  # fmt: skip
+    components = meta_components(preset=args.preset) if args.preset else meta_components(repository=args.checkpoint)
+    device = DEVICE_CLASSES[args.device_class]
+    decode = args.decode_dtype if args.decode_dtype in DECODE_DTYPES else released_decode_dtype(precision)
+    shapes = ModelShapes.of_components(
+        components, precision, text_layers=TEXT_LAYERS if args.text_encoder == "trimmed" else None,
+        decode_dtype=decode, attention_backend=args.attention_backend,
+        device_type="cpu" if args.device_class == "cpu" else "cuda",
+    )  # fmt: skip
+    return memory_report(components, shapes, canvas, placement, device, precision).to_dict()
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def print_memory(m: dict[str, Any]) -> None:
+    """The memory table: each component, the slab, the activations, the totals per process; tokens and times."""
+    c, t, a, dev = m["canvas"], m["tokens"], m["activations"], m["device"]
+    rows: list[tuple[str, str]] = [
+        ("canvas", f"{c['height']} x {c['width']} x {c['num_frames']} frames, {c['keyframes']} keyframe(s), "
+                   f"{'decoded' if c['decodes'] else 'latents'}"),
+        ("tokens", f"{t['total']:,} (video {t['video']:,}, condition {t['condition']:,}, audio {t['audio']:,}, "
+                   f"text {t['text']:,})"),
+        ("device class", f"{dev['name']}: {_gib(dev['memory_bytes'])}; {dev['note']}"),
+    ]  # fmt: skip
+    for w in m["weights"]:
+        rows.append((f"{w['name']} ({w['variant']})", f"{_gib(w['bytes']):>12}  {w['params']:,} params, {w['dtype']}"))
+    p = m["placement"]
+    rows.append(("slab", f"{_gib(m['slab_bytes']):>12}  {p['gpu_plans']} x {p['plan_width']} pages of "
+                         f"{m['page_bytes'] / MIB:.2f} MiB"))  # fmt: skip
+    rows.append(("sidecar rebuild", f"{_gib(m['rebuild_bytes']):>12}  the largest plan tensor, streamed"))
+    rows.append(("activations", f"{_gib(a['peak']):>12}  peak ({a['phase']}): step {_gib(a['step'])}, "
+                                f"text {_gib(a['text'])}, decode {_gib(a['decode'])}"))  # fmt: skip
+    for mode, tot in m["totals"].items():
+        sidecar = (
+            f", sidecar {_gib(tot['sidecar'])} (+ {_gib(tot['sidecar_host'])} host tier)" if tot["sidecar"] else ""
+        )
+        fits = "fits" if tot["free"] >= 0 else "DOES NOT FIT"
+        rows.append((f"total {mode}", f"{_gib(tot['device']):>12}  generator {_gib(tot['generator'])}{sidecar}; "
+                                      f"{fits}, {_gib(tot['free'])} left of {_gib(dev['memory_bytes'])}"))  # fmt: skip
+    f = m["flops"]
+    rows.append(("step time", f"{m['step_s']:,.1f} s modeled: {f['total'] / 1e15:,.2f} PFLOP "
+                              f"({100 * f['attention'] / f['total']:.0f}% attention) at MFU {dev['mfu']}"))  # fmt: skip
+    rows.append(("request time", f"{m['request_s']:,.1f} s ({m['request_s'] / 60:,.1f} min): encode "
+                                 f"{m['encode_s']:,.2f} s + {p['steps']} steps + decode {m['decode_s']:,.1f} s"))  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    print("memory model")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")

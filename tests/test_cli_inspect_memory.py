@@ -1,0 +1,99 @@
+"""`ditserve inspect` with a canvas: the modeled memory of each component, the slab, the activation peak, the totals
+per process (cached and resident) and the step time at the released maximum canvas on one H200; canvas flags are
+validated like a request's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from clikit import CliRunner
+
+from ditcore import figures
+
+MAX = ["--height", "768", "--width", "1344", "--num-frames", "345"]
+GIB = 1024**3
+
+
+def test_inspect_h3_at_the_released_maximum_canvas(run_cli: CliRunner) -> None:
+    res = run_cli(["inspect", "--preset", "h3", *MAX, "--json"])
+    assert res.code == 0, res.err
+    data = json.loads(res.out)
+    assert data["params"]["total"] == 33_122_992_896  # the figures are still there
+    m = data["memory"]
+    assert (m["canvas"]["height"], m["canvas"]["width"], m["canvas"]["num_frames"]) == (768, 1344, 345)
+    assert m["tokens"]["total"] == 102 * 24 * 42 + 2 * 575 + 256 == 104_222
+    weights = {(w["name"], w["variant"]): w["bytes"] for w in m["weights"]}
+    assert set(weights) == {
+        ("transformer", "resident"), ("transformer", "cached"), ("text_encoder", "whole"),
+        ("text_encoder", "51 layers, no lm_head"), ("vae", "bfloat16"), ("audio_vae", "float32"),
+    }  # fmt: skip
+    assert m["slab_bytes"] == 128 * 3 * m["page_bytes"] and m["page_bytes"] == 9_698_304
+    act = m["activations"]
+    assert act["peak"] == max(act["step"], act["text"], act["decode"]) == act["step"]
+    for mode, transformer in (("cached", "cached"), ("resident", "resident")):
+        total = m["totals"][mode]
+        held = weights["transformer", transformer] + weights["text_encoder", "51 layers, no lm_head"]
+        held += weights["vae", "bfloat16"] + weights["audio_vae", "float32"]
+        assert total["generator"] == held + act["peak"]
+        assert total["device"] == total["generator"] + total["sidecar"]
+        assert total["free"] == m["device"]["memory_bytes"] - total["device"] > 0  # both fit one H200
+    assert m["totals"]["cached"]["sidecar"] == m["slab_bytes"] + m["rebuild_bytes"]
+    assert 32 <= m["step_s"] <= 50  # the issue's estimate for one H200
+    assert m["request_s"] == pytest.approx(m["encode_s"] + 49 * m["step_s"] + m["decode_s"])
+
+    human = run_cli(["inspect", "--preset", "h3", *MAX])
+    assert human.code == 0, human.err
+    for part in ("memory model", "104,222 (video 102,816, condition 0, audio 1,150, text 256)",
+                 "transformer (cached)", "text_encoder (51 layers, no lm_head)", "slab", "128 x 3 pages of 9.25 MiB",
+                 "activations", "peak (denoise step)", "total cached", "total resident", "step time",
+                 "% attention", "request time"):  # fmt: skip
+        assert part in human.out, part
+
+
+def test_inspect_options_change_the_model(run_cli: CliRunner) -> None:
+    base = json.loads(run_cli(["inspect", "--preset", "h3", *MAX, "--json"]).out)["memory"]
+    whole = run_cli(["inspect", "--preset", "h3", *MAX, "--text-encoder", "whole", "--gpu-plans", "64", "--json"])
+    other = json.loads(whole.out)["memory"]
+    grew = other["totals"]["cached"]["generator"] - base["totals"]["cached"]["generator"]
+    assert 13 * GIB < grew < 14 * GIB  # the 13 layers above 51 and lm_head, plus 52 -> 65 kept hidden states
+    assert other["slab_bytes"] * 2 == base["slab_bytes"]
+    host = run_cli(["inspect", "--preset", "h3", *MAX, "--text-encoder-device", "cpu", "--json"])
+    trimmed = next(w["bytes"] for w in base["weights"] if w["variant"] == "51 layers, no lm_head")
+    freed = base["totals"]["resident"]["generator"] - json.loads(host.out)["memory"]["totals"]["resident"]["generator"]
+    assert freed == trimmed  # its activations (the peak is a denoise step's) stay what they were
+    latents = json.loads(run_cli(["inspect", "--preset", "h3", "--num-frames", "124", "--latents", "--json"]).out)
+    assert latents["memory"]["activations"]["decode"] == 0 and latents["memory"]["canvas"]["height"] == 768
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        (["--height", "770"], ["height", "multiple of 32"]),
+        (["--num-frames", "346"], ["num_frames", "17n + 5"]),
+        (["--height", "256", "--width", "1344"], ["width", "aspect ratio"]),
+        (["--height", "4128"], ["height", "[32, 4096]"]),
+        (["--keyframes", "3", "--height", "768"], ["--keyframes", "0, 1 or 2"]),
+        (["--prompt-tokens", "0", "--height", "768"], ["--prompt-tokens", "[1, 16384]"]),
+        (["--device-class", "tpu", "--height", "768"], ["--device-class", "invalid choice"]),
+        (["--attention-backend", "fastest", "--height", "768"], ["attention backend must be one of", "_native_math"]),
+        (["--decode-dtype", "int8", "--height", "768"], ["--decode-dtype", "invalid choice"]),
+    ],
+)
+def test_inspect_canvas_flags_are_validated_like_requests(
+    run_cli: CliRunner, argv: list[str], expect: list[str]
+) -> None:
+    res = run_cli(["inspect", "--preset", "h3", *argv])
+    assert res.code == 2 and res.out == "", (res.code, res.out)
+    for part in expect:
+        assert part in res.err, (part, res.err)
+
+
+def test_inspect_a_repository_at_a_canvas(run_cli: CliRunner, tiny_ckpt: Path) -> None:
+    res = run_cli(["inspect", str(tiny_ckpt), "--height", "64", "--width", "96", "--num-frames", "141", "--json"])
+    assert res.code == 0, res.err
+    m = json.loads(res.out)["memory"]
+    weights = {(w["name"], w["variant"]): w for w in m["weights"]}
+    assert weights["transformer", "resident"]["params"] == figures("tiny").params  # the repository's own config
+    assert m["tokens"]["video"] == 42 * 2 * 3  # 141 frames -> 42 latent frames of (64 / 32) x (96 / 32) rows
