@@ -1,1 +1,1 @@
-"""`ditserve bench`: the seed's scenarios side by side on real services (see README "Performance")."""
+"""`ditserve bench`: the seed's scenarios side by side on real services (see docs/performance.md)."""

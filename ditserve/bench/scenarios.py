@@ -1,4 +1,4 @@
-"""The benchmark scenarios (see README "Performance"), on MiniMax-H3 t2va requests. Each returns a dict with at
+"""The benchmark scenarios (see docs/performance.md), on MiniMax-H3 t2va requests. Each returns a dict with at
 least `ratio`, `target` and `met`, plus its raw numbers; all ratios come from this one run.
 
 A request of `num_inference_steps` N runs N - 1 transformer forwards, one plan key per forward (`H3Model.plan_keys`).
