@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import time
@@ -48,6 +49,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 SLOTS = 160
 # Long enough to be mid-denoise when the kill lands (the kill follows step 2 of 120 forwards).
+ATTACHED = re.compile(r"attached to sidecar \S+ \(session (\w+),")
 LONG_REQUEST: dict[str, Any] = narrow_request(120, request_id="long", prompt="long", height=64, width=64)
 # Same schedule (same plan keys), cheaper forwards: the smallest canvas.
 SAME_SCHEDULE_CHEAP: dict[str, Any] = {**LONG_REQUEST, "height": 32, "width": 32}
@@ -117,6 +119,7 @@ def test_sidecar_killed_mid_request_then_restarted(kill_pair: Pair, module_procs
     run_files = shm_files_of(side.pid)
     assert len(run_files) == 2, run_files  # the slab and the slot table
 
+    old_session = ATTACHED.findall(gen.log())[-1]
     ch, _call, it = _open_stream(target, LONG_REQUEST)
     with ch:
         _read_until_step(it, 2)
@@ -124,6 +127,7 @@ def test_sidecar_killed_mid_request_then_restarted(kill_pair: Pair, module_procs
         with pytest.raises(grpc.RpcError) as ei:
             _drain(it)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, (ei.value.code(), ei.value.details(), procs.logs())
+    since = len(gen.log())
 
     # detached: NOT_SERVING, and new requests are refused UNAVAILABLE (not queued forever)
     wait_for(lambda: health_status(target) != SERVING, 5, what="the generator to report NOT_SERVING")
@@ -140,6 +144,15 @@ def test_sidecar_killed_mid_request_then_restarted(kill_pair: Pair, module_procs
     wait_for(lambda: health_status(target) == SERVING, 20, interval=0.1, what="the generator to reattach")
     reattach_s = time.monotonic() - t0
     assert gen.running(), "the generator survived the sidecar crash"
+    # the failed request left no reference to the old slab: its mapping was closed with its storage freed (the weak
+    # reference SlabMapping keeps expired) before the new slab was mapped, never "still referenced"
+    gen.wait_log(ATTACHED.pattern, 20, since)
+    log = gen.log()[since:]
+    (new_session,) = ATTACHED.findall(log)
+    assert new_session != old_session
+    freed = log.find(f"closed the slab mapping of session {old_session}: its storage is freed")
+    assert 0 <= freed < ATTACHED.search(log).start(), log  # type: ignore[union-attr]
+    assert "still referenced" not in gen.log()
 
     with GeneratorClient(target) as client:
         res = client.generate(CHECK_REQUEST, timeout=60)

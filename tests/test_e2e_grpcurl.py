@@ -218,7 +218,9 @@ def test_generate_via_grpcurl_matches_generate_local(
     plans = distinct_plans(svc_ckpt, req)
     assert cache["gpu_hit_plans"] + cache["host_hit_plans"] + cache["built_plans"] == plans
     timings = out["timings"]
-    assert {"queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "decode_ms", "mux_ms", "total_ms"} == set(timings)
+    stages = {"queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "decode_ms", "mux_ms", "total_ms"}
+    assert stages | {"attention_backend"} == set(timings)
+    assert timings["attention_backend"] == "native", "auto picks torch's own SDPA on the CPU"
     assert timings["decode_ms"] == timings["mux_ms"] == 0, "latents are neither decoded nor muxed"
     assert out["output_type"] == "OUTPUT_TYPE_LATENTS" and out["total_bytes"] == "0"
     assert not out.get("media"), out.get("media")
