@@ -219,6 +219,7 @@ OTHER_TOOLS_FLAGS = {
     "--no-build-isolation": "pip install",
     "--offline": "scripts/gpu_check.sh",
     "--wheels": "scripts/gpu_check.sh",
+    "--python-version": "scripts/gpu_wheels.sh (and pip download)",
 }
 """Flags the docs name that belong to other tools (every other `--flag` in the docs must be a ditserve flag)."""
 
