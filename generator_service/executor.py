@@ -85,16 +85,16 @@ def _operator_limit(request: GenerationRequest, limits: RequestLimits, e: Reques
         if broken == "max_pixels":
             return f"--max-keyframe-pixels is {limits.max_keyframe_pixels}"
         return ""
-    if e.field in ("height", "width") and request.height * request.width > limits.max_pixels:
-        return f"--max-canvas-pixels is {limits.max_pixels}"
     attr = LIMITED_FIELDS.get(e.field)
     if attr is None:
         return ""
     value = getattr(request, e.field)
     size = len(value.encode("utf-8")) if isinstance(value, str) else value
     limit = getattr(limits, attr)
-    if isinstance(size, int) and size > limit:
+    if isinstance(size, int) and size > limit:  # a side over its own limit is named before the area
         return "--" + attr.replace("_", "-") + f" is {limit}"
+    if e.field in ("height", "width") and request.height * request.width > limits.max_pixels:
+        return f"--max-canvas-pixels is {limits.max_pixels}"
     return ""
 
 

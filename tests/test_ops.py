@@ -167,7 +167,13 @@ def test_json_log_lines_carry_request_fields() -> None:
 def test_operator_limits_refuse_with_the_flag_named(root: Path) -> None:
     """--max-num-frames / --max-height / --max-width / --max-prompt-bytes tighten H3's own rules: a request over one
     is INVALID_ARGUMENT naming the field and the flag; H3's rules still apply under them."""
-    limits = {"max_num_frames": 141, "max_height": 64, "max_width": 96, "max_prompt_bytes": 3}
+    limits = {
+        "max_num_frames": 141,
+        "max_height": 64,
+        "max_width": 96,
+        "max_prompt_bytes": 3,
+        "max_canvas_pixels": 64 * 96,
+    }
     with pair(root, gpu_plans=64, **limits) as (_, gen), GeneratorClient(f"127.0.0.1:{gen.port}") as c:
         ok = {"prompt": "ok", "num_inference_steps": 2, "flow_shift": 3.0, "audio_flow_shift": 3.0}
         for field, value, flag in (
@@ -175,9 +181,11 @@ def test_operator_limits_refuse_with_the_flag_named(root: Path) -> None:
             ("height", 96, "--max-height"),
             ("width", 128, "--max-width"),
             ("prompt", "long", "--max-prompt-bytes"),
+            ("height", (96, 96), "--max-height"),  # over its side limit and over the area: the side is named
         ):
+            extra = {"height": value[0], "width": value[1]} if isinstance(value, tuple) else {field: value}
             with pytest.raises(grpc.RpcError) as e:
-                c.generate_unary({**ok, field: value})
+                c.generate_unary({**ok, **extra})
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             details = e.value.details() or ""
             assert details.startswith(f"{field}: ") and flag in details, details
