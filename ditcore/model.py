@@ -27,12 +27,12 @@ from .pipeline import (
     DECODE_DTYPES,
     ScheduleKeys,
     decode,
+    decode_dtype_for,
     generate_latents,
     load_decoder,
     load_pipeline,
     pipeline_with,
     plan_holder,
-    released_decode_dtype,
     vae_dtype,
 )
 from .plans import PlanKey, SlotReads, is_plan_tensor
@@ -68,25 +68,27 @@ class SlabPlanLease(PlanLease, Protocol):
         ...
 
 
-def reads_finished(device: torch.device) -> None:
+def _stream_synchronize(device: torch.device) -> None:
     """Return once every kernel queued so far on `device`'s current stream has finished: an event recorded after the
-    last kernel that reads a leased slot, then waited on. A lease may be released (its slots reused) only after this.
-    CPU: kernels run synchronously, nothing is outstanding (a no-op, kept so the ordering is explicit)."""
+    last one, then waited on. CPU: kernels run synchronously, nothing is outstanding (a no-op)."""
     if device.type == "cuda":
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         done.synchronize()
+
+
+def reads_finished(device: torch.device) -> None:
+    """Return once the last kernel that reads a leased slot has finished (_stream_synchronize). A lease may be
+    released (its slots reused) only after this; on CPU a no-op, kept so the ordering is explicit."""
+    _stream_synchronize(device)
 
 
 def stage_synchronize(device: torch.device) -> None:
-    """Return once every kernel queued so far on `device`'s current stream has finished, so that a stage clock read
-    next counts the stage's kernels and not only their launch (the host runs ahead of a CUDA stream): the same event
-    wait as reads_finished, kept apart because it serves the clocks, not the lease. CPU: a no-op. `generate` calls it
-    at each stage boundary: a few times per request, inside the loop only at the first forward."""
-    if device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        done.synchronize()
+    """Return once the stage's kernels have finished (_stream_synchronize), so that a stage clock read next counts
+    them and not only their launch (the host runs ahead of a CUDA stream). Kept apart from reads_finished because it
+    serves the clocks, not the lease. `generate` calls it at each stage boundary: a few times per request, inside the
+    loop only at the first forward."""
+    _stream_synchronize(device)
 
 
 class PlanProvider(Protocol):
@@ -133,6 +135,10 @@ class RunOptions:
         check_name(self.attention_backend)
         if self.decode_dtype != AUTO and self.decode_dtype not in DECODE_DTYPES:
             raise ValueError(f"decode dtype must be one of {[AUTO, *DECODE_DTYPES]}, got {self.decode_dtype!r}")
+
+    def decode_dtype_for(self, precision: str) -> str:
+        """The dtype a checkpoint of `precision` decodes in under these options (pipeline.decode_dtype_for)."""
+        return decode_dtype_for(self.decode_dtype, precision)
 
 
 def latents_sha256(video: torch.Tensor, audio: torch.Tensor | None) -> str:
@@ -321,19 +327,11 @@ def load_model(
         else validate_checkpoint(checkpoint, require_adaln=mode == "resident")
     )
     options = options if options is not None else RunOptions()
-    decode_dtype = released_decode_dtype(info.precision) if options.decode_dtype == AUTO else options.decode_dtype
-    model = H3Model(info, mode, device, options.text_encoder, decode_dtype)  # the VAEs read once, at that dtype
-    _run_as(model, options)
-    return model
-
-
-def _run_as(model: H3Model, options: RunOptions) -> None:
-    """Decode at the options' dtype (the VAEs loaded again at it if they are not) and set the attention backend on
-    the served transformer (resolved for its device and dtype; AttentionBackendError if it cannot run there)."""
-    dtype = released_decode_dtype(model.precision) if options.decode_dtype == AUTO else options.decode_dtype
-    if dtype != model.decode_dtype:
-        model.decoder = load_decoder(model.pipe, model.info.path, dtype)
+    # the VAEs are loaded (once) at the options' decode dtype
+    model = H3Model(info, mode, device, options.text_encoder, options.decode_dtype_for(info.precision))
+    # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
     use_backend(model.transformer, options.attention_backend)
+    return model
 
 
 def _clock(device: torch.device) -> float:

@@ -185,6 +185,16 @@ def released_decode_dtype(precision: str) -> str:
     return "bfloat16" if precision == "mixed" else "float32"
 
 
+def decode_dtype_for(choice: str, precision: str) -> str:
+    """The dtype a `--decode-dtype` choice decodes a checkpoint of `precision` in: a DECODE_DTYPES name as given,
+    "auto" the released one (released_decode_dtype)."""
+    if choice == "auto":
+        return released_decode_dtype(precision)
+    if choice not in DECODE_DTYPES:
+        raise ValueError(f"decode dtype must be one of {['auto', *DECODE_DTYPES]}, got {choice!r}")
+    return choice
+
+
 def vae_dtype(pipe: Any) -> str:
     """The dtype `pipe`'s video VAE was loaded at (its decoder's: diffusers keeps the encoder in float32)."""
     return str(pipe.vae.dtype).removeprefix("torch.")

@@ -69,7 +69,6 @@ MATERIALIZING_BACKENDS = ("_native_math",)
 """diffusers attention backends that materialize the (h, S, S) scores; every other one is flash-style (O(S) memory;
 `native`, torch's SDPA, picks flash / memory-efficient / cuDNN kernels on CUDA and its flash kernel on CPU)."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DECODE_DTYPES = tuple(_DTYPE_BYTES)
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:

@@ -11,10 +11,10 @@ from typing import Any
 
 from ditcore.attention import check_name
 from ditcore.footprint import Placement, memory_report, meta_components
-from ditcore.pipeline import released_decode_dtype
+from ditcore.pipeline import decode_dtype_for
 from ditcore.repo import TEXT_LAYERS
 from ditcore.request import MAX_PROMPT_BYTES, MAX_STEPS, MIN_STEPS, MODEL_LIMITS, check_canvas
-from ditcore.sizing import DECODE_DTYPES, DEVICE_CLASSES, Canvas, ModelShapes
+from ditcore.sizing import DEVICE_CLASSES, Canvas, ModelShapes
 from ditruntime.flags import add_flags, from_args
 from generator_service.config import GeneratorConfig
 from plancache_service.config import CacheConfig
@@ -80,7 +80,7 @@ def memory_data(args: argparse.Namespace, precision: str) -> dict[str, Any]:
     )  # fmt: skip
     components = meta_components(preset=args.preset) if args.preset else meta_components(repository=args.checkpoint)
     device = DEVICE_CLASSES[args.device_class]
-    decode = args.decode_dtype if args.decode_dtype in DECODE_DTYPES else released_decode_dtype(precision)
+    decode = decode_dtype_for(args.decode_dtype, precision)
     shapes = ModelShapes.of_components(
         components, precision, text_layers=TEXT_LAYERS if args.text_encoder == "trimmed" else None,
         decode_dtype=decode, attention_backend=args.attention_backend,
