@@ -7,11 +7,17 @@ attachment (a read-only /dev/shm mapping on cpu, the CUDA IPC handle on cuda), a
 by itself when the sidecar goes away; the serving state follows the session. Before it maps
 anything it checks the descriptor (every field) and that the slab is on the model's device (by
 GPU UUID on cuda): a slab on another GPU is refused before its IPC handle is opened.
+
+Every PreparePlans is tagged "<request id>#<n>" (n counts this client's calls, so the tag is unique even when
+request ids repeat); when its answer is lost after it was sent (the client's deadline passed, the call was cancelled,
+the connection dropped), the client releases whatever it may have granted by that tag, best effort, so no lease is
+left held by a live session that never heard of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -44,6 +50,13 @@ log = logging.getLogger(__name__)
 ANSWER_LOST = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
 )
+
+# A PreparePlans that failed with one of these may still have granted a lease: release it by its tag.
+PREPARE_ANSWER_LOST = frozenset(
+    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
+)
+PREPARE_TIMEOUT_S = 600.0
+"""The PreparePlans deadline: above any rebuild pass (one streaming read of the plan tensors)."""
 
 
 def domain_error(err: grpc.RpcError, sent_generation: int | None = None, field: str = "generation") -> ServiceError:
@@ -81,7 +94,7 @@ class SidecarClient(SidecarSession):
 
     A TCP sidecar needs `credentials` (mutual TLS); its weight-update RPCs then carry
     `admin_token` as `authorization: Bearer` metadata. A unix socket needs neither (the sidecar
-    checks this process's uid)."""
+    checks this process's uid). `prepare_timeout_s` is the PreparePlans deadline (tests shorten it)."""
 
     def __init__(
         self,
@@ -93,8 +106,11 @@ class SidecarClient(SidecarSession):
         credentials: grpc.ChannelCredentials | None = None,
         admin_token: str = "",
         device: torch.device | None = None,
+        prepare_timeout_s: float = PREPARE_TIMEOUT_S,
     ) -> None:
         self.target = target
+        self.prepare_timeout_s = prepare_timeout_s
+        self._calls = itertools.count(1)  # numbers each PreparePlans' tag
         self.device = device
         self._admin_metadata = bearer_metadata(admin_token) if credentials is not None and admin_token else None
         self.reconnect_s = reconnect_s
@@ -214,16 +230,19 @@ class SidecarClient(SidecarSession):
             raise SidecarUnavailableError(
                 f"not attached to the plan-cache sidecar at {self.target}: {self._last_error}"
             )
+        tag = f"{request_id}#{next(self._calls)}"
         req = pb.PreparePlansRequest(
             session_id=att.session_id,
             generation=generation,
             plan_keys=[pb.PlanKey(timestep_bits=list(k.bits)) for k in keys],
-            request_id=request_id,
+            request_id=tag,
             step_bound_s=step_bound_s,
         )
         try:
-            resp = self._stub.PreparePlans(req, timeout=600)
+            resp = self._stub.PreparePlans(req, timeout=self.prepare_timeout_s)
         except grpc.RpcError as e:
+            if e.code() in PREPARE_ANSWER_LOST:
+                self._release_tag(att, tag, e.code())
             raise domain_error(e, generation) from e
         report = from_proto(resp.report, CacheReport)
         lease = RemoteLease(self, att, resp.lease_id, keys, resp.slots, report, resp.generation)
@@ -231,6 +250,15 @@ class SidecarClient(SidecarSession):
             lease.release()
             raise LeaseCheckError(f"lease {resp.lease_id}: {len(resp.slots)} slots for {len(keys)} steps")
         return lease
+
+    def _release_tag(self, att: Attachment, tag: str, why: grpc.StatusCode) -> None:
+        """Best effort: end any lease the lost PreparePlans `tag` granted (the sidecar also refuses it if still running;
+        a session that ended took its leases with it)."""
+        try:
+            self._stub.ReleasePlans(pb.ReleasePlansRequest(session_id=att.session_id, request_id=tag), timeout=10)
+            log.info("PreparePlans %s: %s; released by its request id", tag, why.name)
+        except grpc.RpcError as e:
+            log.debug("PreparePlans %s: %s; release by request id failed: %s", tag, why.name, e.details())
 
     def release(self, lease: RemoteLease) -> None:
         att = self._att

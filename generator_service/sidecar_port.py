@@ -5,7 +5,8 @@
 Protocol (docs/architecture.md, "The slab and the lease protocol"): a session attaches and maps
 the slab; every attachment bumps `epoch`; `prepare` leases one slot per step; the generator
 checks each leased row (READY, the lease's generation, its key) before it reads pages, and
-`release`s in every outcome. A lease from an older epoch is dead. The weight-update steps
+`release`s in every outcome; a prepare whose answer was lost is released by its request id. A lease from an older
+epoch is dead. The weight-update steps
 (`prepare_update`, `commit_update`, `abort_update`, `adopt`) are in "Weight generations and
 UpdateWeights". Every failure is a domain error: SidecarUnavailableError when the sidecar is
 gone or its answer was lost (CommitOutcomeUnknownError for a commit), GenerationMismatchError,
@@ -157,7 +158,9 @@ class SidecarSession(ABC):
         self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0
     ) -> RemoteLease:
         """Lease one READY slot per step of `keys`, built for `generation`. `step_bound_s` bounds one denoise step of
-        the request (0: unknown): should the session vanish, the sidecar keeps the slots pinned at least that long."""
+        the request (0: unknown): should the session vanish, the sidecar keeps the slots pinned at least that long.
+        `request_id` (the request's own) tags the call at the sidecar: a call whose answer is lost (its deadline passed,
+        the connection dropped) is released by that tag, so its lease is never left held."""
 
     @abstractmethod
     def release(self, lease: RemoteLease) -> None:

@@ -64,8 +64,10 @@ def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
     except CheckpointError as e:
         raise CheckpointError(
             f"{e} (the state file {state_dir / STATE_FILE} names {state.weights_path} as generation "
-            f"{state.generation}, and the state file wins over --checkpoint; to start from --checkpoint "
-            f"{cfg.checkpoint} instead, remove that state file or point --state-dir elsewhere)"
+            f"{state.generation}, and the state file wins over --checkpoint; to serve --checkpoint {cfg.checkpoint} "
+            f'instead, edit that state file: set "weights_path" to it and leave out "digests" and "fingerprint" (the '
+            f"sidecar digests the files at start), keeping generation at least {state.generation}: never remove it, "
+            "the generation would restart at 1)"
         ) from e
 
 

@@ -19,7 +19,8 @@ class PlanCacheError(ServiceError):
 
 
 class InvalidPlanRequestError(PlanCacheError):
-    """The plan keys themselves are bad: empty, non-finite, or wider than a slot."""
+    """A plan call's own fields are bad: plan keys empty, non-finite or wider than a slot, a step bound out of
+    range, or a ReleasePlans naming both a lease_id and a request_id."""
 
     reason = "INVALID_PLAN_REQUEST"
     grpc_code = "INVALID_ARGUMENT"
@@ -77,8 +78,37 @@ class SessionError(PlanCacheError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class LeaseAbandonedError(PlanCacheError):
+    """ReleasePlans named this PreparePlans' request_id (its caller gave up on the answer) before the lease was
+    handed out: the lease was released at once and nothing is served under it."""
+
+    reason = "LEASE_ABANDONED"
+    grpc_code = "CANCELLED"
+
+
 class UpdateConflictError(PlanCacheError):
     """Another weight update is prepared, or commit/abort names a different one."""
 
     reason = "UPDATE_CONFLICT"
     grpc_code = "ABORTED"
+
+
+class StateFileError(PlanCacheError):
+    """The state file (`--state-dir`/plancache-state.json) cannot be read, breaks its schema or cannot be written;
+    the message names the file, the key and the rule, and how to recover without the generation going backwards
+    ("set generation to at least N"). At start the sidecar exits 2; a CommitWeightUpdate that cannot persist
+    commits nothing. ErrorInfo metadata `key`, `min_generation` (empty when unknown)."""
+
+    reason = "STATE_FILE_ERROR"
+    grpc_code = "INTERNAL"
+
+    def __init__(self, path: str, key: str, rule: str, min_generation: int | None = None, advice: str = "") -> None:
+        where = f"{path}: {key}: " if key else f"{path}: "
+        super().__init__(
+            f"{where}{rule}" + (f"; {advice}" if advice else ""),
+            {"key": key, "min_generation": "" if min_generation is None else str(min_generation)},
+        )
+        self.path = path
+        self.key = key
+        self.rule = rule
+        self.min_generation = min_generation

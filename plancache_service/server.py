@@ -35,8 +35,8 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
 from .cache import CacheStats
+from .errors import InvalidPlanRequestError
 from .sidecar import Sidecar
-from .state import StateFileError
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,9 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
         self.guard.peer(context)
         keys = [PlanKey(tuple(k.timestep_bits)) for k in request.plan_keys]
         try:
-            lease = self.sidecar.prepare(request.session_id, request.generation, keys, request.step_bound_s)
+            lease = self.sidecar.prepare(
+                request.session_id, request.generation, keys, request.step_bound_s, request.request_id
+            )
         except ServiceError as e:
             abort(context, e)
         log.debug(
@@ -175,7 +177,12 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     def ReleasePlans(self, request: pb.ReleasePlansRequest, context: grpc.ServicerContext) -> pb.ReleasePlansResponse:
         self.guard.peer(context)
         try:
-            self.sidecar.release(request.session_id, request.lease_id)
+            if request.request_id and request.lease_id:
+                raise InvalidPlanRequestError("request_id", "give lease_id or request_id, not both")
+            if request.request_id:
+                self.sidecar.release_request(request.session_id, request.request_id)
+            else:
+                self.sidecar.release(request.session_id, request.lease_id)
         except ServiceError as e:
             abort(context, e)
         return pb.ReleasePlansResponse()
@@ -211,7 +218,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
         self.guard.admin(context, "CommitWeightUpdate")
         try:
             generation, fingerprint = self.sidecar.commit_update(request.from_generation, request.weights_path)
-        except (ServiceError, CheckpointError, StateFileError, OSError) as e:
+        except (ServiceError, CheckpointError, OSError) as e:  # a state file that cannot be written: StateFileError
             abort(context, e)
         return pb.CommitWeightUpdateResponse(generation=generation, fingerprint=fingerprint)
 

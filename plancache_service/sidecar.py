@@ -11,21 +11,30 @@ or its grace has passed, because a vanished session's kernels may still read the
 `grace_steps` x the largest step bound its leases' PreparePlans carried): the generator's bound on
 one denoise step of each request, so the wait scales with the requests. Retired leases are reaped lazily,
 before every attach, prepare, commit and state query. Plan calls
-must name the live session. Weight updates: `prepare_update` validates the new rebuild
-source and changes nothing served; `commit_update` persists (generation + 1, path, digests)
-first, then invalidates every tier and retargets rebuilds (docs/architecture.md, "Weight
-generations and UpdateWeights"). Whether plans are served is one state here (`serving`);
+must name the live session.
+
+No lease outlives its session: a lease is *granted* (recorded for the live session) under the sidecar's lock at the
+moment its PreparePlans returns, and detach retires exactly the granted ones. A prepare still running when its session
+ends, or whose request id ReleasePlans named meanwhile (the caller gave up on the answer: a client deadline, a dropped
+connection), releases its lease at once instead and fails (SessionError, LeaseAbandonedError); `release_request`
+releases a granted lease by (session, request id) when its answer was lost (`Sidecar.prepare`).
+
+Weight updates: `prepare_update` validates the new rebuild source and changes nothing served; `commit_update`
+persists (generation + 1, path, digests) first, then invalidates every tier and retargets rebuilds
+(docs/architecture.md, "Weight generations and UpdateWeights"). Whether plans are served is one state here (`serving`);
 every change of it goes to the `on_serving_change` listener given at construction.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -40,7 +49,14 @@ from ditruntime.slab import SlabDescriptor
 from .cache import CacheStats, Lease, PlanCache
 from .config import SidecarConfig
 from .device import SlabExport
-from .errors import CheckpointChangedError, InvalidPlanRequestError, SessionError, UpdateConflictError
+from .errors import (
+    CheckpointChangedError,
+    InvalidPlanRequestError,
+    LeaseAbandonedError,
+    SessionError,
+    UnknownLeaseError,
+    UpdateConflictError,
+)
 from .rebuild import RebuildSource, open_checkpoint
 from .state import PersistedState, save_state
 
@@ -50,6 +66,9 @@ DEFAULT_SESSION_GRACE_S = float(next(f.default for f in fields(SidecarConfig) if
 """SidecarConfig.session_grace_s's default (`--session-grace-s`)."""
 DEFAULT_GRACE_STEPS = float(next(f.default for f in fields(SidecarConfig) if f.name == "session_grace_steps"))  # type: ignore[arg-type]
 """SidecarConfig.session_grace_steps's default (`--session-grace-steps`)."""
+MAX_ABANDONED_IDS = 1024
+"""Request ids that ReleasePlans named, remembered for the live session so that their PreparePlans, still running or
+arriving late, hands out no lease (oldest forgotten first)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,15 @@ class UpdateOutcomes:
     committed: int = 0
     aborted: int = 0
     refused: int = 0
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease handed to the live session: its PreparePlans' request id ("" when none) and step bound (0: unknown)."""
+
+    session_id: str
+    request_id: str
+    step_bound_s: float
 
 
 @dataclass(frozen=True)
@@ -132,7 +160,9 @@ class Sidecar:
         self.cache = cache
         self.grace_s = grace_s
         self.grace_steps = grace_steps
-        self._step_bounds: dict[int, float] = {}  # lease id -> its PreparePlans' step_bound_s
+        self._grants: dict[int, Grant] = {}  # lease id -> the live session's grant (guarded by `_lock`)
+        self._in_flight: dict[str, int] = {}  # session id -> its prepares running now
+        self._abandoned: OrderedDict[str, None] = OrderedDict()  # the live session's request ids ReleasePlans named
         self._clock = clock
         self._peer_gone = peer_gone
         self._retired: dict[str, RetiredSession] = {}
@@ -162,14 +192,16 @@ class Sidecar:
             export = self.cache.memory.export()
             self._session = SessionInfo(uuid.uuid4().hex, client_name, export.descriptor)
             self._export = export
+            self._abandoned.clear()
             if peer_pid is not None:
                 self._peer_pids[self._session.session_id] = peer_pid
             log.info("session %s attached by %s", self._session.session_id, client_name)
             return self._session
 
     def detach(self, session_id: str, peer_pid: int | None = None) -> int:
-        """End the session: close its export (bookkeeping), drop its uncommitted update and retire its leases (released at once
-        only when its peer process is known to be gone, or `grace_s` is 0). Returns how many leases it held.
+        """End the session: close its export (bookkeeping), drop its uncommitted update and retire its granted leases
+        (released at once only when its peer process is known to be gone, or `grace_s` is 0). Returns how many leases
+        it held. A prepare of this session still running grants nothing: it releases its own lease when it returns.
 
         `peer_pid` (or the one given to attach) names the peer process; without one the grace period alone decides.
         """
@@ -177,17 +209,23 @@ class Sidecar:
             if self._session is None or self._session.session_id != session_id:
                 return 0
             client_name = self._session.client_name
-            self._session = None
+            self._session = None  # from here no prepare of this session grants a lease (`_end_prepare`)
             self._pending = None
+            self._abandoned.clear()
             export, self._export = self._export, None
             pid = peer_pid if peer_pid is not None else self._peer_pids.pop(session_id, None)
             self._peer_pids.pop(session_id, None)
+            granted = [i for i, g in self._grants.items() if g.session_id == session_id]
+            bound = max((self._grants.pop(i).step_bound_s for i in granted), default=0.0)
+            in_flight = self._in_flight.get(session_id, 0)
         if export is not None:
             export.close()
-        leases = [lease.lease_id for lease in self.cache.leases() if lease.owner == session_id]
-        with self._lock:
-            bound = max((self._step_bounds.pop(i, 0.0) for i in leases), default=0.0)
-        held = len(leases)
+        if in_flight:
+            log.info(
+                "session %s detached with %d prepare(s) running: each releases its lease when it returns", session_id,
+                in_flight,
+            )  # fmt: skip
+        held = len(granted)
         if held == 0:
             log.info("session %s detached; it held no lease", session_id)
             return 0
@@ -238,9 +276,24 @@ class Sidecar:
             raise SessionError(f"session {session_id!r} is not the attached session; Attach first")
 
     # ---------------------------------------------------------------- plans
-    def prepare(self, session_id: str, generation: int, keys: Sequence[PlanKey], step_bound_s: float = 0.0) -> Lease:
+    def prepare(
+        self,
+        session_id: str,
+        generation: int,
+        keys: Sequence[PlanKey],
+        step_bound_s: float = 0.0,
+        request_id: str = "",
+    ) -> Lease:
         """Lease the plans of `keys`. `step_bound_s` (0: unknown) is the generator's bound on one denoise step of the
-        request: should the session vanish, the lease's slots stay pinned `session_grace_s(step_bound_s)`."""
+        request: should the session vanish, the lease's slots stay pinned `session_grace_s(step_bound_s)`.
+        `request_id` tags the lease so that `release_request` can end it should this answer be lost.
+
+        The lease is granted only if, when the cache returns it, its session is still the live one and ReleasePlans has
+        not named `request_id`; otherwise it is released at once (SessionError, LeaseAbandonedError). At once, not
+        after a grace like a detached session's leases: this call has not answered, so no process has been told these
+        slots under this lease and no kernel can be reading them through it (a slot also leased by a granted lease
+        keeps that lease's pin and its grace).
+        """
         self._check_session(session_id)
         if not (math.isfinite(step_bound_s) and 0 <= step_bound_s <= MAX_STEP_BOUND_S):
             raise InvalidPlanRequestError(
@@ -253,21 +306,89 @@ class Sidecar:
             # request's status does not depend on whether another prepare (e.g. the generator's
             # prefetch) saw the change first.
             raise CheckpointChangedError(f"not serving plans: {self._not_serving}")
+        self._begin_prepare(session_id, request_id)
+        lease: Lease | None = None
         try:
             lease = self.cache.prepare(generation, keys, owner=session_id)
         except CheckpointChangedError as e:
             self.set_not_serving(str(e))
             raise
-        if step_bound_s > 0:
-            with self._lock:
-                self._step_bounds[lease.lease_id] = step_bound_s
+        finally:
+            refusal = self._end_prepare(session_id, request_id, lease, step_bound_s)
+        if refusal is not None:
+            assert lease is not None
+            self._release_quietly(lease.lease_id)
+            log.info("lease %d (request %s) released at once: %s", lease.lease_id, request_id or "-", refusal)
+            raise refusal
+        assert lease is not None
         return lease
 
-    def release(self, session_id: str, lease_id: int) -> None:
-        self._check_session(session_id)
-        self.cache.release(lease_id)
+    def _begin_prepare(self, session_id: str, request_id: str) -> None:
         with self._lock:
-            self._step_bounds.pop(lease_id, None)
+            self._check_session(session_id)
+            if request_id and request_id in self._abandoned:
+                raise LeaseAbandonedError(f"request {request_id}: ReleasePlans already released it; nothing prepared")
+            self._in_flight[session_id] = self._in_flight.get(session_id, 0) + 1
+
+    def _end_prepare(
+        self, session_id: str, request_id: str, lease: Lease | None, step_bound_s: float
+    ) -> SessionError | LeaseAbandonedError | None:
+        """Under the lock: grant `lease` to the live session, or say why not (see `prepare`)."""
+        with self._lock:
+            left = self._in_flight.pop(session_id) - 1
+            if left:
+                self._in_flight[session_id] = left
+            if lease is None:
+                return None
+            live = self._session
+            if live is None or live.session_id != session_id:
+                return SessionError(f"session {session_id!r} ended while its PreparePlans ran; the lease is released")
+            if request_id and request_id in self._abandoned:
+                return LeaseAbandonedError(
+                    f"request {request_id}: ReleasePlans released it while its PreparePlans ran; the lease is released"
+                )
+            self._grants[lease.lease_id] = Grant(session_id, request_id, step_bound_s)
+            return None
+
+    def _release_quietly(self, lease_id: int) -> None:
+        """Release a lease if it is still live (a retired session's reap, or a release racing this one, may have
+        ended it already)."""
+        with contextlib.suppress(UnknownLeaseError):
+            self.cache.release(lease_id)
+
+    def release(self, session_id: str, lease_id: int) -> None:
+        """End one lease granted to the live session `session_id` (UnknownLeaseError for any other)."""
+        with self._lock:
+            self._check_session(session_id)
+            grant = self._grants.get(lease_id)
+            if grant is None or grant.session_id != session_id:
+                raise UnknownLeaseError(f"no live lease {lease_id} of session {session_id!r}")
+            del self._grants[lease_id]
+        self.cache.release(lease_id)
+
+    def release_request(self, session_id: str, request_id: str) -> int:
+        """End every lease granted to `session_id` under `request_id`, and refuse any PreparePlans of it still running
+        or still to come: its caller lost the answer (a client deadline, a dropped connection), so no kernel reads
+        these slots and they are released at once. Returns how many leases it ended; 0 is not an error."""
+        if not request_id:
+            raise InvalidPlanRequestError("request_id", "must not be empty")
+        with self._lock:
+            self._check_session(session_id)
+            ids = [i for i, g in self._grants.items() if g.session_id == session_id and g.request_id == request_id]
+            for i in ids:
+                del self._grants[i]
+            self._abandoned[request_id] = None
+            self._abandoned.move_to_end(request_id)
+            while len(self._abandoned) > MAX_ABANDONED_IDS:
+                self._abandoned.popitem(last=False)
+            in_flight = self._in_flight.get(session_id, 0)
+        for i in ids:
+            self._release_quietly(i)
+        log.info(
+            "request %s: released %d lease(s) by request id (answer lost; %d prepare(s) of the session running)",
+            request_id, len(ids), in_flight,
+        )  # fmt: skip
+        return len(ids)
 
     @property
     def serving(self) -> bool:
@@ -349,8 +470,10 @@ class Sidecar:
             return True
 
     def _persist(self, generation: int, source: RebuildSource) -> None:
-        if self.state_dir is not None:
-            save_state(self.state_dir, PersistedState(generation, str(source.path), source.digests))
+        if self.state_dir is not None and not save_state(
+            self.state_dir, PersistedState(generation, str(source.path), source.digests)
+        ):
+            log.debug("state file unchanged (generation %d): not rewritten", generation)
 
     # ---------------------------------------------------------------- state
     def state(self) -> SidecarState:

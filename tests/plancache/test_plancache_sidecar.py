@@ -185,4 +185,5 @@ def test_a_state_file_naming_an_unusable_repository_says_how_to_recover(tiny_ckp
         open_source(cfg)
     msg = str(info.value)
     assert "model_index.json" in msg and str(state_dir / STATE_FILE) in msg
-    assert "remove that state file or point --state-dir elsewhere" in msg and str(tiny_ckpt) in msg
+    assert 'edit that state file: set "weights_path" to it' in msg and str(tiny_ckpt) in msg
+    assert "keeping generation at least 3" in msg and "never remove it" in msg

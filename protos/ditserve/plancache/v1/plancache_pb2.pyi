@@ -147,12 +147,14 @@ class PreparePlansResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., report: _Optional[_Union[CacheReport, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReleasePlansRequest(_message.Message):
-    __slots__ = ("session_id", "lease_id")
+    __slots__ = ("session_id", "lease_id", "request_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_id: int
-    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReleasePlansResponse(_message.Message):
     __slots__ = ()

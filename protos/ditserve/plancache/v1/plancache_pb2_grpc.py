@@ -92,7 +92,7 @@ class PlanCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleasePlans(self, request, context):
-        """ReleasePlans ends a lease.
+        """ReleasePlans ends a lease (by lease id, or by request id when the PreparePlans answer was lost).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
