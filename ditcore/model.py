@@ -37,7 +37,7 @@ from .pipeline import (
 )
 from .plans import PlanKey, SlotReads, is_plan_tensor
 from .report import CacheReport
-from .request import H3_LIMITS, GenerationRequest, RequestLimits
+from .request import H3_LIMITS, GenerationRequest, RequestLimits, check_prompt_tokens
 from .text_encoder import LoadedTextEncoder, TextEncoderPlacement
 
 ADALN_MODES = ("resident", "cached")
@@ -146,7 +146,7 @@ def latents_sha256(video: torch.Tensor, audio: torch.Tensor | None) -> str:
     h = hashlib.sha256()
     for t in (video, audio):
         if t is not None:
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)  # the buffer itself, no copy
     return h.hexdigest()
 
 
@@ -350,8 +350,10 @@ def generate(
     plans: PlanProvider | None = None,
     on_step: StepCallback | None = None,
     limits: RequestLimits = H3_LIMITS,
+    check: Callable[[], None] | None = None,
 ) -> GenerationResult:
     """Run one request through diffusers' t2va or fl2va loop. Cached models need `plans`; resident models take none.
+    `check` (optional) is called between the decode's chunks; it raises to stop the request there (cancel, deadline).
 
     The lease (if any) is acquired after validation and released in every outcome (before decoding, which reads no
     plan). Timings: `plans` (acquire), `encode` (start of the loop to the first transformer forward: text and keyframe
@@ -360,6 +362,7 @@ def generate(
     (stage_synchronize; on CUDA a stream sync at each boundary, the first forward's included), in both modes.
     """
     request.validate(limits)
+    check_prompt_tokens(model.pipe.tokenizer, request.prompt, limits)  # the served tokenizer, as diffusers calls it
     if (plans is None) != (model.mode == "resident"):
         raise ValueError(f"a {model.mode} model {'takes no' if plans is not None else 'needs a'} plan provider")
     device = model.device
@@ -413,7 +416,7 @@ def generate(
     media = None
     if request.decodes:
         t0 = _clock(device)
-        media = decode(model.decoder, video, audio)
+        media = decode(model.decoder, video, audio, check=check)
         timings["decode"] = _ms(t0, device)
     timings["total"] = _ms(t_start, device)
     v_out = video.detach().cpu().contiguous()

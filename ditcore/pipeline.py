@@ -10,7 +10,7 @@ Protocol for one request on one pipeline (the pipeline's schedulers are stateful
     holder = plan_holder(pipe.transformer)                  # (use_cached_transformer swaps one into a loaded pipe)
     video, audio = generate_latents(pipe, request, pages_for_step, keys)   # pages_for_step(i, keys[i]) -> pages
     decoder = load_decoder(pipe, repo, "bfloat16")          # diffusers' MiniMaxH3DecodeStep; the VAEs at that dtype
-    media = decode(decoder, video, audio)                   # uint8 frames, stereo waveform, sampling rate
+    media = decode(decoder, video, audio, check)            # uint8 frames (chunked), stereo waveform, sampling rate
 
 The task follows the inputs as in diffusers: a request with keyframes (`image` / `last_image`) runs every
 conditional block's fl2va branch, one without runs t2va. (The ref2va branch is never selected: ditserve passes no
@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .media import DecodedMedia
@@ -54,6 +55,9 @@ _PLANNING_SKIP = (
 )
 DECODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 """The dtypes the VAEs may decode in (load_decoder)."""
+DECODE_CHUNK_BYTES = 64 * 1024 * 1024
+"""decode turns this much float32 video (whole frames, at least one) into uint8 frames at a time: about 5 frames at
+768 x 1344, so the host holds the uint8 frames plus a few chunks' temporaries, never a float copy of the video."""
 _VAES = ("vae", "audio_vae")
 _UNLOADED = ("transformer_ref",)  # ref2va's partition: never selected, never loaded
 KEYFRAME_NOISE_AUG = 0.999
@@ -228,15 +232,62 @@ def load_decoder(pipe: Any, repo: str | os.PathLike[str], dtype: str | None = No
 
 
 @torch.no_grad()
-def decode(decoder: Any, video: torch.Tensor, audio: torch.Tensor) -> DecodedMedia:
+def decode(
+    decoder: Any,
+    video: torch.Tensor,
+    audio: torch.Tensor,
+    check: Callable[[], None] | None = None,
+    *,
+    chunk_bytes: int = DECODE_CHUNK_BYTES,
+) -> DecodedMedia:
     """Decode final latents exactly as diffusers' MiniMax-H3 decode steps do, with their default `output_type="pil"`:
-    the frames as diffusers hands them to a user (uint8 RGB), the stereo waveform and the audio VAE's rate."""
-    import numpy as np
+    the frames as diffusers hands them to a user (uint8 RGB), the stereo waveform and the audio VAE's rate.
 
-    out = decoder(latents=video, audio_latents=audio, output_type="pil", output=["videos", "audio", "sampling_rate"])
-    frames = np.stack([np.asarray(image) for image in out["videos"][0]])  # (F, H, W, 3) uint8
+    The steps run with `output_type="pt"`, which leaves the float video on the VAE's device, and the uint8 frames are
+    made from it `chunk_bytes` of float32 frames at a time (to_uint8_frames: diffusers' own pil conversion, so the
+    same bits), so the host never holds a float copy of the video. `check` (optional) is called before the decode,
+    before each forward of the two VAE decoders (the video decoder runs once per spatial tile of each temporal clip)
+    and before each chunk; what it raises stops the decode there and propagates.
+    """
+    hooks = []
+    if check is not None:
+        check()
+        call = lambda *_: check()  # noqa: E731  (a forward pre-hook's module and args are not needed)
+        hooks = [getattr(decoder, name).decoder.register_forward_pre_hook(call) for name in _VAES]
+    try:
+        out = decoder(latents=video, audio_latents=audio, output_type="pt", output=["videos", "audio", "sampling_rate"])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    pixels = out.pop("videos")[0]  # (F, 3, H, W) float32 in [0, 1], on the VAE's device
+    frames = to_uint8_frames(decoder.video_processor, pixels, check, chunk_bytes)
+    del pixels  # the float video goes before the media is built
     waveform = out["audio"][0].detach().cpu().contiguous().numpy()  # (2, S) float32
     return DecodedMedia(frames=frames, audio=waveform, sampling_rate=int(out["sampling_rate"]))
+
+
+def to_uint8_frames(
+    processor: Any,
+    pixels: torch.Tensor,
+    check: Callable[[], None] | None = None,
+    chunk_bytes: int = DECODE_CHUNK_BYTES,
+) -> np.ndarray:
+    """(F, C, H, W) float video as the decode step's `output_type="pt"` leaves it -> (F, H, W, C) uint8, exactly the
+    frames its `output_type="pil"` gives (after the same postprocess, "pil" adds the video processor's own
+    `pt_to_numpy` and `numpy_to_pil`, which this applies): whole frames, at most `chunk_bytes` of float32 (at least
+    one frame) at a time, written into one preallocated array. `check` runs before each chunk."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be at least 1, got {chunk_bytes}")
+    count, channels, height, width = pixels.shape
+    step = max(1, chunk_bytes // (channels * height * width * 4))
+    frames = np.empty((count, height, width, channels), dtype=np.uint8)
+    for start in range(0, count, step):
+        if check is not None:
+            check()
+        images = processor.numpy_to_pil(processor.pt_to_numpy(pixels[start : start + step]))
+        for index, image in enumerate(images, start):
+            frames[index] = np.asarray(image)
+    return frames
 
 
 def use_cached_transformer(

@@ -7,6 +7,11 @@ grouping: 124 to 345 frames), both canvas sides multiples of 32, aspect ratio 1:
 off-grid frame count up with a warning; the service refuses it instead, so a caller gets exactly what it asked for.
 The default limits are the released envelope (sides up to 1344, at most 768 x 1344 pixels, either orientation);
 an operator may raise them up to MAX_SIDE (the memory admission check then decides what fits the device).
+`validate` makes only cheap checks, so admission can run it under a flood: a keyframe is checked by its header and
+structure (ditcore.media.probe_image), its pixels are decoded when the request runs (`keyframes`, where a fault of
+the pixel data still raises RequestError naming the field), and the prompt's tokens are counted where the served
+tokenizer is (`check_prompt_tokens`). A prompt is Unicode text with a visible character and no control character but
+tab, line feed and carriage return.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import functools
 import hashlib
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from .media import OUTPUT_TYPES, ImageLimits, MediaError, decode_image
+from .media import OUTPUT_TYPES, ImageLimits, MediaError, decode_image, probe_image
 
 TASKS = ("t2va", "fl2va")
 """Served tasks: text to video+audio, and first/last keyframe to video+audio. (ref2va runs another transformer
@@ -41,6 +47,10 @@ MAX_PIXELS = MAX_SIDE * MAX_SIDE
 """Largest canvas area an operator may allow (`--max-canvas-pixels`)."""
 RELEASED_MAX_SIDE = 1344
 RELEASED_MAX_PIXELS = 768 * 1344
+RELEASED_MAX_VIDEO_PIXELS = RELEASED_MAX_PIXELS * 345
+"""The released envelope's height x width x num_frames (768 x 1344 x 345): the default pixels x frames budget, so a
+canvas raised beyond the released sides still decodes within the released size's host memory (~1.07 GB of uint8
+frames); MAX_VIDEO_PIXELS is the hard cap an operator may raise it to."""
 """The released canvas: 768 x 1344 in either orientation, the default limits (~104k tokens at 345 frames)."""
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0  # width / height
 MIN_STEPS, MAX_STEPS = 2, 1000
@@ -49,7 +59,19 @@ MAX_SHIFT = 1000.0
 MAX_SEED = 2**63 - 1
 MAX_PROMPT_BYTES = 16384
 """Prompt limit in UTF-8 bytes (a long prompt costs one text-encoder pass and one longer sequence per step)."""
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_PROMPT_TOKENS = 3 * MAX_PROMPT_BYTES
+"""Prompt limit in the served tokenizer's tokens (`prompt_tokens`): by default what any prompt within MAX_PROMPT_BYTES
+can become, so only an operator's tighter limit refuses a prompt by its tokens. Qwen's tokenizer normalizes to NFC,
+which can make UTF-8 text up to 3 times longer (U+1D160, 4 bytes, becomes 3 code points of 12 bytes), and its
+byte-level BPE makes at most one token per byte; Qwen3-VL reads far longer sequences."""
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+"""A request id, matched whole (`fullmatch`: "$" would also match before a trailing newline)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+"""Unicode's control characters (category Cc) but tab, line feed and carriage return."""
+_INVISIBLE_LETTERS = frozenset("\u115f\u1160\u3164\uffa0")
+"""The Hangul fillers: letters (Lo) that render as nothing (default-ignorable code points outside the format
+category)."""
 
 
 class RequestError(ValueError):
@@ -74,11 +96,17 @@ class RequestLimits:
     max_keyframe_pixels: int = MAX_KEYFRAME_PIXELS
     max_pixels: int = RELEASED_MAX_PIXELS
     """Largest height x width."""
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    """Most tokens of the served tokenizer in a prompt (checked where a tokenizer is at hand: `prompt_tokens`)."""
+    max_video_pixels: int = RELEASED_MAX_VIDEO_PIXELS
+    """Largest height x width x num_frames: the decoded video's size (its frames and the files made from them)."""
 
 
 H3_LIMITS = RequestLimits()
 """The released envelope: every front end validates against it unless an operator set other limits."""
-MODEL_LIMITS = RequestLimits(max_height=MAX_SIDE, max_width=MAX_SIDE, max_pixels=MAX_PIXELS)
+MODEL_LIMITS = RequestLimits(
+    max_height=MAX_SIDE, max_width=MAX_SIDE, max_pixels=MAX_PIXELS, max_video_pixels=MAX_PIXELS * MAX_FRAMES
+)
 """Every canvas H3's rules allow up to the hard caps (what `ditserve inspect` models)."""
 
 
@@ -134,16 +162,31 @@ class GenerationRequest:
 
     def keyframes(self, limits: RequestLimits = H3_LIMITS) -> dict[str, Any]:
         """diffusers' keyframe inputs, `image` / `last_image`, as RGB PIL images decoded from the request's bytes
-        (MediaError, as RequestError naming the field, on bad media; the MediaError is its `__cause__`)."""
+        (MediaError, as RequestError naming the field, on bad media; the MediaError is its `__cause__`). This decodes
+        the pixels: `validate` has checked everything the headers decide, so what can still fail here is the pixel
+        data itself (ditcore.media.decode_image)."""
         inputs: dict[str, Any] = {}
         for name, key in zip(KEYFRAME_FIELDS, ("image", "last_image"), strict=True):
             data = getattr(self, name)
             if data:
                 try:
-                    inputs[key] = _decoded(data, _image_limits(limits))
+                    if _image_limits(limits) != _image_limits(H3_LIMITS):  # tighter: its header checks first
+                        probe_image(data, _image_limits(limits))
+                    inputs[key] = _decoded(data)
                 except MediaError as e:
                     raise RequestError(name, e.description) from e
         return inputs
+
+    def probe_keyframes(self, limits: RequestLimits = H3_LIMITS) -> None:
+        """Every keyframe check its bytes' header and structure decide, no pixel decoded (ditcore.media.probe_image;
+        RequestError naming the field, the MediaError as its `__cause__`)."""
+        for name in KEYFRAME_FIELDS:
+            data = getattr(self, name)
+            if data:
+                try:
+                    probe_image(data, _image_limits(limits))
+                except MediaError as e:
+                    raise RequestError(name, e.description) from e
 
     def pipeline_inputs(self) -> dict[str, Any]:
         """The keyword inputs diffusers' blocks take (the generator and shifts are set apart): the keyframes, when
@@ -176,9 +219,11 @@ class GenerationRequest:
 
     # ---------------------------------------------------------------- validation
     def validate(self, limits: RequestLimits = H3_LIMITS) -> GenerationRequest:
-        """Raise RequestError naming the first bad field; return self when valid."""
+        """Raise RequestError naming the first bad field; return self when valid. Only cheap checks: a keyframe is
+        checked by its header and structure (`probe_keyframes`), its pixels are decoded when the request runs
+        (`keyframes`), and the prompt's tokens are counted where the tokenizer is (`prompt_tokens`)."""
         _check_types(self)
-        if not _REQUEST_ID.match(self.request_id):
+        if not _REQUEST_ID.fullmatch(self.request_id):
             raise RequestError("request_id", "must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         if self.task not in TASKS:
             raise RequestError(
@@ -188,11 +233,7 @@ class GenerationRequest:
             )
         if self.output_type not in OUTPUT_TYPES:
             raise RequestError("output_type", f"must be one of {', '.join(OUTPUT_TYPES)}, got {self.output_type!r}")
-        n = len(self.prompt.encode("utf-8"))
-        if not self.prompt.strip():
-            raise RequestError("prompt", "must not be empty: MiniMax-H3 conditions every step on the prompt's text")
-        if n > limits.max_prompt_bytes:
-            raise RequestError("prompt", f"is {n} bytes; allowed at most {limits.max_prompt_bytes} bytes (UTF-8)")
+        _check_prompt(self.prompt, limits)
         if not MIN_STEPS <= self.num_inference_steps <= MAX_STEPS:
             raise RequestError(
                 "num_inference_steps",
@@ -211,7 +252,7 @@ class GenerationRequest:
         if self.task == "t2va" and self.has_keyframes:
             name = "first_frame" if self.first_frame else "last_frame"
             raise RequestError(name, "t2va takes no keyframe; use task fl2va (or leave the task unset)")
-        self.keyframes(limits)  # decoded here, so bad media is refused before any work
+        self.probe_keyframes(limits)  # headers and structure only: bad media is refused before any work
         return self
 
 
@@ -222,12 +263,73 @@ def infer_task(task: str | None, has_keyframes: bool) -> str:
     return "fl2va" if has_keyframes else "t2va"
 
 
+def prompt_tokens(tokenizer: Any, prompt: str) -> int:
+    """How many tokens MiniMax-H3's text encoder reads for `prompt`: `tokenizer` (the served pipeline's) called
+    exactly as diffusers' MiniMax-H3 text blocks call it, `tokenizer(prompt, add_special_tokens=False)` (no template,
+    no truncation, no padding: diffusers encodes every token). RequestError naming the prompt when it holds one of
+    the tokenizer's special tokens (e.g. "<|image_pad|>"): the blocks would read it as a marker of the presentation,
+    not as text (an fl2va request then fails in the text encoder, its image tokens and image features no longer
+    matching)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    found = next((i for i in ids if i in special), None)
+    if found is not None:
+        raise RequestError(
+            "prompt", f"holds the text encoder's special token {tokenizer.convert_ids_to_tokens(found)!r}, which "
+            "MiniMax-H3's presentation of a request reserves (it is not read as text); write it another way"
+        )  # fmt: skip
+    return len(ids)
+
+
+def check_prompt_tokens(tokenizer: Any, prompt: str, limits: RequestLimits = H3_LIMITS) -> int:
+    """`prompt_tokens`, refused over `limits.max_prompt_tokens` (RequestError naming the prompt); returns the count."""
+    count = prompt_tokens(tokenizer, prompt)
+    if count > limits.max_prompt_tokens:
+        raise RequestError("prompt", f"is {count} tokens; allowed at most {limits.max_prompt_tokens}")
+    return count
+
+
+def _check_prompt(prompt: str, limits: RequestLimits) -> None:
+    """Unicode text within the byte limit, with no control character but tab, line feed and carriage return, and at
+    least one visible character."""
+    where = _SURROGATE.search(prompt)
+    if where is not None:  # a str can hold one (JSON's "\ud800"); UTF-8 cannot
+        raise RequestError(
+            "prompt", f"holds an unpaired surrogate (U+{ord(where.group()):04X} at character {where.start()}): not "
+            "Unicode text"
+        )  # fmt: skip
+    n = len(prompt.encode("utf-8"))
+    if n > limits.max_prompt_bytes:
+        raise RequestError("prompt", f"is {n} bytes; allowed at most {limits.max_prompt_bytes} bytes (UTF-8)")
+    where = _CONTROL.search(prompt)
+    if where is not None:
+        raise RequestError(
+            "prompt", f"holds the control character U+{ord(where.group()):04X} at character {where.start()}; of the "
+            "control characters only tab, line feed and carriage return are allowed"
+        )  # fmt: skip
+    if not any(_visible(char) for char in prompt):
+        raise RequestError(
+            "prompt", "must not be empty: MiniMax-H3 conditions every step on the prompt's text, and this one has no "
+            "visible character (only whitespace, format, unassigned or private-use characters, or marks with no "
+            "letter to sit on)"
+        )  # fmt: skip
+
+
+def _visible(char: str) -> bool:
+    """A letter, number, punctuation, symbol or spacing mark (Unicode categories L*, N*, P*, S*, Mc) that renders as
+    something; not whitespace (Z*), a control (Cc), a format character such as a zero-width space or joiner (Cf),
+    private use (Co), unassigned (Cn), nor a combining mark (Mn, Me), which shows only on another character."""
+    category = unicodedata.category(char)
+    return (category[0] in "LNPS" or category == "Mc") and char not in _INVISIBLE_LETTERS
+
+
 @functools.lru_cache(maxsize=2)
-def _decoded(data: bytes, limits: ImageLimits) -> Any:
-    """decode_image, remembered for the last two keyframes: a request's keyframes are decoded once although
-    admission, generate() and the pipeline inputs each ask (a MediaError is not remembered). The image is shared:
-    diffusers' blocks only read it (resizing makes a new one)."""
-    return decode_image(data, limits)
+def _decoded(data: bytes) -> Any:
+    """decode_image within the hard caps (the operator's tighter limits are checked before: `keyframes`), remembered
+    for the last two keyframes: a keyframe is decoded once although generate()'s steps (its plan keys and its loop)
+    each ask for the pipeline inputs (a MediaError is not remembered). The image is shared: diffusers' blocks only
+    read it (resizing makes a new one)."""
+    return decode_image(data, _image_limits(H3_LIMITS))
 
 
 def _image_limits(limits: RequestLimits) -> ImageLimits:
@@ -258,6 +360,13 @@ def check_canvas(height: int, width: int, num_frames: int, limits: RequestLimits
     """H3's canvas and frame rules within `limits` (RequestError naming the field)."""
     _check_frames(num_frames, limits)
     _check_canvas(height, width, limits)
+    budget = min(limits.max_video_pixels, MAX_PIXELS * MAX_FRAMES)
+    if height * width * num_frames > budget:
+        released = " (768 x 1344 x 345, the released envelope)" if budget == RELEASED_MAX_VIDEO_PIXELS else ""
+        raise RequestError(
+            "num_frames", f"height x width x num_frames must be at most {budget:,} pixels{released}, got {height} x "
+            f"{width} x {num_frames} = {height * width * num_frames:,}",
+        )  # fmt: skip
 
 
 def _check_frames(frames: int, limits: RequestLimits) -> None:

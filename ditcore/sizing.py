@@ -38,7 +38,7 @@ Decode (V = 3 x frames x H x W pixel values, ed = the decode dtype's size):
     max(2·V·ed (the decoded chunks and their concatenation), V·ed + 8·V (the float32 denormalization))
     + one tile's ViT pass: T·(3·Dv·4 + (4·Fv + 3·Dv)·ed) with T = latent frames per clip x (tile / 16)^2 + registers
     + 1 tokens (float32 residual stream), + 2·hv·T²·ed where scores are materialized;
-    + on cpu the pil conversion: 10·V (numpy float32 copy, its scaled copy, uint8 frames, images).
+    + on cpu the uint8 conversion: V (the frames) + 3 x 64 MiB (one chunk's float and scaled copies).
 Not modeled (each well under 1% at the released canvas): the adaln tables (6 x 3T x D), index tensors, the latents,
 the keyframes' VAE encoding, the scheduler state, the audio VAE's decode (channels x samples, under 100 MB).
 
@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from .pipeline import DECODE_CHUNK_BYTES
 from .repo import PROCESSOR_CONFIG
 
 GB = 1000**3
@@ -301,7 +302,7 @@ class ModelShapes:
     text_on_device: bool = True
     """False when the text encoder runs on the host (its activations are then not on the model's device)."""
     device_type: str = "cuda"
-    """Where the activations live: "cuda" or "cpu" (the pil conversion of a decode then shares the host)."""
+    """Where the activations live: "cuda" or "cpu" (the uint8 conversion of a decode then shares the host)."""
 
     # ------------------------------------------------------------ constructors
     @classmethod
@@ -365,6 +366,12 @@ class ModelShapes:
             text=canvas.prompt_tokens + vision,
         )
 
+    def latent_bytes(self, canvas: Canvas) -> int:
+        """Bytes of the final latents a request returns (float32 video and audio: a "latents" result's size, less
+        its framing). Each video row is one patch of in_channels x the patch volume; each audio row audio_in_channels."""
+        t, n = self.transformer, self.tokens(canvas)
+        return 4 * (n.video * t.video_channels + n.audio * t.audio_channels)
+
     def latent_frames(self, canvas: Canvas) -> int:
         from diffusers.modular_pipelines.minimax_h3.modular_pipeline import video_latent_num_frames
 
@@ -405,7 +412,8 @@ class ModelShapes:
         tile = tokens * (3 * d.dim * 4 + (4 * d.ffn_mult * d.dim + 3 * d.dim) * ed)
         if self.materializes_scores:
             tile += 2 * d.heads * tokens * tokens * ed
-        host = 10 * v if self.device_type == "cpu" else 0
+        # on cpu the uint8 frames and one conversion chunk's temporaries (ditcore.pipeline.to_uint8_frames)
+        host = v + 3 * DECODE_CHUNK_BYTES if self.device_type == "cpu" else 0
         return max(2 * v * ed, v * ed + 8 * v) + tile + host
 
     def activations(self, canvas: Canvas) -> ActivationPeak:
@@ -483,6 +491,9 @@ class RequestSizer:
 
     def tokens(self, request: Any) -> Tokens:
         return self.shapes.tokens(Canvas.of(request))
+
+    def latent_bytes(self, request: Any) -> int:
+        return self.shapes.latent_bytes(Canvas.of(request))
 
     def step_s(self, request: Any) -> float:
         return self.shapes.step_time_s(Canvas.of(request), self.device)

@@ -1,12 +1,18 @@
-"""Credentials both services share, free of grpc (configs import it): PEM files read with the
-flag that named them, and the admin bearer token (`authorization: Bearer <token>`). The mutual-TLS
-credentials built from those files are in `ditruntime.tls`."""
+"""Credentials and network exposure both services share, free of grpc (configs import it): PEM files read with
+the flag that named them; the admin bearer token (`authorization: Bearer <token>`: from --admin-token,
+$DITSERVE_ADMIN_TOKEN or --admin-token-file, at least 16 characters, never on a child's argv); which addresses and
+peers are loopback; and the rule that an admin RPC never runs over a plaintext non-loopback connection. The
+mutual-TLS credentials built from the PEM files are in `ditruntime.tls`."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import unquote
 
 from .errors import ServiceError
 
@@ -17,6 +23,19 @@ ADMIN_TOKEN_HELP = (
     "weight-update RPCs; unset = updates off"
 )
 """One help text: `serve` declares the generator's --admin-token, the sidecar inherits the variable."""
+ADMIN_TOKEN_FILE_HELP = (
+    f"read the admin token from this file (stripped; not readable by other users); instead of --admin-token / "
+    f"${ADMIN_TOKEN_ENV}"
+)
+"""One help text for the generator's, the sidecar's and `serve`'s --admin-token-file."""
+MIN_ADMIN_TOKEN_CHARS = 16
+"""The shortest admin token accepted at start (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)."""
+LOOPBACK = "127.0.0.1"
+"""Where a service's /metrics binds when its own address is a unix socket."""
+METRICS_HOST_HELP = "host /metrics binds to (default: the host this service listens on; 127.0.0.1 for a unix socket)"
+"""One help text for the generator's, the sidecar's and `serve`'s --metrics-host."""
+REFLECTION_HELP = "do not serve gRPC server reflection (grpcurl then needs the .proto files)"
+"""One help text for the generator's, the sidecar's and `serve`'s --no-reflection."""
 
 
 class MissingTokenError(ServiceError):
@@ -84,3 +103,135 @@ def check_bearer(configured: str, authorization: str | None, what: str) -> None:
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), configured.encode()):
         raise BadTokenError(f"{what}: the admin token is wrong")
+
+
+class PlaintextAdminError(ServiceError):
+    """An admin RPC (UpdateWeights) came over a plaintext connection from a peer that is not loopback: its bearer
+    token crossed the network in cleartext. Serve TLS (--tls-cert, --tls-key), or start with --allow-plaintext-admin
+    to accept it anyway. FAILED_PRECONDITION, not PERMISSION_DENIED: the caller's token may well be right; what is
+    missing is the transport the server must be configured with, and the same call succeeds once it is."""
+
+    reason = "PLAINTEXT_ADMIN_REFUSED"
+    grpc_code = "FAILED_PRECONDITION"
+
+
+def read_token_file(path: Path, flag: str = "--admin-token-file") -> str:
+    """The token in `path`, stripped. ValueError naming the flag when the file cannot be read, is empty, or is
+    readable or writable by other users (mode o+r / o+w) or writable by its group: a secret's file is 0600 or 0640
+    (0440 for a Kubernetes Secret volume with fsGroup)."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{flag} {path}: not a regular file")
+        if mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
+            raise ValueError(
+                f"{flag} {path}: mode {stat.S_IMODE(mode):04o} lets other users read or change the token; "
+                "allowed: no access for others and no group write (chmod 0600, or 0640)"
+            )
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path}: not UTF-8 text") from None
+    token = text.strip()
+    if not token:
+        raise ValueError(f"{flag} {path}: the file is empty")
+    return token
+
+
+def check_admin_token(token: str, source: str) -> None:
+    """An admin token (empty: updates off) is at least MIN_ADMIN_TOKEN_CHARS printable ASCII characters without
+    spaces (what `authorization: Bearer` metadata can carry). ValueError naming `source` (the flag it came from)
+    and the rule; the token itself is never echoed."""
+    if not token:
+        return
+    if len(token) < MIN_ADMIN_TOKEN_CHARS:
+        raise ValueError(
+            f"{source}: the admin token must be at least {MIN_ADMIN_TOKEN_CHARS} characters, got {len(token)} "
+            "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError(f"{source}: the admin token must be printable ASCII without spaces")
+
+
+def resolve_admin_token(token: str, token_file: Path | None) -> str:
+    """The admin token a service runs with: `token` (--admin-token, else $DITSERVE_ADMIN_TOKEN) or the contents of
+    `token_file` (--admin-token-file), never both; checked by `check_admin_token`. ValueError naming the flags."""
+    if token_file is None:
+        check_admin_token(token, f"--admin-token (or ${ADMIN_TOKEN_ENV})")
+        return token
+    if token:
+        raise ValueError(
+            f"--admin-token-file and --admin-token (or ${ADMIN_TOKEN_ENV}) are both set: give the token one way"
+        )
+    from_file = read_token_file(token_file)
+    check_admin_token(from_file, f"--admin-token-file {token_file}")
+    return from_file
+
+
+def listen_host(address: str) -> str:
+    """The host part of a listen address: 'HOST:PORT' and '[V6]:PORT' give HOST / V6 ('' or '[::]': all
+    interfaces, as '0.0.0.0' / '::'); a unix socket ('unix:PATH') gives LOOPBACK."""
+    if address.startswith("unix"):
+        return LOOPBACK
+    host = address.rpartition(":")[0] if ":" in address else address
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "0.0.0.0"
+
+
+def is_loopback_host(host: str) -> bool:
+    """`host` (an IP literal or 'localhost') reaches only this machine. Wildcards ('0.0.0.0', '::') and other names
+    are not loopback: a name may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def peer_is_local(peer: str) -> bool:
+    """A gRPC `context.peer()` ('ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000' or its escaped form
+    'ipv6:%5B::1%5D:5000', 'unix:PATH') is a unix socket or a loopback address."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("unix", "unix-abstract"):
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    return is_loopback_host(unquote(rest).rpartition(":")[0])
+
+
+def check_admin_transport(peer: str, tls: bool, allow_plaintext: bool, method: str) -> None:
+    """Refuse (PlaintextAdminError) admin RPC `method` from `peer` (`context.peer()`) when the listener is
+    plaintext (`tls` False), the peer is not loopback or a unix socket, and `allow_plaintext`
+    (--allow-plaintext-admin) is off. Call it before the bearer token is looked at."""
+    if tls or allow_plaintext or peer_is_local(peer):
+        return
+    raise PlaintextAdminError(
+        f"{method} refused: this connection from {peer} is plaintext, so the admin token would cross the network "
+        "in cleartext; serve TLS (--tls-cert and --tls-key) and call over TLS, call from the server's own host "
+        "(loopback), or start the server with --allow-plaintext-admin",
+        {"peer": peer},
+    )
+
+
+def plaintext_admin_warning(listen: str, tls: bool, admin_token_set: bool, allow_plaintext: bool) -> str | None:
+    """The start-time warning for an admin token served in plaintext beyond loopback (None when there is nothing to
+    say). A warning, not a refusal: loopback callers of a wildcard listener (an exec into the container, a
+    node-local admin) stay legitimate, and `check_admin_transport` refuses every other plaintext caller."""
+    if not admin_token_set or tls or is_loopback_host(listen_host(listen)):
+        return None
+    if allow_plaintext:
+        return (
+            f"--allow-plaintext-admin: UpdateWeights is accepted over plaintext on --listen {listen}, so the admin "
+            "token crosses the network in cleartext; serve TLS (--tls-cert, --tls-key) instead"
+        )
+    return (
+        f"an admin token is set and --listen {listen} is not loopback, without TLS: UpdateWeights from non-loopback "
+        "peers will be refused (FAILED_PRECONDITION, PLAINTEXT_ADMIN_REFUSED); serve TLS (--tls-cert, --tls-key), "
+        "or pass --allow-plaintext-admin to accept the token in cleartext"
+    )

@@ -4,7 +4,7 @@ Enabled only by the environment variable DITSERVE_FAULT, a comma-separated list 
 `POINT` (SIGKILL this process there) or `POINT=sleep:SECONDS` (stall there, so a test can
 kill the *other* process at that phase). Points: update:after_prepare, update:during_drain,
 update:after_swap, update:before_commit, update:after_commit (generator);
-sidecar:before_commit, sidecar:after_persist (sidecar). Unset: a no-op.
+sidecar:during_rebuild, sidecar:before_commit, sidecar:after_persist (sidecar). Unset: a no-op.
 """
 
 from __future__ import annotations

@@ -9,20 +9,27 @@
         start = client.generate({"prompt": "a red fox", "first_frame": Path("fox.png").read_bytes()})  # fl2va
 
 A request is a `GenerationRequest` or a mapping of its fields; in a mapping, a missing (or empty) "task" is inferred
-(fl2va with a first_frame or last_frame, else t2va). `generate` uses GenerateStream (progress events, result in
-chunks) and checks what it received: chunk offsets, the header's total_bytes, the latents' sha256 (latents results)
-or the media's size and sha256 (mp4 / frames_and_wav results), and that the result is of the output type asked for.
+(fl2va with a first_frame or last_frame, else t2va), and a missing (or empty) "request_id" becomes a fresh
+`req-<12 hex digits>`, as the server names an id-less request (a GenerationRequest's own id is sent as it is; give it
+request_id="" for a fresh one). `generate` uses GenerateStream (progress events, result in chunks) and checks what
+it received: chunk offsets, the header's total_bytes, the latents' sha256 (latents results) or the media's size and
+sha256 (mp4 / frames_and_wav results), and that the result is of the output type asked for. A streamed result is
+held once: each part (tensor or file) is a buffer of the size the header gives, filled in place as its chunks arrive
+(the latents tensors are views of theirs; `ClientMedia.data` is the file's), or the file goes straight to disk
+(`generate(..., media_path=...)`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 import torch
@@ -62,17 +69,26 @@ class ClientMedia:
     """"mp4" or "frames_and_wav"."""
     content_type: str
     """"video/mp4" or "application/zip"."""
-    data: bytes
+    data: bytes | bytearray
+    """The file's bytes (a streamed result's are the buffer its chunks were received into); empty when the file was
+    written to `path` as it arrived."""
     sha256: str
     filename: str
     """The server's suggested name, "<request_id>.mp4" or "<request_id>.zip"."""
+    path: Path | None = None
+    """Where the file was written as it arrived (`GeneratorClient.generate(..., media_path=...)`), else None."""
+    size_bytes: int = -1
+    """The file's size (-1: len(data))."""
 
     @property
     def size(self) -> int:
-        return len(self.data)
+        return self.size_bytes if self.size_bytes >= 0 else len(self.data)
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the file to `path` (through a temporary file in the same directory, renamed into place)."""
+        if self.path is not None:
+            source = self.path
+            return write_atomically(path, lambda tmp: tmp.write_bytes(source.read_bytes()))
         return write_atomically(path, lambda tmp: tmp.write_bytes(self.data))
 
 
@@ -95,13 +111,23 @@ class ClientResult:
     """The encoded file (output types "mp4" and "frames_and_wav")."""
 
 
+def new_request_id() -> str:
+    """A fresh request id as the server names an id-less request: "req-" and 12 hex digits of a random UUID."""
+    return f"req-{uuid.uuid4().hex[:12]}"
+
+
 def as_request(request: GenerationRequest | Mapping[str, Any]) -> GenerationRequest:
-    """A GenerationRequest; an empty task (or, in a mapping, a missing one) becomes `infer_task`'s."""
+    """A GenerationRequest; an empty task (or, in a mapping, a missing one) becomes `infer_task`'s, and an empty
+    request_id (or, in a mapping, a missing one) a fresh `new_request_id`."""
     if isinstance(request, GenerationRequest):
         req = request
     else:
         data = dict(request)
-        req = GenerationRequest.from_dict({**data, "task": data.get("task") or ""})
+        # without a request_id of its own, from_dict would give every such request the default "req-0"
+        req = GenerationRequest.from_dict({**data, "task": data.get("task") or "", "request_id": data.get("request_id")
+                                           or ""})  # fmt: skip
+    if not req.request_id:
+        req = dataclasses.replace(req, request_id=new_request_id())
     return req.with_task_inferred()
 
 
@@ -148,28 +174,44 @@ def _timings(t: pb.StageTimings) -> dict[str, float]:
     return {f.name: getattr(t, f.name) for f in pb.StageTimings.DESCRIPTOR.fields}
 
 
-def _tensor(t: pb.Tensor, data: bytes) -> torch.Tensor:
+def _dtype(t: pb.Tensor) -> torch.dtype:
     if t.dtype not in DTYPES:
         raise IntegrityError(f"tensor {t.name!r} has dtype {t.dtype!r}; expected one of {sorted(DTYPES)}")
-    dtype = DTYPES[t.dtype]
+    return DTYPES[t.dtype]
+
+
+def _tensor(t: pb.Tensor, data: bytes | bytearray) -> torch.Tensor:
+    """The tensor `t` describes, over `data`: a view of a bytearray (a streamed part: no copy), else over a copy."""
+    dtype = _dtype(t)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)  # torch.frombuffer needs a writable buffer
     try:
-        return torch.frombuffer(bytearray(data), dtype=dtype).reshape(tuple(t.shape)).clone()
+        flat = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+        return flat.reshape(tuple(t.shape))
     except (RuntimeError, ValueError) as e:  # a byte count that does not hold the shape
         raise IntegrityError(f"tensor {t.name!r}: {len(data)} bytes do not hold {t.dtype}{list(t.shape)}") from e
 
 
-def _media(resp: pb.GenerateResponse, output_type: str, data: bytes) -> ClientMedia:
+def _media(
+    resp: pb.GenerateResponse, output_type: str, data: bytes | bytearray, file: _MediaFile | None = None
+) -> ClientMedia:
+    """The media `resp` describes, checked: `data` (the bytes) or `file` (written as it arrived; `data` empty)."""
     rid, m = resp.request_id, resp.media
-    if len(data) != m.size_bytes:
-        raise IntegrityError(f"request {rid}: received {len(data)} media bytes, the server said {m.size_bytes}")
-    got = hashlib.sha256(data).hexdigest()
+    size = file.size if file is not None else len(data)
+    if size != m.size_bytes:
+        raise IntegrityError(f"request {rid}: received {size} media bytes, the server said {m.size_bytes}")
+    got = file.digest.hexdigest() if file is not None else hashlib.sha256(data).hexdigest()
     if got != m.sha256:
         raise IntegrityError(f"request {rid}: the received media hashes to {got}, the server said {m.sha256}")
+    if file is not None:
+        return ClientMedia(output_type, m.content_type, b"", m.sha256, m.filename, file.target, size)
     return ClientMedia(output_type, m.content_type, data, m.sha256, m.filename)
 
 
-def result_from_response(resp: pb.GenerateResponse, data: Mapping[str, bytes] | None = None) -> ClientResult:
-    """The checked result of a Generate response (`data`: the streamed bytes by chunk name; None: inline bytes)."""
+def result_from_response(
+    resp: pb.GenerateResponse, data: Mapping[str, bytes | bytearray] | None = None, media_file: _MediaFile | None = None
+) -> ClientResult:
+    """The checked result of a Generate response (`data`: the streamed bytes by chunk name; None: inline bytes;
+    `media_file`: where a streamed media result was written instead)."""
     output_type = _OUTPUT_NAMES.get(resp.output_type)
     if output_type is None:
         raise IntegrityError(f"request {resp.request_id}: unknown output type enum value {resp.output_type}")
@@ -187,14 +229,21 @@ def result_from_response(resp: pb.GenerateResponse, data: Mapping[str, bytes] | 
     if output_type != "latents":
         if not resp.HasField("media"):
             raise IntegrityError(f"request {resp.request_id}: a {output_type} result carries no media")
-        result.media = _media(resp, output_type, data.get(MEDIA_CHUNK, b"") if data is not None else resp.media.data)
+        inline = data.get(MEDIA_CHUNK, b"") if data is not None else resp.media.data
+        result.media = _media(resp, output_type, inline, media_file)
         return result
     tensors = {t.name: _tensor(t, data.get(t.name, b"") if data is not None else t.data) for t in resp.tensors}
     missing = sorted({"video", "audio"} - set(tensors))
     if missing:
         raise IntegrityError(f"request {resp.request_id}: the result carries no {' or '.join(missing)} tensor")
     result.video, result.audio = tensors["video"], tensors["audio"]
-    got = latents_sha256(result.video, result.audio)
+    if data is not None and isinstance(data.get("video"), bytearray) and isinstance(data.get("audio"), bytearray):
+        # the received bytes are the tensors' own (they are views of them): hashed in place, as latents_sha256 would
+        digest = hashlib.sha256(data["video"])
+        digest.update(data["audio"])
+        got = digest.hexdigest()
+    else:
+        got = latents_sha256(result.video, result.audio)
     if got != result.sha256:
         raise IntegrityError(
             f"request {result.request_id}: received latents hash to {got}, server said {result.sha256}"
@@ -212,27 +261,82 @@ def _check_output_type(resp: pb.GenerateResponse, asked: str) -> pb.GenerateResp
     return resp
 
 
-class _Assembly:
-    """The streamed result: its header, then each named part's chunks in order, checked against the header."""
+class _MediaFile:
+    """A streamed media result written to `target` as it arrives: into a temporary file beside it (same directory,
+    so same filesystem), hashed as written, renamed into place by `commit` once the result checks out; `discard`
+    removes what is left otherwise."""
 
-    def __init__(self, header: pb.GenerateResponse) -> None:
+    def __init__(self, target: str | os.PathLike[str]) -> None:
+        self.target = Path(target)
+        self.tmp = self.target.with_name(f".{self.target.name}.partial-{uuid.uuid4().hex[:12]}")
+        self.size = 0
+        self.digest = hashlib.sha256()
+        self._file: IO[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._file is None:
+            self._file = self.tmp.open("xb")
+        self._file.write(data)
+        self.digest.update(data)
+        self.size += len(data)
+
+    def commit(self) -> Path:
+        self._close()
+        if not self.tmp.exists():  # an empty file: no chunk came
+            self.tmp.touch()
+        os.replace(self.tmp, self.target)
+        return self.target
+
+    def discard(self) -> None:
+        self._close()
+        self.tmp.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class _Assembly:
+    """The streamed result: its header, then each named part's chunks in order, checked against the header. Each
+    part is received in place: a buffer of the size the header gives it (a tensor's shape and dtype, the media's
+    size_bytes), allocated once and filled chunk by chunk (never a list of chunks joined, nor a growing buffer
+    copied), or, for the media with a `media_file`, that file."""
+
+    def __init__(self, header: pb.GenerateResponse, media_file: _MediaFile | None = None) -> None:
         self.header = header
-        names = [t.name for t in header.tensors]
+        self.media_file = media_file if header.HasField("media") else None
+        self.sizes = {t.name: math.prod(t.shape) * _dtype(t).itemsize for t in header.tensors}
         if header.HasField("media"):
-            names.append(MEDIA_CHUNK)
-        self.parts: dict[str, bytearray] = {name: bytearray() for name in names}
+            self.sizes[MEDIA_CHUNK] = header.media.size_bytes
+        parts, total = sum(self.sizes.values()), header.total_bytes
+        if total and parts != total:
+            than = f"more than the header's total_bytes, {total}" if parts > total else f"the header said {total}"
+            raise IntegrityError(f"request {header.request_id}: the result header's parts hold {parts} bytes, {than}")
+        in_file = MEDIA_CHUNK if self.media_file is not None else None
+        self.parts: dict[str, bytearray] = {n: bytearray(size) for n, size in self.sizes.items() if n != in_file}
+        self.filled = dict.fromkeys(self.sizes, 0)
         self.received = 0
 
     def add(self, chunk: pb.ResultChunk) -> None:
-        buf = self.parts.get(chunk.name)
-        if buf is None:
-            raise IntegrityError(f"a chunk of {chunk.name!r}, which the result header does not name")
-        if chunk.offset != len(buf):
-            raise IntegrityError(f"chunk of {chunk.name} at offset {chunk.offset}, expected {len(buf)}")
-        buf.extend(chunk.data)
+        name = chunk.name
+        if name not in self.sizes:
+            raise IntegrityError(f"a chunk of {name!r}, which the result header does not name")
+        start = self.filled[name]
+        if chunk.offset != start:
+            raise IntegrityError(f"chunk of {name} at offset {chunk.offset}, expected {start}")
+        end = start + len(chunk.data)
+        if end > self.sizes[name]:
+            raise IntegrityError(
+                f"chunk of {name} runs to byte {end}, past the {self.sizes[name]} bytes the result header gives it"
+            )
+        if name in self.parts:
+            memoryview(self.parts[name])[start:end] = chunk.data
+        else:
+            assert self.media_file is not None
+            self.media_file.write(chunk.data)
+        self.filled[name] = end
         self.received += len(chunk.data)
-        if self.header.total_bytes and self.received > self.header.total_bytes:
-            raise IntegrityError(f"received {self.received} bytes, more than the header's {self.header.total_bytes}")
 
     def result(self) -> ClientResult:
         total = self.header.total_bytes
@@ -242,7 +346,13 @@ class _Assembly:
                 f"request {self.header.request_id}: the stream carried {self.received} result bytes, the header "
                 f"said {total}"
             )
-        return result_from_response(self.header, {k: bytes(v) for k, v in self.parts.items()})
+        for name, size in self.sizes.items():
+            if self.filled[name] != size:
+                raise IntegrityError(
+                    f"request {self.header.request_id}: the stream carried {self.filled[name]} bytes of {name}, the "
+                    f"result header gives it {size}"
+                )
+        return result_from_response(self.header, self.parts, self.media_file)
 
 
 class GeneratorClient:
@@ -274,10 +384,33 @@ class GeneratorClient:
         progress: ProgressCallback | None = None,
         timeout: float | None = None,
         metadata: list[tuple[str, str]] | None = None,
+        media_path: str | os.PathLike[str] | None = None,
     ) -> ClientResult:
         """Run one request over GenerateStream; raises grpc.RpcError with the server's status, IntegrityError when
-        what arrived does not check out."""
-        req = as_request(request)
+        what arrived does not check out. `media_path`: a media result (mp4, frames_and_wav) is written there as it
+        arrives instead of being held (through a temporary file beside it, renamed into place once its size and
+        sha256 check out; nothing is left there otherwise); its ClientMedia then has `path` set and no `data`. A
+        latents result ignores it."""
+        media_file = _MediaFile(media_path) if media_path is not None else None
+        try:
+            result = self._generate_stream(as_request(request), expected_generation, progress, timeout, metadata,
+                                           media_file)  # fmt: skip
+            if media_file is not None and result.media is not None:
+                media_file.commit()
+            return result
+        finally:
+            if media_file is not None:
+                media_file.discard()  # nothing left after a commit
+
+    def _generate_stream(
+        self,
+        req: GenerationRequest,
+        expected_generation: int | None,
+        progress: ProgressCallback | None,
+        timeout: float | None,
+        metadata: list[tuple[str, str]] | None,
+        media_file: _MediaFile | None,
+    ) -> ClientResult:
         msg = pb.GenerateStreamRequest(request=request_to_proto(req, expected_generation))
         metadata = [*(metadata or []), (SCHEDULE_HEADER, schedule_affinity_key(req))]
         assembly: _Assembly | None = None
@@ -296,7 +429,7 @@ class GeneratorClient:
             elif kind == "result":
                 if assembly is not None:
                     raise IntegrityError("the stream carried a second result header")
-                assembly = _Assembly(ev.result)
+                assembly = _Assembly(ev.result, media_file)
                 continue
             elif kind == "chunk":
                 if assembly is None:

@@ -264,10 +264,15 @@ def _run_local(
                 bar.stage("mux")
                 t0 = time.perf_counter()
                 media = encode(result.media, req.output_type)
+                result.media = None  # the decoded frames are not held while the file is written
                 mux_ms = round((time.perf_counter() - t0) * 1000.0, 3)
                 result.timings_ms["mux"] = mux_ms
                 result.timings_ms["total"] = round(result.timings_ms["total"] + mux_ms, 3)
-            files = write_output(target.path_for(req), req, media, result)
+            try:
+                files = write_output(target.path_for(req), req, media, result)
+            finally:
+                if media is not None:
+                    media.close()  # its spooled file (memory or a temporary file) goes now
         shapes = None if req.decodes else (result.video.shape, result.audio.shape)
         timings: dict[str, Any] = {**result.timings_ms, "attention_backend": result.attention_backend}  # as remote
         line = result_line(req, result.sha256, timings, result.cache, shapes, adaln_mode=args.adaln_mode, **files)

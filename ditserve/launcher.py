@@ -7,6 +7,11 @@ dir when no --checkpoint is given.
 SIGINT / SIGTERM stop the generator, then the sidecar (which removes its /dev/shm files);
 children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned. A
 child that crashes is restarted (the generator reattaches by itself).
+
+The admin token never goes on a child's argv (world-readable in /proc/PID/cmdline, `ps`): the generator gets it in
+its environment ($DITSERVE_ADMIN_TOKEN; /proc/PID/environ is readable by its own uid only) or, with
+--admin-token-file, the file's path; the sidecar (on the run dir's unix socket, where the peer's uid is the
+credential) gets no token at all.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import contextlib
 import ctypes
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -30,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ditcore import validate_checkpoint, write_repository
 from ditcore.checkpoint import is_repository_dir
+from ditruntime.auth import ADMIN_TOKEN_ENV, is_loopback_host, plaintext_admin_warning
 from ditruntime.flags import LaunchOptions, add_flags, from_args, to_argv
 from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir, prepare_dir, require_dir
 from generator_service.config import GeneratorConfig
@@ -115,10 +122,16 @@ class Child:
         health_target: str,
         log_path: Path,
         credentials: grpc.ChannelCredentials | None = None,
+        env: dict[str, str] | None = None,
+        config: GeneratorConfig | SidecarConfig | None = None,
     ) -> None:
+        self.config = config
+        """The config its argv renders."""
         self.credentials = credentials
         self.name = name
         self.argv = argv
+        self.env = env
+        """The child's whole environment (None: this process's)."""
         self.health_target = health_target
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -126,7 +139,9 @@ class Child:
 
     def start(self, timeout_s: float = 120.0) -> None:
         logf = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=self.env
+        )
         logf.close()
         try:
             wait_healthy(self.health_target, timeout_s, self.proc, self.credentials)
@@ -182,6 +197,8 @@ def child_configs(
         cache=from_args(CacheConfig, args, exclude=SERVE_CACHE_EXCLUDE, device=gen.device),
         address=address,
         metrics_port=None if args.metrics_port is None else args.metrics_port + 1,
+        metrics_host=gen.metrics_bind_host,  # both services' /metrics where serve's --metrics-host / --host says
+        reflection=gen.reflection,
     )
     if side.state_dir is None:
         side = replace(side, state_dir=run_dir / "state")
@@ -199,13 +216,69 @@ def build_children(
     if side is not None:
         socket = side.address.removeprefix("unix:")
         side_argv = [py, "-m", "plancache_service", *to_argv(side, exclude=("address",)), f"--socket={socket}"]
-        children.append(Child("plancache sidecar", side_argv + common, side.address, run_dir / "plancache.log"))
+        side_log = run_dir / "plancache.log"
+        children.append(
+            Child("plancache sidecar", side_argv + common, side.address, side_log, None, child_env(""), side)
+        )
     host = args.host
     health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-    gen_argv = [py, "-m", "generator_service", *to_argv(gen), *common]
+    gen_argv = [py, "-m", "generator_service", *to_argv(gen, exclude=("admin_token",)), *common]
     health = f"{health_host}:{args.port}"
-    children.append(Child("generator", gen_argv, health, run_dir / "generator.log", health_credentials(gen)))
+    gen_log, creds = run_dir / "generator.log", health_credentials(gen)
+    children.append(Child("generator", gen_argv, health, gen_log, creds, child_env(gen.admin_token), gen))
     return children
+
+
+def child_env(admin_token: str) -> dict[str, str]:
+    """This process's environment with $DITSERVE_ADMIN_TOKEN set to `admin_token` (removed when it is empty): how
+    a token given as --admin-token reaches the generator, and how the sidecar is kept from inheriting one. A
+    --admin-token-file travels as its path on the argv."""
+    env = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}
+    if admin_token:
+        env[ADMIN_TOKEN_ENV] = admin_token
+    return env
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+
+
+def banner(args: argparse.Namespace, gen: GeneratorConfig, checkpoint: Path, run_dir: Path) -> str:
+    """What `serve` prints once both children are healthy: where each thing listens, as bound."""
+    tls = gen.tls_cert is not None
+    lines = [
+        f"ditserve serving: generator on {args.host}:{args.port} ({args.adaln_mode} mode, "
+        f"{'TLS' if tls else 'plaintext'}), checkpoint {checkpoint}, run dir {run_dir}"
+    ]
+    if args.metrics_port is not None:
+        host = gen.metrics_bind_host
+        where = "" if is_loopback_host(host) else " (reachable from other hosts)"
+        metrics = f"  metrics{where}: {_url(host, args.metrics_port)} (generator)"
+        if args.adaln_mode == "cached":
+            metrics += f", {_url(host, args.metrics_port + 1)} (sidecar)"
+        lines.append(metrics)
+    target = f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::", "[::]") else f"{args.host}:{args.port}"
+    transport = f"-cacert {gen.tls_cert}" if tls else "-plaintext"
+    lines.append(
+        f'  try: grpcurl {transport} -d \'{{"prompt": "a red fox"}}\' {target} ditserve.generator.v1.Generator/Generate'
+    )
+    return "\n".join(lines)
+
+
+def warnings(args: argparse.Namespace, gen: GeneratorConfig) -> list[str]:
+    """What `serve` tells the operator before it starts anything: an admin token given on its own command line
+    (visible to every user in `ps`), and one served in plaintext beyond loopback."""
+    out = []
+    if getattr(args, "admin_token", None):
+        out.append(
+            "--admin-token on the command line is visible to other users (ps, /proc/PID/cmdline); prefer "
+            f"--admin-token-file or ${ADMIN_TOKEN_ENV}"
+        )
+    tls, token = gen.tls_cert is not None, bool(gen.admin_secret)
+    plaintext = plaintext_admin_warning(gen.listen, tls, token, gen.allow_plaintext_admin)
+    if plaintext:
+        out.append(plaintext)
+    return out
 
 
 def health_credentials(gen: GeneratorConfig) -> grpc.ChannelCredentials | None:
@@ -219,7 +292,8 @@ def health_credentials(gen: GeneratorConfig) -> grpc.ChannelCredentials | None:
 
 
 def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[Child]]:
-    """The run dir, the checkpoint and the children; bad flags or a bad checkpoint raise before any start."""
+    """The run dir, the checkpoint and the children; bad flags or a bad checkpoint raise before any start.
+    Prints `warnings` (to stderr)."""
     if args.no_metrics:
         args.metrics_port = None
     launch = from_args(LaunchOptions, args, exclude=SERVE_LAUNCH_EXCLUDE)
@@ -233,6 +307,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[Child]]:
         prepare_dir(side.state_dir, "--state-dir")
     if gen.weights_root is not None:
         require_dir(gen.weights_root, "--weights-root")
+    for warning in warnings(args, gen):
+        print(f"ditserve serve: warning: {warning}", file=sys.stderr, flush=True)
     if not args.checkpoint:
         demo_checkpoint(run_dir)
     validate_checkpoint(checkpoint)
@@ -248,19 +324,9 @@ def serve(args: argparse.Namespace) -> int:
         for child in children:
             print(f"starting {child.name} (log: {child.log_path})", flush=True)
             child.start()
-        print(
-            f"ditserve serving: generator on {args.host}:{args.port} ({args.adaln_mode} mode), "
-            f"checkpoint {checkpoint}, run dir {run_dir}\n"
-            + (
-                f"  metrics: http://127.0.0.1:{args.metrics_port}/metrics (generator), "
-                f"http://127.0.0.1:{args.metrics_port + 1}/metrics (sidecar)\n"
-                if args.metrics_port is not None and args.adaln_mode == "cached"
-                else ""
-            )
-            + f'  try: grpcurl -plaintext -d \'{{"prompt": "a red fox"}}\' 127.0.0.1:{args.port} '
-            "ditserve.generator.v1.Generator/Generate",
-            flush=True,
-        )
+        gen = children[-1].config
+        assert isinstance(gen, GeneratorConfig)
+        print(banner(args, gen, checkpoint, run_dir), flush=True)
         while not stop.wait(0.5):
             for child in children:
                 if child.exited():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from safetensors.torch import save_file
 
 from ditcore import GenerationRequest, GenerationResult
-from ditcore.media import OUTPUT_TYPES, SUFFIXES, output_type_for_path
+from ditcore.media import OUTPUT_TYPES, SUFFIXES, EncodedMedia, output_type_for_path
 from ditruntime.paths import check_dir, prepare_dir, write_atomically
 
 from .errors import UsageError
@@ -118,20 +118,31 @@ def write_latents(path: Path, result: GenerationResult, request: GenerationReque
     return _write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
-def write_media(path: Path, data: bytes) -> Path:
-    """An encoded result file (MP4 or ZIP) as is."""
-    return _write_atomic(path, lambda tmp: tmp.write_bytes(data))
+def write_media(path: Path, chunks: Iterable[bytes | bytearray]) -> Path:
+    """An encoded result file (MP4 or ZIP) as is, written a chunk at a time as `chunks` yields them."""
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+
+    return _write_atomic(path, write)
 
 
-class MediaFile(Protocol):
-    """An encoded result file as either side holds it (ditcore.media.EncodedMedia, ditserve.client.ClientMedia)."""
+class HeldMedia(Protocol):
+    """An encoded result file held as one buffer (ditserve.client.ClientMedia, the client's side)."""
 
     @property
-    def data(self) -> bytes: ...
+    def data(self) -> bytes | bytearray: ...
     @property
     def content_type(self) -> str: ...
     @property
     def sha256(self) -> str: ...
+
+
+MediaFile = EncodedMedia | HeldMedia
+"""An encoded result file as either side holds it: the generator's spooled file (ditcore.media.EncodedMedia, read
+in chunks, never whole) or the client's bytes."""
 
 
 def write_output(
@@ -142,7 +153,10 @@ def write_output(
     if path is None:
         return {}
     if media is not None:
-        write_media(path, media.data)
+        if isinstance(media, EncodedMedia):
+            write_media(path, media.chunks())
+            return file_fields(path, media.size, media.content_type, media.sha256)
+        write_media(path, [media.data])
         return file_fields(path, len(media.data), media.content_type, media.sha256)
     assert latents is not None  # a latents result (the caller's output type says which)
     write_latents(path, latents, request)

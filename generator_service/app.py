@@ -53,7 +53,7 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
         weights = CachedWeights(device, cfg.run_options)
         link = SidecarClient(
             cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state,
-            credentials=sidecar_credentials(cfg), admin_token=cfg.admin_token, device=device,
+            credentials=sidecar_credentials(cfg), admin_token=cfg.admin_secret, device=device,
         )  # fmt: skip
         backend = CachedBackend(link, weights)
         prefetch = cfg.prefetch

@@ -16,6 +16,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from ditcore import CheckpointError, CheckpointInfo, GenerationRequest, H3Model, PlanKey, PlanLease, validate_checkpoint
+from ditcore.request import RequestError, RequestLimits, prompt_tokens
 from ditcore.sizing import ModelShapes, RequestSizer, device_class
 from ditruntime import memory
 from ditruntime.memory import MemoryBudget
@@ -165,6 +166,17 @@ class Backend(ABC):
              "tokens": str(tokens), "modeled_bytes": str(need.peak), "free_bytes": str(free), "phase": need.phase},
         )  # fmt: skip
 
+    # ---------------------------------------------------------------- prompt tokens
+    def prompt_tokens(self, prompt: str) -> int | None:
+        """The tokens the served model's text encoder reads for `prompt` (ditcore.request.prompt_tokens: the loaded
+        pipeline's tokenizer called exactly as diffusers' MiniMax-H3 text blocks call it); None while no model is
+        loaded. RequestError for a prompt holding one of the tokenizer's special tokens. Safe beside a running
+        request: the call only reads the tokenizer (the same call with the same settings never reconfigures it)."""
+        model = self.loaded()
+        if model is None:
+            return None
+        return prompt_tokens(model.pipe.tokenizer, prompt)
+
     @abstractmethod
     def verify(self, lease: ServedLease) -> None:
         """Raise unless the lease's session is live and every leased row holds its plan."""
@@ -201,6 +213,18 @@ class Backend(ABC):
     @abstractmethod
     def abort_update(self, path: str) -> None:
         """Undo a prepared update that will not commit (best effort)."""
+
+
+def check_prompt_tokens(backend: Backend, request: GenerationRequest, limits: RequestLimits) -> int | None:
+    """Admission: the request's prompt as the served model's tokenizer counts it (`Backend.prompt_tokens`), within
+    `limits.max_prompt_tokens` (--max-prompt-tokens); RequestError naming the prompt. Returns the count (None while
+    no model is loaded: cached mode before its first attachment, where `check_fits` refuses the request anyway)."""
+    count = backend.prompt_tokens(request.prompt)
+    if count is not None and count > limits.max_prompt_tokens:
+        raise RequestError(
+            "prompt", f"is {count} tokens; allowed at most {limits.max_prompt_tokens} (--max-prompt-tokens)"
+        )
+    return count
 
 
 def validate_compatible(path: Path, current: CheckpointInfo, require_adaln: bool) -> CheckpointInfo:

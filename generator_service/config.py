@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -18,14 +19,25 @@ from ditcore.request import (
     MAX_KEYFRAME_PIXELS,
     MAX_PIXELS,
     MAX_PROMPT_BYTES,
+    MAX_PROMPT_TOKENS,
     MAX_SIDE,
     MIN_FRAMES,
     RELEASED_MAX_PIXELS,
     RELEASED_MAX_SIDE,
+    RELEASED_MAX_VIDEO_PIXELS,
     RequestLimits,
 )
 from ditcore.text_encoder import TEXT_ENCODER_DEVICES, TextEncoderPlacement
-from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP, check_tls_flags
+from ditruntime.auth import (
+    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_FILE_HELP,
+    ADMIN_TOKEN_HELP,
+    METRICS_HOST_HELP,
+    REFLECTION_HELP,
+    check_tls_flags,
+    listen_host,
+    resolve_admin_token,
+)
 from ditruntime.flags import check_bounds, flag
 
 TOKEN_ENV = ADMIN_TOKEN_ENV
@@ -112,11 +124,53 @@ class GeneratorConfig:
     """Pause between attempts to (re)attach to the sidecar."""
     prefetch: bool = flag(True, "do not prepare the next request's plans early", negate=True)
     """Prepare the next queued request's plans while the current one denoises (`--no-prefetch`: don't)."""
-    workers: int = 32
-    """gRPC server threads (one per in-flight RPC, streams included)."""
+    workers: int = flag(32, "gRPC server threads, one per in-flight RPC (default %(default)s)", low=2, high=4096)
+    """gRPC server threads: each in-flight RPC (a stream included, for as long as it runs) holds one."""
+    control_workers: int = flag(
+        4, "threads kept for Health, GetStatus and UpdateWeights: Generate and GenerateStream may hold at most "
+        "--workers less this many (default %(default)s)", low=1, high=4095,
+    )  # fmt: skip
+    """Threads of `workers` that Generate and GenerateStream never take: Health, GetStatus, UpdateWeights and
+    reflection always find one, however many clients stall (generator_service.streams). A Generate call beyond
+    `workers - control_workers` is refused at once (RESOURCE_EXHAUSTED, HANDLERS_BUSY)."""
+    max_concurrent_rpcs: int = flag(
+        256, "RPCs in flight before the server answers RESOURCE_EXHAUSTED itself (default %(default)s)",
+        low=1, high=100_000,
+    )  # fmt: skip
+    """grpc's `maximum_concurrent_rpcs`: calls beyond it are refused by grpc before any handler runs (a bound on
+    the calls, and their messages, waiting for a thread)."""
+    max_streams_per_connection: int = flag(
+        16, "concurrent calls one client connection may open (HTTP/2 max concurrent streams; default %(default)s)",
+        low=1, high=10_000,
+    )  # fmt: skip
+    """HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (`grpc.max_concurrent_streams`): one connection cannot take every
+    handler by itself."""
+    stream_stall_s: float = flag(
+        30.0, "cancel a GenerateStream whose client has read nothing for this many seconds (default %(default)s)",
+        low=0.1, high=86_400,
+    )  # fmt: skip
+    """A GenerateStream whose current message has waited this long for the client's flow-control window (the
+    client stopped reading) is cancelled from the server side; its thread, queue slot and result are freed."""
+    stream_transfer_s: float = flag(
+        600.0, "cancel a GenerateStream whose result takes longer than this to send, header to last chunk "
+        "(default %(default)s)", low=0.1, high=86_400,
+    )  # fmt: skip
+    """The bound on sending one result, from the result header to the last chunk (a client reading just fast
+    enough never to stall still ends)."""
     admin_token: str = flag("", ADMIN_TOKEN_HELP, env=TOKEN_ENV)
     """Bearer token UpdateWeights requires (`--admin-token` or DITSERVE_ADMIN_TOKEN); empty = updates off.
-    Also presented to a TCP sidecar, whose weight-update RPCs require the same token."""
+    Also presented to a TCP sidecar, whose weight-update RPCs require the same token. At least 16 characters
+    (ditruntime.auth.check_admin_token); the token in use is `admin_secret`."""
+    admin_token_file: Path | None = flag(None, ADMIN_TOKEN_FILE_HELP)
+    """A file holding the admin token instead (read once at start, stripped; refused when other users may read
+    it): a Kubernetes Secret volume's key, kept out of the process's argv and environment."""
+    allow_plaintext_admin: bool = flag(
+        False, "accept UpdateWeights over plaintext from non-loopback peers (the token then crosses the network "
+        "in cleartext)",
+    )  # fmt: skip
+    """Without TLS on the public port, UpdateWeights from a peer that is not loopback is refused
+    (FAILED_PRECONDITION, PLAINTEXT_ADMIN_REFUSED; ditruntime.auth.check_admin_transport): its bearer token has
+    crossed the network in cleartext. This accepts it anyway (a network that is itself encrypted, say)."""
     weights_root: Path | None = flag(None, "UpdateWeights paths must resolve inside this directory")
     """UpdateWeights paths must resolve inside this directory."""
     drain_timeout_s: float | None = flag(
@@ -145,6 +199,11 @@ class GeneratorConfig:
     workspaces (cuBLAS, attention), which the model does not count."""
     metrics_port: int | None = flag(None, "serve Prometheus /metrics on this port (default off)")
     """Prometheus /metrics HTTP port (off when None)."""
+    metrics_host: str = flag("", METRICS_HOST_HELP)
+    """Host /metrics binds to; empty: the `listen` host (127.0.0.1 by default), so metrics are reachable exactly
+    where the API is. The resolved host is `metrics_bind_host`."""
+    reflection: bool = flag(True, REFLECTION_HELP, negate=True)
+    """Serve gRPC server reflection (`--no-reflection`: don't; grpcurl then needs the .proto files)."""
     max_num_frames: int = flag(
         MAX_FRAMES, "operator limit on num_frames (default: H3's %(default)s)", low=MIN_FRAMES, high=MAX_FRAMES
     )
@@ -166,10 +225,28 @@ class GeneratorConfig:
     )  # fmt: skip
     """Largest `height x width` served. With the side limits this is the released envelope by default; a larger
     canvas must also pass the memory check (`memory_check`)."""
+    max_video_pixels: int = flag(
+        RELEASED_MAX_VIDEO_PIXELS, "operator limit on height x width x num_frames (default: the released 768 x 1344 "
+        "x 345 = %(default)s)", low=CANVAS_MULTIPLE * CANVAS_MULTIPLE * MIN_FRAMES, high=MAX_PIXELS * MAX_FRAMES,
+    )  # fmt: skip
+    """Largest decoded video served, in pixels x frames: what a decode's host memory (the uint8 frames, ~1.07 GB at
+    the default) and its files scale with. Raising the side or area limits alone admits larger canvases only at fewer
+    frames; raise this too for more."""
     max_prompt_bytes: int = flag(
         MAX_PROMPT_BYTES, "operator limit on prompt UTF-8 bytes (default %(default)s)", low=1, high=MAX_PROMPT_BYTES
     )
     """Longest `prompt` served, in UTF-8 bytes."""
+    max_prompt_tokens: int = flag(
+        MAX_PROMPT_TOKENS,
+        "operator limit on a prompt's tokens, counted with the served model's tokenizer at admission (default "
+        "%(default)s: every prompt within the byte limit)",
+        low=1,
+        high=MAX_PROMPT_TOKENS,
+    )
+    """Most tokens a `prompt` may be, as the served model's tokenizer counts them exactly as diffusers' text blocks
+    call it (no truncation). The default admits every prompt within the byte limit (NFC can make UTF-8 text 3 times
+    longer, and a byte-level BPE token is at least one byte); a lower value bounds the text encoder's pass and the
+    text rows of every step."""
     max_keyframe_bytes: int = flag(
         MAX_KEYFRAME_BYTES,
         "operator limit on a keyframe's (first_frame / last_frame) size in MiB (default %(default)s)",
@@ -210,6 +287,16 @@ class GeneratorConfig:
         return bool(self.sidecar) and not self.sidecar.startswith("unix")
 
     @property
+    def metrics_bind_host(self) -> str:
+        """Where /metrics binds: `metrics_host`, else the host of `listen`."""
+        return self.metrics_host or listen_host(self.listen)
+
+    @cached_property
+    def admin_secret(self) -> str:
+        """The admin token in use: `admin_token`, or `admin_token_file`'s contents (read once, checked at start)."""
+        return resolve_admin_token(self.admin_token, self.admin_token_file)
+
+    @property
     def limits(self) -> RequestLimits:
         """The operator limits every request is validated against (H3's own rules included)."""
         return RequestLimits(
@@ -220,6 +307,8 @@ class GeneratorConfig:
             max_keyframe_bytes=self.max_keyframe_bytes,
             max_keyframe_pixels=self.max_keyframe_pixels,
             max_pixels=self.max_canvas_pixels,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_video_pixels=self.max_video_pixels,
         )
 
     @property
@@ -229,12 +318,18 @@ class GeneratorConfig:
         return RunOptions(self.attention_backend, self.decode_dtype, te)
 
     @property
+    def request_handlers(self) -> int:
+        """Threads Generate and GenerateStream may hold at once."""
+        return self.workers - self.control_workers
+
+    @property
     def sizing(self) -> SizingPolicy:
         """How admission and the drain use the memory and time model."""
         return SizingPolicy(self.memory_check, self.memory_reserve_bytes, self.step_time_factor)
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        _ = self.admin_secret  # a short token or an unreadable --admin-token-file is refused now
         try:
             check_name(self.attention_backend)  # diffusers' names; whether it runs on the device is checked at start
         except ValueError as e:
@@ -266,5 +361,10 @@ class GeneratorConfig:
             needed_by=f"--sidecar {self.sidecar} (TCP)",
             stray="apply only to a TCP --sidecar HOST:PORT in cached mode",
         )
+        if self.control_workers >= self.workers:
+            raise ValueError(
+                f"--control-workers ({self.control_workers}) must be less than --workers ({self.workers}): "
+                "Generate needs at least one thread"
+            )
         if not 1024 <= self.chunk_bytes < self.max_message_bytes:
             raise ValueError("chunk_bytes must be in [1024, max_message_bytes (--max-message-mb))")

@@ -24,6 +24,14 @@ class QueueFullError(GeneratorError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
+class HandlersBusyError(GeneratorError):
+    """Every request handler (`--workers` less `--control-workers`) holds a Generate or GenerateStream call; retry
+    later. ErrorInfo metadata `handlers`."""
+
+    reason = "HANDLERS_BUSY"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
 class SidecarUnavailableError(GeneratorError):
     """The plan-cache sidecar is not attached, or went away during the call or the request."""
 
@@ -68,14 +76,16 @@ class RequestTooLargeForDeviceError(GeneratorError):
 
 
 class CancelledError(GeneratorError):
-    """The client cancelled the call (checked after every denoise step)."""
+    """The client cancelled the call (checked after every denoise step, between decode chunks and in the encoders'
+    frame loops)."""
 
     reason = "CANCELLED"
     grpc_code = "CANCELLED"
 
 
 class DeadlineExceededError(GeneratorError):
-    """The call's deadline passed (checked after every denoise step)."""
+    """The call's deadline passed (checked after every denoise step, between decode chunks and in the encoders'
+    frame loops)."""
 
     reason = "DEADLINE_EXCEEDED"
     grpc_code = "DEADLINE_EXCEEDED"

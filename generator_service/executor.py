@@ -1,6 +1,8 @@
 """Request queue and the one denoise executor (no gRPC).
 
-Admission: validate against H3's rules and the operator's limits, check the request can ever
+Admission runs only cheap checks, the queue's capacity first (a flood against a full queue is refused in
+milliseconds): then H3's rules and the operator's limits (keyframes by their headers and structure only: their pixels
+are decoded when the job runs, one job at a time, on the executor thread), check the request can ever
 fit the slab, check its modeled activation peak (ditcore.sizing) against the device's free memory
 (RequestTooLargeForDeviceError), check `expected_generation`, then enqueue (bounded; full ->
 QueueFullError). Every lease carries a bound on one of the request's steps (`step_bound_s`: the
@@ -21,7 +23,13 @@ Media output types ("mp4", "frames_and_wav"): `generate` decodes (under the mode
 lease is released); encoding the file ("mux", `ditcore.media.encode`) needs no model, so a mux
 thread does it while the executor thread starts the next job. At most one job muxes at a time
 (a finished job waits for the mux thread before the executor takes another, which bounds the
-decoded media held at two jobs'); a muxing job keeps its queue slot until its result is sent.
+decoded media held at two jobs'). Cancel and the deadline are checked between decode chunks and in the encoders'
+frame loops too.
+
+A finished job keeps its queue slot until its RPC says the result was sent or the call ended (`delivered`): a client
+that reads its result slowly, or not at all, holds a slot, so such clients cannot pile up results beyond
+`max_queue_depth` (the server's send watchdog ends a stalled one: generator_service.streams). A cancelled job that is
+still queued leaves the queue at once (`withdraw`).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from ditcore.request import KEYFRAME_FIELDS
 from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.errors import GenerationMismatchError
 
-from .backend import Backend, ServedLease
+from .backend import Backend, ServedLease, check_prompt_tokens
 from .config import LIMITED_FIELDS, MIB, SizingPolicy
 from .errors import (
     CancelledError,
@@ -85,6 +93,8 @@ def _operator_limit(request: GenerationRequest, limits: RequestLimits, e: Reques
         if broken == "max_pixels":
             return f"--max-keyframe-pixels is {limits.max_keyframe_pixels}"
         return ""
+    if e.field == "num_frames" and request.height * request.width * request.num_frames > limits.max_video_pixels:
+        return f"--max-video-pixels is {limits.max_video_pixels}"
     attr = LIMITED_FIELDS.get(e.field)
     if attr is None:
         return ""
@@ -159,6 +169,7 @@ class Executor:
         self._lock = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
+        self._delivering: set[Job] = set()  # finished jobs whose results their RPCs are still sending
         self._stopping = False
         self._paused = False
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
@@ -195,16 +206,28 @@ class Executor:
     # ---------------------------------------------------------------- admission
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting, running or muxing (each holds a queue slot until its result is sent)."""
+        """Jobs waiting, running, muxing or being sent (each holds a queue slot until its result is sent)."""
         with self._lock:
             return self._depth()
 
     def _depth(self) -> int:  # under _lock
-        return len(self._queue) + (self._running is not None) + (self._muxing is not None)
+        return len(self._queue) + (self._running is not None) + (self._muxing is not None) + len(self._delivering)
+
+    def _check_capacity(self) -> int:  # under _lock
+        if self._stopping:
+            raise NotServingError("the generator is shutting down")
+        depth = self._depth()
+        if depth >= self.max_queue_depth:
+            raise QueueFullError(f"the queue is full ({depth} of {self.max_queue_depth} requests); retry later")
+        return depth
 
     def submit(self, job: Job) -> int:
-        """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing."""
+        """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing. Only cheap checks run
+        here (no keyframe pixel is decoded), the queue's capacity first."""
+        with self._lock:
+            self._check_capacity()
         check_request(job.request, self.limits)
+        check_prompt_tokens(self.backend, job.request, self.limits)  # the served tokenizer: ~8 ms for 16 KB
         self.backend.check_fits(job.request)
         if self.sizing.memory_check:
             with self._lock:
@@ -212,16 +235,38 @@ class Executor:
             self.backend.check_memory(job.request, running, self.sizing.memory_reserve_bytes)
         self._check_generation(job)
         with self._lock:
-            if self._stopping:
-                raise NotServingError("the generator is shutting down")
-            depth = self._depth()
-            if depth >= self.max_queue_depth:
-                raise QueueFullError(f"the queue is full ({depth} of {self.max_queue_depth} requests); retry later")
+            depth = self._check_capacity()
             self._queue.append(job)
             self._lock.notify_all()
         job.emit(Queued(depth))
         self._prefetch_wakeup.set()
         return depth
+
+    def delivered(self, job: Job) -> None:
+        """The job's RPC sent its result, or ended (idempotent): its queue slot is free."""
+        with self._lock:
+            job.rpc_over = True
+            if job in self._delivering:
+                self._delivering.discard(job)
+                self._lock.notify_all()
+
+    def withdraw(self, job: Job) -> bool:
+        """Take a cancelled job out of the queue at once (True), if it is still waiting there."""
+        with self._lock:
+            if job not in self._queue:
+                return False
+            self._queue.remove(job)
+            self._lock.notify_all()
+        if job.prefetching:
+            job.prefetch_done.wait()  # the prefetch thread releases a lease it got for a job no longer queued
+        self._drop(job, CancelledError(f"request {job.request.request_id} was cancelled while queued"))
+        return True
+
+    def _emit_finished(self, job: Job, final: JobEvent) -> None:
+        """Send the job's final event; a result keeps the job's queue slot until `delivered` (under _lock: the
+        caller frees the running or muxing slot in the same critical section)."""
+        if isinstance(final, Finished) and not job.rpc_over:
+            self._delivering.add(job)
 
     def _check_generation(self, job: Job) -> None:
         if job.expected_generation is not None:
@@ -332,8 +377,9 @@ class Executor:
             if isinstance(final, _Denoised):
                 self._hand_to_muxer(final)
             else:
-                with self._lock:  # free the queue slot before the client hears back
+                with self._lock:  # a failure frees the queue slot before the client hears back; a result keeps it
                     self._running = None
+                    self._emit_finished(job, final)
                     self._lock.notify_all()
                 job.emit(final)  # a Failed error leaves with its traceback's frame locals cleared (Job.emit)
             # This frame runs until the server stops: the job, its result or its error (whose traceback reached the
@@ -350,6 +396,7 @@ class Executor:
         try:
             self._check_live(job)
             self._check_generation(job)
+            job.request.keyframes(self.limits)  # their pixels, decoded here (one job at a time), before any lease
             if lease is None:
                 lease = self._acquire(job)
             if lease is not None:
@@ -404,6 +451,7 @@ class Executor:
         final = self._mux(done)  # shutting down: no mux thread to take it
         with self._lock:
             self._running = None
+            self._emit_finished(done.job, final)
             self._lock.notify_all()
         done.job.emit(final)
 
@@ -421,8 +469,9 @@ class Executor:
             except BaseException as e:  # never let the mux thread die
                 log.exception("mux: unexpected error")
                 final = Failed(e)
-            with self._lock:  # free the queue slot before the client hears back
+            with self._lock:  # as in _loop: a result keeps the queue slot until it is sent
                 self._muxing = None
+                self._emit_finished(done.job, final)
                 self._lock.notify_all()
             done.job.emit(final)
             del done, final  # as in _loop: nothing of the job (its media, its error) waits here for the next one
@@ -436,7 +485,9 @@ class Executor:
                 raise MediaEncodeError(f"request {job.request.request_id} has no decoded media to encode")
             t0 = time.perf_counter()
             try:
-                encoded = encode(media, job.request.output_type)
+                encoded = encode(media, job.request.output_type, check=lambda: self._check_live(job))
+            except GeneratorError:  # cancelled or past its deadline while encoding
+                raise
             except Exception as e:
                 raise MediaEncodeError(f"encoding the {job.request.output_type} failed: {e}") from e
             mux_ms = (time.perf_counter() - t0) * 1000
@@ -466,7 +517,9 @@ class Executor:
             provider = _Prefetched(lease) if lease is not None else None
             # generate() releases the lease in every outcome once it has acquired it
             model = self.backend.model()
-            result = generate(model, job.request, provider, on_step=on_step, limits=self.limits)
+            result = generate(
+                model, job.request, provider, on_step=on_step, limits=self.limits, check=lambda: self._check_live(job)
+            )
         if lease is not None and not self.backend.alive(lease):
             # The session ended between the last step's check and the end of its reads (generate() waits for
             # them before releasing): the slots may have been retired and refilled, so the result is not trusted.

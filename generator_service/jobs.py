@@ -66,7 +66,7 @@ class Finished:
 JobEvent = Queued | PlansReady | StepDone | Decoding | Failed | Finished
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One admitted request and the channel its events flow back on."""
 
@@ -80,6 +80,7 @@ class Job:
     prefetching: bool = False
     prefetch_done: threading.Event = field(default_factory=threading.Event)
     prepare_ms: float = 0.0
+    rpc_over: bool = False  # its RPC ended (the executor's lock guards it): a result no longer holds a queue slot
 
     def cancel(self) -> None:
         self.cancelled.set()

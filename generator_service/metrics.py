@@ -1,6 +1,6 @@
 """Generator Prometheus metrics: request latency by stage (decode and mux for media results), plans
-by tier as the generator saw them, queue depth, generation, sidecar link, weight-update outcomes
-(plus RPC counts from `ditruntime.obs.RpcMetrics`)."""
+by tier as the generator saw them, queue depth, generation, sidecar link, weight-update outcomes,
+streams the server cancelled (plus RPC counts from `ditruntime.obs.RpcMetrics`)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ class GeneratorMetrics:
         self.plans = Counter(f"{P}_plans", "Plans by the tier that served them", ["tier"], registry=r)
         self.rebuild = Counter(f"{P}_rebuild_seconds", "Rebuild seconds reported to this generator", registry=r)
         self.updates = Counter(f"{P}_weight_updates", "UpdateWeights outcomes", ["outcome"], registry=r)
+        self.streams_cancelled = Counter(
+            f"{P}_streams_cancelled", "GenerateStream calls the server cancelled (stall: the client read nothing for "
+            "--stream-stall-s; transfer: past --stream-transfer-s)", ["reason"], registry=r,
+        )  # fmt: skip
 
     def on_finish(self, job: Job, result: JobResult | None, error: BaseException | None) -> None:
         if result is None:

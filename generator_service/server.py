@@ -25,8 +25,9 @@ from ditcore import GenerationRequest, RequestError
 from ditcore.model import ComponentInfo
 from ditcore.plans import DTYPES
 from ditcore.request import infer_task
-from ditruntime.auth import check_bearer
+from ditruntime.auth import check_admin_transport, check_bearer, plaintext_admin_warning
 from ditruntime.convert import to_proto
+from ditruntime.decode_guard import DecodeGuard
 from ditruntime.errors import ServiceError
 from ditruntime.obs import MetricsServer, RpcMetrics
 from ditruntime.rpc_errors import abort
@@ -35,11 +36,12 @@ from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
 from .backend import Backend
 from .config import GeneratorConfig
-from .errors import ResultTooLargeError
+from .errors import HandlersBusyError, ResultTooLargeError
 from .executor import Executor
 from .health import ServingState
 from .jobs import Decoding, Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
 from .metrics import GeneratorMetrics
+from .streams import HandlerSlots, SendWatchdog, StreamWatch
 from .updates import UpdateCoordinator, resolve_weights_path
 
 
@@ -119,16 +121,27 @@ def server_credentials(cfg: GeneratorConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(pair)
 
 
-def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
-    """The latents as tensors (output type "latents" only: a media result carries the file instead)."""
-    out: list[pb.Tensor] = []
+def _latents(res: JobResult) -> list[tuple[str, torch.Tensor]]:
+    """The latents a result carries (output type "latents" only: a media result carries the file instead)."""
     if res.media is not None:
-        return out
-    for name, t in (("video", res.result.video), ("audio", res.result.audio)):
-        if t is not None:
-            data = t.contiguous().view(-1).numpy().tobytes() if with_data else b""
-            out.append(pb.Tensor(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), data=data))
-    return out
+        return []
+    return [(name, t) for name, t in (("video", res.result.video), ("audio", res.result.audio)) if t is not None]
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's raw bytes, without a copy (the result's tensors are contiguous CPU tensors)."""
+    return t.contiguous().view(-1).numpy().data.cast("B")
+
+
+def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
+    """The latents as tensors; their data only `with_data` (a unary result: a stream sends it in chunks)."""
+    return [
+        pb.Tensor(
+            name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+            data=bytes(_tensor_bytes(t)) if with_data else b"",
+        )
+        for name, t in _latents(res)
+    ]  # fmt: skip
 
 
 def _payload_bytes(res: JobResult) -> int:
@@ -158,7 +171,7 @@ def response_from_result(res: JobResult, mode: pb.AdalnMode, with_data: bool = T
     m = res.media
     if m is not None:
         resp.media.CopyFrom(pb.Media(
-            content_type=m.content_type, size_bytes=m.size, sha256=m.sha256, data=m.data if with_data else b"",
+            content_type=m.content_type, size_bytes=m.size, sha256=m.sha256, data=m.read_all() if with_data else b"",
             filename=f"{r.request_id}{m.suffix}",
         ))  # fmt: skip
     return resp
@@ -185,49 +198,114 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         executor: Executor,
         updates: UpdateCoordinator,
         metrics: GeneratorMetrics,
+        slots: HandlerSlots,
+        watchdog: SendWatchdog,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.backend = backend
         self.executor = executor
         self.updates = updates
+        self.slots = slots
+        self.watchdog = watchdog
         self.mode = _MODES[backend.mode]
 
-    def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
+    def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext, unary: bool) -> Job:
         try:
             request, expected = request_from_proto(msg)
+            if unary:
+                self._check_unary_size(request)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
             job = Job(request, expected_generation=expected, deadline=deadline)
-            context.add_callback(job.cancel)  # client cancel / disconnect stops the executor
+            context.add_callback(lambda: self._ended(job))  # client cancel / disconnect stops the executor
             self.executor.submit(job)
         except (RequestError, ServiceError) as e:
             abort(context, e)
         return job
 
+    def _ended(self, job: Job) -> None:
+        """The RPC ended (sent, failed, cancelled, or its client went away): stop the job and free its slot."""
+        job.cancel()
+        self.executor.withdraw(job)
+        self.executor.delivered(job)
+
+    def _too_large(self, size: int, what: str) -> ResultTooLargeError:
+        limit = self.cfg.max_message_bytes
+        return ResultTooLargeError(
+            f"{what} is {size} bytes, above this server's {limit}-byte message limit "
+            f"(--max-message-mb {limit / 2**20:g}, less {_ENVELOPE} bytes of framing); use "
+            "GenerateStream, which sends it in chunks (a client taking large unary results must "
+            "raise its own receive limit too, e.g. grpcurl -max-msg-sz)",
+            {"result_bytes": str(size), "max_message_bytes": str(limit)},
+        )
+
+    def _check_unary_size(self, request: GenerationRequest) -> None:
+        """Refuse before any work a unary request whose result cannot fit one message (its latents' size is known
+        from the canvas; a media file's only once encoded)."""
+        sizer = self.backend.sizer()
+        if sizer is None or request.decodes:
+            return
+        try:
+            size = sizer.latent_bytes(request)
+        except Exception:  # an invalid canvas: admission names the field
+            return
+        if size > self.cfg.max_message_bytes - _ENVELOPE:
+            raise self._too_large(size, "the result's latents alone")
+
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
-        job = self._submit(request, context)
+        try:
+            with self.slots.take():
+                job = self._submit(request, context, unary=True)
+                try:
+                    return self._unary_result(job, context)
+                finally:
+                    self.executor.delivered(job)  # grpc sends the returned message on its own
+        except HandlersBusyError as e:
+            abort(context, e)
+
+    def _unary_result(self, job: Job, context: grpc.ServicerContext) -> pb.GenerateResponse:
         while True:
             match job.events.get():
                 case Failed(error):
                     abort(context, error)
                 case Finished(result):
-                    resp = response_from_result(result, self.mode)
-                    size, limit = resp.ByteSize(), self.cfg.max_message_bytes
-                    if size > limit - _ENVELOPE:
-                        abort(context, ResultTooLargeError(
-                            f"the result is {size} bytes, above this server's {limit}-byte message limit "
-                            f"(--max-message-mb {limit / 2**20:g}, less {_ENVELOPE} bytes of framing); use "
-                            "GenerateStream, which sends it in chunks (a client taking large unary results must "
-                            "raise its own receive limit too, e.g. grpcurl -max-msg-sz)",
-                            {"result_bytes": str(size), "max_message_bytes": str(limit)},
-                        ))  # fmt: skip
+                    try:
+                        resp = response_from_result(result, self.mode)
+                    finally:
+                        if result.media is not None:
+                            result.media.close()
+                    size = resp.ByteSize()
+                    if size > self.cfg.max_message_bytes - _ENVELOPE:
+                        abort(context, self._too_large(size, "the result"))
                     return resp
 
     def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateStreamResponse]:
-        job = self._submit(request.request, context)
+        try:
+            slot = self.slots.take()
+            slot.__enter__()
+        except HandlersBusyError as e:
+            abort(context, e)
+        watch = self.watchdog.watch(request.request.request_id or "(unnamed)", context.cancel)
+        job: Job | None = None
+        try:
+            job = self._submit(request.request, context, unary=False)
+            watch.name = job.request.request_id
+            for message in self._stream(job, context, watch):
+                watch.sending()
+                yield message
+                watch.sent()
+        finally:
+            watch.close()
+            if job is not None:
+                self.executor.delivered(job)
+            slot.__exit__(None, None, None)
+
+    def _stream(
+        self, job: Job, context: grpc.ServicerContext, watch: StreamWatch
+    ) -> Iterator[pb.GenerateStreamResponse]:
         while True:
             match job.events.get():
                 case Queued(position):
@@ -245,19 +323,32 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 case Failed(error):
                     abort(context, error)
                 case Finished(result):
-                    yield pb.GenerateStreamResponse(result=response_from_result(result, self.mode, with_data=False))
-                    yield from self._chunks(result)
+                    try:
+                        header = response_from_result(result, self.mode, with_data=False)
+                        watch.start_transfer(header.total_bytes)
+                        yield pb.GenerateStreamResponse(result=header)
+                        yield from self._chunks(result)
+                    finally:
+                        if result.media is not None:
+                            result.media.close()  # a stalled or cancelled stream leaves no spooled file behind
                     return
 
     def _chunks(self, res: JobResult) -> Iterator[pb.GenerateStreamResponse]:
-        """The result's bytes in order, `chunk_bytes` at a time: the media file ("media"), or each tensor."""
+        """The result's bytes in order, `chunk_bytes` at a time: the media file ("media", read from its spooled
+        file chunk by chunk), or each tensor (sliced from the tensor's own memory). Nothing is copied whole."""
         step = self.cfg.chunk_bytes
-        parts = (
-            [("media", res.media.data)] if res.media is not None else [(t.name, t.data) for t in _tensors(res, True)]
-        )
-        for name, data in parts:
-            for off in range(0, max(len(data), 1), step):
-                chunk = pb.ResultChunk(name=name, offset=off, data=data[off : off + step])
+        if res.media is not None:
+            off = 0
+            for data in res.media.chunks(step):
+                yield pb.GenerateStreamResponse(chunk=pb.ResultChunk(name="media", offset=off, data=data))
+                off += len(data)
+            if off == 0:
+                yield pb.GenerateStreamResponse(chunk=pb.ResultChunk(name="media", offset=0, data=b""))
+            return
+        for name, t in _latents(res):
+            view = _tensor_bytes(t)
+            for off in range(0, max(len(view), 1), step):
+                chunk = pb.ResultChunk(name=name, offset=off, data=bytes(view[off : off + step]))
                 yield pb.GenerateStreamResponse(chunk=chunk)
 
     def UpdateWeights(
@@ -265,8 +356,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     ) -> pb.UpdateWeightsResponse:
         expected = request.expected_generation if request.HasField("expected_generation") else None
         try:
+            check_admin_transport(
+                context.peer(), self.cfg.tls_cert is not None, self.cfg.allow_plaintext_admin, "UpdateWeights"
+            )
             check_bearer(
-                self.cfg.admin_token, dict(context.invocation_metadata()).get("authorization"), "UpdateWeights"
+                self.cfg.admin_secret, dict(context.invocation_metadata()).get("authorization"), "UpdateWeights"
             )
             if request.tensors:
                 if request.weights_path:
@@ -335,9 +429,11 @@ def component_placement(c: ComponentInfo) -> pb.ComponentPlacement:
 def _grpc_server(cfg: GeneratorConfig, metrics: GeneratorMetrics) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="generator"),
-        interceptors=[RpcMetrics(metrics.registry, "ditserve_generator")],
+        interceptors=[RpcMetrics(metrics.registry, "ditserve_generator"), DecodeGuard()],
+        maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         options=[
             ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.keepalive_time_ms", 30_000),
@@ -368,13 +464,18 @@ class GeneratorServer:
         self.state = state
         self.metrics_server: MetricsServer | None = None
         self.server = _grpc_server(cfg, metrics)
-        servicer = GeneratorServicer(cfg, backend, executor, updates, metrics)
+        self.slots = HandlerSlots(cfg.request_handlers, cfg.workers)
+        self.watchdog = SendWatchdog(
+            cfg.stream_stall_s, cfg.stream_transfer_s, lambda why: metrics.streams_cancelled.labels(why).inc()
+        )
+        servicer = GeneratorServicer(cfg, backend, executor, updates, metrics, self.slots, self.watchdog)
         pb_grpc.add_GeneratorServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(publisher.servicer, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        if cfg.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                self.server,
+            )
         self.port = (
             self.server.add_secure_port(cfg.listen, server_credentials(cfg))
             if cfg.tls_cert
@@ -384,15 +485,24 @@ class GeneratorServer:
             raise OSError(f"cannot listen on {cfg.listen}")
 
     def start(self) -> None:
-        self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.metrics_port)
+        self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.metrics_port, self.cfg.metrics_bind_host)
+        warning = plaintext_admin_warning(
+            self.cfg.listen, self.cfg.tls_cert is not None, bool(self.cfg.admin_secret), self.cfg.allow_plaintext_admin
+        )
+        if warning:
+            log.warning("%s", warning)
         self.backend.start()
         self.executor.start()
+        self.watchdog.start()
         self.server.start()
-        log.info("generator listening on port %d (%s mode)", self.port, self.backend.mode)
+        host = self.cfg.listen.rsplit(":", 1)[0]
+        transport = "TLS" if self.cfg.tls_cert else "plaintext"
+        log.info("generator listening on %s:%d (%s mode, %s)", host, self.port, self.backend.mode, transport)
 
     def stop(self, grace_s: float = 10.0) -> None:
         self.state.set_stopping()
         self.server.stop(grace_s).wait()
+        self.watchdog.stop()
         self.executor.stop()
         self.backend.close()
         if self.metrics_server is not None:

@@ -102,7 +102,7 @@ def build_server(cfg: SidecarConfig) -> SidecarServer:
         registry = sidecar_registry(sidecar)
         return SidecarServer(
             sidecar, health, registry, cfg.address, cfg.heartbeat_s, cfg.metrics_port,
-            tls=tls, admin_token=cfg.admin_token,
+            tls=tls, admin_token=cfg.admin_secret, metrics_host=cfg.metrics_bind_host, reflection=cfg.reflection,
         )  # fmt: skip
     except BaseException:
         cache.close()

@@ -4,9 +4,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
-from ditruntime.auth import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HELP, check_tls_flags
+from ditruntime.auth import (
+    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_FILE_HELP,
+    ADMIN_TOKEN_HELP,
+    METRICS_HOST_HELP,
+    REFLECTION_HELP,
+    check_tls_flags,
+    listen_host,
+    resolve_admin_token,
+)
 from ditruntime.flags import check_bounds, flag, flag_metadata
 
 GB = 1000**3
@@ -85,6 +95,11 @@ class SidecarConfig:
     """Where (generation, weights_path, digests) persist; its state file wins over `checkpoint`."""
     metrics_port: int | None = flag(None, "serve Prometheus /metrics on this port (default off)")
     """Prometheus /metrics HTTP port (off when None)."""
+    metrics_host: str = flag("", METRICS_HOST_HELP)
+    """Host /metrics binds to; empty: the TCP `address`'s host, or 127.0.0.1 on the unix socket. The resolved
+    host is `metrics_bind_host`."""
+    reflection: bool = flag(True, REFLECTION_HELP, negate=True)
+    """Serve gRPC server reflection (`--no-reflection`: don't)."""
     tls_cert: Path | None = flag(None, "PEM server certificate (required with --listen)")
     """TCP only: the sidecar's PEM certificate (mutual TLS with tls_key and tls_client_ca)."""
     tls_key: Path | None = flag(None, "PEM private key of --tls-cert (required with --listen)")
@@ -95,15 +110,30 @@ class SidecarConfig:
     """TCP only: clients (the generator) must present a certificate this CA signed."""
     admin_token: str = flag("", ADMIN_TOKEN_HELP, env=ADMIN_TOKEN_ENV)
     """TCP only: Prepare/Commit/AbortWeightUpdate need `authorization: Bearer <admin_token>` (empty:
-    refused). On the unix socket the peer's uid is the credential and the token is not asked."""
+    refused). On the unix socket the peer's uid is the credential and the token is not asked. At least 16
+    characters (ditruntime.auth.check_admin_token); the token in use is `admin_secret`."""
+    admin_token_file: Path | None = flag(None, ADMIN_TOKEN_FILE_HELP)
+    """A file holding the admin token instead (read once at start, stripped; refused when other users may read
+    it)."""
 
     @property
     def tcp(self) -> bool:
         """Listening on TCP (mutual TLS + admin token), not on the unix socket (peer uid)."""
         return not self.address.startswith("unix")
 
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where /metrics binds: `metrics_host`, else the host of `address` (127.0.0.1 for a unix socket)."""
+        return self.metrics_host or listen_host(self.address)
+
+    @cached_property
+    def admin_secret(self) -> str:
+        """The admin token in use: `admin_token`, or `admin_token_file`'s contents (read once, checked at start)."""
+        return resolve_admin_token(self.admin_token, self.admin_token_file)
+
     def __post_init__(self) -> None:
         check_bounds(self)
+        _ = self.admin_secret  # a short token or an unreadable --admin-token-file is refused now
         check_tls_flags(
             {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-client-ca": self.tls_client_ca},
             required=self.tcp,

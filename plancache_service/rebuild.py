@@ -29,6 +29,7 @@ from ditcore.checkpoint import (
 )
 from ditcore.plans import PageLayout, PlanKey
 from ditcore.rebuild import PlanBuilder
+from ditruntime.faults import crash_point
 
 from .errors import CheckpointChangedError, PlanCacheError, RebuildError
 
@@ -144,6 +145,7 @@ class RebuildSource:
     def build(self, keys: Sequence[PlanKey], outputs: Sequence[torch.Tensor]) -> None:
         """One pass: every key's pages into `outputs[k]`, (width_k, page_numel) in `dtype` on the device."""
         self.check_unchanged()
+        crash_point("sidecar:during_rebuild")
         try:
             self.builder.build(keys, outputs)
         except PlanCacheError:

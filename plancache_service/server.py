@@ -24,8 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
-from ditruntime.auth import check_bearer
+from ditruntime.auth import LOOPBACK, check_bearer
 from ditruntime.convert import to_proto
+from ditruntime.decode_guard import DecodeGuard
 from ditruntime.errors import ServiceError
 from ditruntime.obs import MetricsServer, RpcMetrics
 from ditruntime.peercred import PeerCred, PeerRefusedError, UdsRelay
@@ -248,8 +249,12 @@ class SidecarServer:
         *,
         tls: grpc.ServerCredentials | None = None,
         admin_token: str = "",
+        metrics_host: str = LOOPBACK,
+        reflection: bool = True,
     ) -> None:
         self.sidecar = sidecar
+        self.metrics_host = metrics_host
+        self.reflection = reflection
         self.health = health
         self.registry = registry
         self.stopping = threading.Event()
@@ -273,17 +278,18 @@ class SidecarServer:
     def _build(self, address: str, heartbeat_s: float, tls: grpc.ServerCredentials | None, admin_token: str) -> None:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="plancache"),
-            interceptors=[RpcMetrics(self.registry, "ditserve_plancache")],
+            interceptors=[RpcMetrics(self.registry, "ditserve_plancache"), DecodeGuard()],
             options=SERVER_OPTIONS,
         )
         guard = CallGuard(self.relay, None if self.relay is not None else admin_token)
         self.servicer = PlanCacheServicer(self.sidecar, heartbeat_s, self.stopping, guard)
         pb_grpc.add_PlanCacheServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        if self.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                self.server,
+            )
         if self.relay is not None:
             self.port = self.server.add_insecure_port(self.relay.backend_address)  # private: 0700 dir
         else:
@@ -297,7 +303,7 @@ class SidecarServer:
         return self.servicer.session_peers.get(session_id)
 
     def start(self) -> None:
-        self.metrics = MetricsServer(self.registry, self.metrics_port)
+        self.metrics = MetricsServer(self.registry, self.metrics_port, self.metrics_host)
         self.server.start()
         if self.relay is not None:
             self.relay.start()

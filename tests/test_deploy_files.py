@@ -1,7 +1,9 @@
 """Deployment files (docker/): the linters (scripts/validate_deploy.sh), the structure the
 services depend on (shared namespaces, /dev/shm, one socket path, native sidecar, headless
-Service), docker/healthcheck.py against a real sidecar, and the installs (lock files with hashes,
-exact dev-tool pins, one hash-locked torch stack everywhere, the CUDA image's allocator guard)."""
+Service), the network defaults (TLS and the admin token from Secrets, metrics where Prometheus
+scrapes, nothing plaintext published beyond loopback), docker/healthcheck.py against a real sidecar
+and a real TLS server, and the installs (lock files with hashes, exact dev-tool pins, one
+hash-locked torch stack everywhere, the CUDA image's allocator guard)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from ditruntime.auth import ADMIN_TOKEN_ENV
+from generator_service import cli as generator_cli
 from plancache_service.app import build_server
 from plancache_service.cli import build_parser, config_from_args
 
@@ -78,8 +83,21 @@ def test_k8s_sidecar_is_native_and_probed_over_its_socket(pod: dict[str, Any]) -
         cmd = sidecar[probe]["exec"]["command"]
         assert cmd[:4] == ["python", "/opt/ditserve/healthcheck.py", f"unix:{socket}", SIDECAR_SERVICE], probe
     assert "--alive" in sidecar["livenessProbe"]["exec"]["command"]
-    assert generator["readinessProbe"]["grpc"] == {"port": 50051, "service": GENERATOR_SERVICE}
-    assert "grpc" not in generator["livenessProbe"]  # NOT_SERVING while the sidecar is away must not kill it
+
+
+def test_k8s_generator_probes_are_grpc_health_checks_over_tls(pod: dict[str, Any]) -> None:
+    """Exec probes (the kubelet's own grpc probe speaks plaintext only) through healthcheck.py, which the
+    container's environment points at the served certificate; liveness takes NOT_SERVING as alive."""
+    [generator] = pod["containers"]
+    probe = ["python", "/opt/ditserve/healthcheck.py", "127.0.0.1:50051"]
+    assert generator["readinessProbe"]["exec"]["command"] == [*probe, GENERATOR_SERVICE]
+    for name in ("startupProbe", "livenessProbe"):
+        # NOT_SERVING while the sidecar is away or weights update must not restart it; silence must
+        assert generator[name]["exec"]["command"] == [*probe, "--alive"], name
+    env = {e["name"]: e for e in generator["env"]}
+    assert env["DITSERVE_HEALTH_TLS_CA"]["value"] == _flag(generator["args"], "--tls-cert")
+    assert env["DITSERVE_HEALTH_TLS_SERVER_NAME"]["value"] == "ditserve.$(POD_NAMESPACE).svc"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
 
 def test_k8s_pod_shares_shm_socket_dir_and_pids(pod: dict[str, Any]) -> None:
@@ -97,13 +115,57 @@ def test_k8s_pod_shares_shm_socket_dir_and_pids(pod: dict[str, Any]) -> None:
     assert all(m["readOnly"] for c in containers for m in c["volumeMounts"] if m["name"] == "models")
 
 
-def test_k8s_one_gpu_and_optional_admin_token(pod: dict[str, Any]) -> None:
+def test_k8s_one_gpu(pod: dict[str, Any]) -> None:
     [sidecar] = pod["initContainers"]
     [generator] = pod["containers"]
     assert generator["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in sidecar["resources"].get("limits", {})  # a second request = a second GPU
-    [token] = [e for e in generator["env"] if e["name"] == "DITSERVE_ADMIN_TOKEN"]
-    assert token["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
+def _mounted_secret(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str, int]:
+    """(Secret name, key, file mode) of the Secret file a container sees at `path`."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] is True
+    secret = volumes[mount["name"]]["secret"]
+    key = path.removeprefix(mount["mountPath"] + "/")
+    for item in secret.get("items", []):
+        if item["path"] == key:
+            key = item["key"]
+    return secret["secretName"], key, secret["defaultMode"]
+
+
+def test_k8s_public_port_is_tls_and_the_admin_token_a_secret_file(pod: dict[str, Any]) -> None:
+    [sidecar] = pod["initContainers"]
+    [generator] = pod["containers"]
+    args = generator["args"]
+    assert _flag(args, "--listen") == "0.0.0.0:50051"
+    assert _mounted_secret(pod, generator, _flag(args, "--tls-cert"))[:2] == ("ditserve-tls", "tls.crt")
+    assert _mounted_secret(pod, generator, _flag(args, "--tls-key"))[:2] == ("ditserve-tls", "tls.key")
+    name, key, mode = _mounted_secret(pod, generator, _flag(args, "--admin-token-file"))
+    assert (name, key) == ("ditserve-admin", "token")
+    assert mode == 0o440  # with fsGroup: owner and group 10001 only; the generator refuses o+r
+    # the token never as a flag value or an environment variable, in either container
+    for c in (sidecar, generator):
+        assert not any(a.startswith("--admin-token=") or a == "--admin-token" for a in c["args"])
+        assert ADMIN_TOKEN_ENV not in {e["name"] for e in c.get("env", [])}
+    assert "--allow-plaintext-admin" not in args
+
+
+def test_k8s_generator_args_are_a_valid_generator_command_line(pod: dict[str, Any], tmp_path: Path) -> None:
+    """The manifest's flags parse into a GeneratorConfig (the Secret file replaced by a local one); /metrics
+    listens where Prometheus scrapes the pod IP, in both containers."""
+    [sidecar] = pod["initContainers"]
+    [generator] = pod["containers"]
+    token = tmp_path / "token"
+    token.write_text("k8s-manifest-test-token\n")
+    token.chmod(0o440)
+    args = [a.replace("/etc/ditserve/admin/token", str(token)) for a in generator["args"][1:]]
+    cfg = generator_cli.config_from_args(generator_cli.build_parser().parse_args(args))
+    assert cfg.tls_cert == Path("/etc/ditserve/tls/tls.crt") and cfg.admin_secret == "k8s-manifest-test-token"
+    assert cfg.metrics_bind_host == "0.0.0.0" and cfg.metrics_port == 9400
+    assert _flag(sidecar["args"], "--metrics-host") == "0.0.0.0"  # a unix-socket sidecar defaults to 127.0.0.1
+    assert _flag(sidecar["args"], "--metrics-port") == "9401"
 
 
 def test_k8s_service_is_headless_and_selects_the_pods() -> None:
@@ -112,7 +174,9 @@ def test_k8s_service_is_headless_and_selects_the_pods() -> None:
     assert service["spec"]["clusterIP"] == "None"
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["grpc"] == 50051
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["grpc"]["port"] == 50051
+    assert ports["grpc"].get("appProtocol") != "kubernetes.io/h2c"  # the port is TLS, not cleartext HTTP/2
 
 
 def test_kustomization_lists_every_resource_file() -> None:
@@ -150,6 +214,23 @@ def test_compose_demo_checkpoint_writes_a_tiny_released_precision_repository(com
     side, gen = compose["services"]["plancache"], compose["services"]["generator"]
     assert _flag(side["command"], "--checkpoint") == "/models/${DITSERVE_CHECKPOINT:-demo}"
     assert _flag(gen["command"], "--weights-root") == "/models"
+
+
+def test_compose_publishes_plaintext_only_on_loopback_and_tls_is_opt_in(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side, gen = compose["services"]["plancache"], compose["services"]["generator"]
+    assert gen["ports"][0] == "${DITSERVE_PUBLISH:-127.0.0.1}:50051:50051"
+    assert all(p.startswith("127.0.0.1:") for p in side["ports"] + gen["ports"][1:])  # /metrics
+    assert _flag(side["command"], "--metrics-host") == "0.0.0.0"  # inside the container, for the published port
+    assert gen["environment"]["DITSERVE_HEALTH_TLS_CA"] == "${DITSERVE_TLS_CERT:-}"
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    for env, tls in (("", None), ("/etc/ditserve/tls/tls.crt", Path("/etc/ditserve/tls/tls.crt"))):
+        argv = [a.replace("${DITSERVE_TLS_CERT:-}", env).replace("${DITSERVE_TLS_KEY:-}", env) for a in gen["command"]]
+        argv = [a.replace("${DITSERVE_DEVICE:-cpu}", "cpu") for a in argv[1:]]
+        cfg = generator_cli.config_from_args(generator_cli.build_parser().parse_args(argv))
+        assert cfg.tls_cert == tls  # an empty --tls-cert= is plaintext, not a path
+        assert cfg.metrics_bind_host == "0.0.0.0"
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
@@ -323,3 +404,59 @@ def test_healthcheck_fails_when_nothing_listens_and_on_bad_usage(tmp_path: Path)
     down = _healthcheck(f"unix:{tmp_path / 'none.sock'}", "--timeout-s", "2")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
     assert _healthcheck("127.0.0.1:1", "--timeout-s", "0").returncode == 2
+    assert _healthcheck("127.0.0.1:1", "--tls-server-name", "x").returncode == 2  # TLS flags need --tls-ca
+    unreadable = _healthcheck("127.0.0.1:1", "--tls-ca", str(tmp_path / "none.pem"))
+    assert unreadable.returncode == 2 and "--tls-ca" in unreadable.stderr
+
+
+def _openssl(*args: str | Path, cwd: Path) -> None:
+    subprocess.run(["openssl", *map(str, args)], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tls_health(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """A real grpc.health.v1 server over TLS, its certificate signed by a CA and naming ditserve.test.svc only;
+    (port, the server's certificate)."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI")
+    d = tmp_path_factory.mktemp("tlshc")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign", cwd=d)  # fmt: skip
+    (d / "ext").write_text("subjectAltName=DNS:ditserve.test.svc\nextendedKeyUsage=serverAuth\n")
+    _openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=ditserve", cwd=d)
+    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "tls.crt", "-days", "2", "-extfile", "ext", cwd=d)  # fmt: skip
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    creds = grpc.ssl_server_credentials([((d / "tls.key").read_bytes(), (d / "tls.crt").read_bytes())])
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        yield port, d / "tls.crt"
+    finally:
+        server.stop(None)
+
+
+def test_healthcheck_speaks_tls_trusting_the_served_certificate(
+    tls_health: tuple[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the Kubernetes probes run: --tls-ca is the server's own tls.crt (no CA file in the pod), the name
+    is the one in the certificate; plaintext against the TLS port, or another name, fails."""
+    port, cert = tls_health
+    target = f"127.0.0.1:{port}"
+    ok = _healthcheck(target, "--tls-ca", str(cert), "--tls-server-name", "ditserve.test.svc", "--alive")
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    assert _healthcheck(target, "--timeout-s", "2").returncode == 1  # plaintext to a TLS port
+    wrong = _healthcheck(target, "--tls-ca", str(cert), "--tls-server-name", "other.name", "--timeout-s", "2")
+    assert wrong.returncode == 1
+    # the probes' form: the flags come from the container's environment
+    monkeypatch.setenv("DITSERVE_HEALTH_TLS_CA", str(cert))
+    monkeypatch.setenv("DITSERVE_HEALTH_TLS_SERVER_NAME", "ditserve.test.svc")
+    assert _healthcheck(target, "--alive").returncode == 0
+    monkeypatch.setenv("DITSERVE_HEALTH_TLS_CA", "")  # compose's ${DITSERVE_TLS_CERT:-} unset: plaintext
+    monkeypatch.setenv("DITSERVE_HEALTH_TLS_SERVER_NAME", "")
+    assert _healthcheck(target, "--timeout-s", "2").returncode == 1

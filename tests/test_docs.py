@@ -209,6 +209,8 @@ OTHER_TOOLS_FLAGS = {
     "--check": "scripts/gen_docs.py, scripts/lock.py, protos.generate",
     "--upgrade": "scripts/lock.py",
     "--from-literal": "kubectl create secret",
+    "--cert": "kubectl create secret tls",
+    "--key": "kubectl create secret tls",
     "--gpus": "docker run",
     "--rm": "docker run, docker compose run",
     "--profile": "docker compose",

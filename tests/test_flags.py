@@ -55,7 +55,7 @@ def test_sidecar_round_trip(tmp_path: Path) -> None:
     assert plancache_cli.config_from_args(plancache_cli.build_parser().parse_args(argv)) == cfg
     # and over TCP
     tls = {"tls_cert": Path("/c.pem"), "tls_key": Path("/k.pem"), "tls_client_ca": Path("/ca.pem")}
-    tcp = replace(cfg, address="127.0.0.1:50052", admin_token="t0k", **tls)
+    tcp = replace(cfg, address="127.0.0.1:50052", admin_token="t0k-0123456789abcdef", **tls)
     argv = [*to_argv(tcp, exclude=("address",)), "--listen", tcp.address]
     assert plancache_cli.config_from_args(plancache_cli.build_parser().parse_args(argv)) == tcp
 
@@ -70,7 +70,7 @@ def test_sidecar_round_trip(tmp_path: Path) -> None:
             max_queue_depth=3,
             max_message_bytes=8 * MIB,
             prefetch=False,
-            admin_token="-s3cret",
+            admin_token="-s3cret-0123456789ab",
             weights_root=Path("/weights"),
             drain_timeout_s=2.5,
             metrics_port=9,
@@ -129,12 +129,14 @@ def test_parsed_defaults_are_the_dataclass_defaults(tmp_path: Path) -> None:
 
 
 def test_admin_token_from_env_stays_off_the_child_argv(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    monkeypatch.setenv(TOKEN_ENV, "from-env-0123456789ab")
     cfg = generator_cli.config_from_args(generator_cli.build_parser().parse_args([]))
-    assert cfg.admin_token == "from-env"
+    assert cfg.admin_token == "from-env-0123456789ab"
     assert not any("--admin-token" in a for a in to_argv(cfg))
-    flagged = generator_cli.config_from_args(generator_cli.build_parser().parse_args(["--admin-token", "t2"]))
-    assert flagged.admin_token == "t2" and "--admin-token=t2" in to_argv(flagged)
+    flagged = generator_cli.config_from_args(
+        generator_cli.build_parser().parse_args(["--admin-token", "t2-0123456789abcdef"])
+    )
+    assert flagged.admin_token == "t2-0123456789abcdef" and "--admin-token=t2-0123456789abcdef" in to_argv(flagged)
 
 
 def test_to_argv_refuses_a_value_without_a_flag() -> None:
@@ -302,7 +304,17 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
         # starts: serve's --tls-* / --admin-token are the generator's.
         (
             plancache_cli.build_parser(),
-            own | {"--device", "--tls-cert", "--tls-key", "--tls-client-ca", "--admin-token"},
+            own
+            | {
+                "--device",
+                "--tls-cert",
+                "--tls-key",
+                "--tls-client-ca",
+                "--admin-token",
+                "--admin-token-file",
+                "--metrics-host",
+                "--no-reflection",
+            },
             {"--gpu-plans", "--plan-width", "--host-cache-gb"},
         ),
     ]

@@ -201,10 +201,10 @@ def test_next_request_denoises_while_one_muxes(pair: Pair, monkeypatch: pytest.M
     muxing, next_stepped = threading.Event(), threading.Event()
     real_encode = executor_mod.encode
 
-    def held_encode(media: Any, output_type: str) -> Any:
+    def held_encode(media: Any, output_type: str, check: Any = None) -> Any:
         muxing.set()
         assert next_stepped.wait(30), "the next request did not step while this one muxed"
-        return real_encode(media, output_type)
+        return real_encode(media, output_type, check)
 
     monkeypatch.setattr(executor_mod, "encode", held_encode)
     first = pair.stub.Generate.future(to_proto({**BASE, "request_id": "mux-a", "output_type": "mp4"}), timeout=120)
@@ -226,7 +226,7 @@ def test_next_request_denoises_while_one_muxes(pair: Pair, monkeypatch: pytest.M
 
 
 def test_mux_failure_is_internal_and_the_server_serves_on(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(media: Any, output_type: str) -> Any:
+    def broken(media: Any, output_type: str, check: Any = None) -> Any:
         raise RuntimeError("this PyAV/FFmpeg build has no H.264 encoder")
 
     monkeypatch.setattr(executor_mod, "encode", broken)

@@ -72,7 +72,7 @@ def root() -> Iterator[Path]:
 @contextlib.contextmanager
 def pair(root: Path, gpu_plans: int, **gen_kw: Any) -> Iterator[tuple[Any, Any]]:
     """A started in-process pair on checkpoint A with metrics on both sides; (sidecar, generator) servers."""
-    options: dict[str, Any] = {"admin_token": "tok", "weights_root": root, "metrics_port": 0, **gen_kw}
+    options: dict[str, Any] = {"admin_token": "tok-0123456789abcdef", "weights_root": root, "metrics_port": 0, **gen_kw}
     with Pair(root / "A", gpu_plans=gpu_plans, host_cache_bytes=10**8, heartbeat_s=0.2, sidecar_metrics_port=0,
               **options) as p:  # fmt: skip
         p.start()
@@ -124,7 +124,11 @@ def test_metrics_move_when_they_should(root: Path) -> None:
             from protos.ditserve.generator.v1 import generator_pb2_grpc as ggrpc
 
             up = ggrpc.GeneratorStub(ch).UpdateWeights
-            up(gpb.UpdateWeightsRequest(weights_path="B"), metadata=[("authorization", "Bearer tok")], timeout=60)
+            up(
+                gpb.UpdateWeightsRequest(weights_path="B"),
+                metadata=[("authorization", "Bearer tok-0123456789abcdef")],
+                timeout=60,
+            )
             with pytest.raises(grpc.RpcError):
                 up(gpb.UpdateWeightsRequest(weights_path="B"), metadata=[("authorization", "Bearer bad")], timeout=60)
         g2, s4 = scrape(gp), scrape(sp)

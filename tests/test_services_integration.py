@@ -357,7 +357,8 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("width", {"height": 32, "width": 160}),  # aspect 5:1
     ("width", {"height": 160, "width": 32}),  # aspect 1:5
     ("output_type", {"output_type": 9}),  # no such enum value
-    # keyframes (fl2va; the task unset means fl2va when one is given): decoded at admission, never queued when bad
+    # keyframes (fl2va; the task unset means fl2va when one is given): checked by header and structure at admission,
+    # never queued when bad
     ("first_frame", {"task": 3}),  # TASK_FL2VA with no keyframe (both empty)
     ("first_frame", {"first_frame": b"not an image"}),
     ("first_frame", {"first_frame": b"GIF89a" + bytes(64)}),  # an image, but not PNG or JPEG

@@ -219,3 +219,27 @@ def test_sidecar_killed_while_generator_is_at(crash_pair: Pair, weights: Weights
     assert c.generator.running()
     c.wait_generator()
     assert_recovers(c, weights, generation, floor=generation)
+
+
+# ----------------------------------------------------------------------------- generator killed during a rebuild
+def test_generator_killed_during_a_rebuild_leaves_no_lease_and_an_update_commits(
+    crash_pair: Pair, weights: Weights
+) -> None:
+    """kill -9 of the generator while its PreparePlans rebuilds (the sidecar stalled there): the lease the rebuild
+    grants after the session ended is released at once, so the next weight update commits (it used to fail
+    CacheBusyError until the sidecar restarted)."""
+    c = crash_pair
+    generation = serving(c, weights, sidecar_fault=f"sidecar:during_rebuild=sleep:{STALL_S}")
+    log_at = len(c.sidecar.log())
+    never_built = {**REQ_RAIN, "num_inference_steps": 5, "flow_shift": 7.25}  # a schedule no test has built
+    request = background(lambda: c.generate(never_built, request_id="orphan", timeout=60), name="orphan")
+    c.sidecar.wait_log(r"fault hook: stalling \S+ s at sidecar:during_rebuild\b", 60, since=log_at)
+    c.generator.kill9()
+    assert isinstance(request.exception(60), grpc.RpcError)
+    c.sidecar.wait_log(r"lease \d+ \(request orphan#\d+\) released at once", 30, since=log_at)
+    st = c.state()
+    assert st.leases_held == 0 and st.stats.slots_leased == 0, st
+    c.start_generator()
+    result = c.update(weights.ckpt_of(generation + 1))
+    assert result.generation == generation + 1
+    assert_consistent(c, weights, generation + 1, floor=generation + 1)

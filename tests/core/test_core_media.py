@@ -272,12 +272,13 @@ def synthetic(frames: int = 29, height: int = 32, width: int = 64, seconds: floa
 def test_mp4_streams_rate_and_content() -> None:
     av = pytest.importorskip("av")
     media = synthetic()
-    out = encode(media, "mp4")
+    with encode(media, "mp4") as out:
+        data = out.read_all()
     assert (out.output_type, out.content_type, out.suffix) == ("mp4", "video/mp4", ".mp4")
-    assert out.sha256 == hashlib.sha256(out.data).hexdigest() and out.size == len(out.data)
-    assert out.data.index(b"moov") < out.data.index(b"mdat")  # index first (faststart)
+    assert out.sha256 == hashlib.sha256(data).hexdigest() and out.size == len(data)
+    assert data.index(b"moov") < data.index(b"mdat")  # index first (faststart)
     samples = media.audio.shape[1]
-    with av.open(io.BytesIO(out.data)) as container:
+    with av.open(io.BytesIO(data)) as container:
         assert len(container.streams.video) == 1 and len(container.streams.audio) == 1
         video, audio = container.streams.video[0], container.streams.audio[0]
         assert video.codec_context.name == "h264"
@@ -291,7 +292,7 @@ def test_mp4_streams_rate_and_content() -> None:
         pixels = np.stack([f.to_ndarray(format="rgb24") for f in decoded])
     assert pixels.shape == media.frames.shape
     assert np.abs(pixels.astype(int) - media.frames).mean() < 6  # lossy, but the same picture
-    with av.open(io.BytesIO(out.data)) as container:
+    with av.open(io.BytesIO(data)) as container:
         sound = np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=1)
     assert sound.shape[0] == 2 and samples <= sound.shape[1] < samples + 2 * 1024  # one frame of padding at most
     assert np.abs(sound[:, :samples] - media.audio).mean() < 0.01  # aligned: the encoder's priming is skipped
@@ -328,10 +329,11 @@ def test_frames_and_wav_is_exact() -> None:
     audio[0, :4] = [1.5, -2.0, 0.5, -0.25]  # clipped, clipped, exact halves
     audio[1, 0] = np.nan
     media = DecodedMedia(frames=media.frames, audio=audio, sampling_rate=RATE)
-    out = encode(media, "frames_and_wav")
+    with encode(media, "frames_and_wav") as out:
+        data = out.read_all()
     assert (out.output_type, out.content_type, out.suffix) == ("frames_and_wav", "application/zip", ".zip")
-    assert out.sha256 == hashlib.sha256(out.data).hexdigest()
-    with zipfile.ZipFile(io.BytesIO(out.data)) as archive:
+    assert out.sha256 == hashlib.sha256(data).hexdigest()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = archive.namelist()
         assert names == [f"frames/{i:06d}.png" for i in range(7)] + ["audio.wav"]
         for i in range(7):
@@ -354,7 +356,7 @@ def test_frames_and_wav_is_deterministic() -> None:
     second = encode(media, "frames_and_wav")
     time.sleep(1.1)
     third = encode(media, "frames_and_wav")
-    assert first.data == second.data == third.data and first.sha256 == third.sha256
+    assert first.read_all() == second.read_all() == third.read_all() and first.sha256 == third.sha256
 
 
 @pytest.mark.parametrize("output_type", ["latents", "png", ""])

@@ -139,3 +139,20 @@ def test_infer_task_and_json_safe_dict() -> None:
     out = json.loads(json.dumps(req.to_dict()))
     assert out["first_frame"] == {"bytes": len(PNG), "sha256": hashlib.sha256(PNG).hexdigest()}
     assert out["last_frame"] is None and out["output_type"] == "mp4" and req.decodes and not GOOD.decodes
+
+
+def test_the_pixels_x_frames_budget_is_the_released_envelope_and_names_its_flag() -> None:
+    from generator_service.executor import check_request
+
+    released = GenerationRequest(prompt="a fox", height=768, width=1344, num_frames=345)
+    released.validate()  # the released envelope itself is inside
+    raised = RequestLimits(max_height=4096, max_width=4096, max_pixels=4096 * 4096)  # sides and area raised only
+    GenerationRequest(prompt="a fox", height=1344, width=1344, num_frames=124).validate(raised)  # fewer frames fit
+    huge = GenerationRequest(prompt="a fox", height=4096, width=4096, num_frames=345)
+    with pytest.raises(RequestError) as e:
+        huge.validate(raised)
+    assert e.value.field == "num_frames"
+    assert "height x width x num_frames must be at most 356,106,240 pixels (768 x 1344 x 345" in str(e.value)
+    with pytest.raises(RequestError, match=r"\(this server's --max-video-pixels is 356106240\)"):
+        check_request(huge, raised)
+    huge.validate(dataclasses.replace(raised, max_video_pixels=4096 * 4096 * 345))  # the operator raised it too

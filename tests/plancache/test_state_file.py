@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -156,8 +157,11 @@ def test_something_else_in_the_state_files_place_is_refused(
 
 
 def test_a_refused_state_file_stops_the_sidecar_with_exit_2_and_the_advice(
-    tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]
+    tiny_ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    root = logging.getLogger()  # main() points the root logger at this test's captured stderr: put it back after
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
     run_dir = Path(tempfile.mkdtemp(prefix="psf-", dir="/tmp"))
     try:
         state_dir = run_dir / "state"
