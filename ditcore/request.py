@@ -332,6 +332,12 @@ def _decoded(data: bytes) -> Any:
     return decode_image(data, _image_limits(H3_LIMITS))
 
 
+def forget_decoded_keyframes() -> None:
+    """Drop the remembered keyframes, their images and bytes: a server calls this after each request, so an idle one
+    holds none."""
+    _decoded.cache_clear()
+
+
 def _image_limits(limits: RequestLimits) -> ImageLimits:
     return ImageLimits(
         max_bytes=min(limits.max_keyframe_bytes, MAX_KEYFRAME_BYTES),

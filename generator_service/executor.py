@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from ditcore import GenerationRequest, GenerationResult, PlanKey, RequestError, RequestLimits, generate
 from ditcore.media import EncodedMedia, MediaError, encode
-from ditcore.request import KEYFRAME_FIELDS
+from ditcore.request import KEYFRAME_FIELDS, forget_decoded_keyframes
 from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.errors import GenerationMismatchError
 
@@ -383,8 +383,9 @@ class Executor:
                     self._lock.notify_all()
                 job.emit(final)  # a Failed error leaves with its traceback's frame locals cleared (Job.emit)
             # This frame runs until the server stops: the job, its result or its error (whose traceback reached the
-            # loop's view of the slab) must not stay in it until the next job.
+            # loop's view of the slab) must not stay in it until the next job; nor its decoded keyframes.
             del job, final
+            forget_decoded_keyframes()
 
     def _run(self, job: Job) -> JobEvent | _Denoised:
         """Run one job's loop; returns its failure, or what finishing it (muxing, results) needs."""

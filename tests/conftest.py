@@ -32,6 +32,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service's main() run in this process points the root logger at the test's captured stderr; each test gets
+    the root logger's handlers and level back, so no later log record is written to a closed stream."""
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -81,9 +81,9 @@ def test_every_prepare_carries_the_step_bound_modeled_then_observed(
     sent: list[float] = []
     prepare = Sidecar.prepare
 
-    def spy(self: Sidecar, session_id: str, generation: int, keys: Any, step_bound_s: float = 0.0) -> Any:
+    def spy(self: Sidecar, session_id: str, generation: int, keys: Any, step_bound_s: float = 0.0, *rest: Any) -> Any:
         sent.append(step_bound_s)
-        return prepare(self, session_id, generation, keys, step_bound_s)
+        return prepare(self, session_id, generation, keys, step_bound_s, *rest)
 
     monkeypatch.setattr(Sidecar, "prepare", spy)
     with Pair(svc_ckpt, prefetch=False) as pair:

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from servicekit import wait_for
 
+import ditcore.request
 from ditcore.media import DecodedMedia, EncodedMedia
 from generator_service.app import build_server
 from generator_service.config import GeneratorConfig
@@ -131,9 +132,9 @@ def _png() -> bytes:
 def test_a_keyframe_flood_against_a_full_queue_decodes_no_pixel(
     server: GeneratorServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    decoded = []  # every pixel decode goes through Pillow's ImageFile.load (header reads do not)
+    decoded = []  # every pixel decode goes through Pillow's ImageFile.load (the probe loads only a 2 x 1 skeleton)
     real = PIL.ImageFile.ImageFile.load
-    monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", lambda self: decoded.append(1) or real(self))
+    monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", lambda self: decoded.append(self.size) or real(self))
     server.executor.pause()  # nothing runs: the queue fills and stays full
     channel, stub = _stub(server.port)
     flood_channel, flood = _stub(server.port)  # one connection carries at most --max-streams-per-connection calls
@@ -151,7 +152,8 @@ def test_a_keyframe_flood_against_a_full_queue_decodes_no_pixel(
         took.append(time.monotonic() - t0)
         codes.append(err.value.code())
     assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-    assert decoded == []  # admission decoded no keyframe: pixels are decoded only when a job runs
+    assert (64, 64) not in decoded  # admission decoded no keyframe: pixels are decoded only when a job runs
+    assert set(decoded) <= {(2, 1)}
     print(f"40 refusals of a full queue: median {sorted(took)[20] * 1000:.1f} ms, max {max(took) * 1000:.1f} ms")
     for f in futures:
         f.cancel()
@@ -176,6 +178,9 @@ def test_an_idle_server_holds_no_finished_jobs_frames_or_bytes(server: Generator
         request_id="stream-mp4", output_type=pb.OUTPUT_TYPE_FRAMES_AND_WAV, prompt="a fox", num_inference_steps=2,
     )), timeout=120))  # fmt: skip
     assert messages[-1].HasField("chunk")
+    keyframed = pb.GenerateRequest(request_id="fl2va", prompt="a fox", num_inference_steps=2, first_frame=_png())
+    assert stub.Generate(keyframed, timeout=120).sha256
     wait_for(lambda: server.executor.queue_depth == 0, 10, "the queue to drain")
     assert _media_alive() == []  # the last media job's frames, file and result are gone while the server idles
+    assert ditcore.request._decoded.cache_info().currsize == 0  # and no decoded keyframe (nor its bytes)
     channel.close()
