@@ -8,7 +8,7 @@ off-grid frame count up with a warning; the service refuses it instead, so a cal
 The default limits are the released envelope (sides up to 1344, at most 768 x 1344 pixels, either orientation);
 an operator may raise them up to MAX_SIDE (the memory admission check then decides what fits the device).
 `validate` makes only cheap checks, so admission can run it under a flood: a keyframe is checked by its header and
-structure (ditcore.media.probe_image), its pixels are decoded when the request runs (`keyframes`, where a fault of
+structure (ditcore.keyframes.probe_image), its pixels are decoded when the request runs (`keyframes`, where a fault of
 the pixel data still raises RequestError naming the field), and the prompt's tokens are counted where the served
 tokenizer is (`check_prompt_tokens`). A prompt is Unicode text with a visible character and no control character but
 tab, line feed and carriage return.
@@ -25,7 +25,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from .media import OUTPUT_TYPES, ImageLimits, MediaError, decode_image, probe_image
+from .keyframes import ImageLimits, MediaError, decode_image, probe_image
+from .media import OUTPUT_TYPES
 
 TASKS = ("t2va", "fl2va")
 """Served tasks: text to video+audio, and first/last keyframe to video+audio. (ref2va runs another transformer
@@ -164,7 +165,7 @@ class GenerationRequest:
         """diffusers' keyframe inputs, `image` / `last_image`, as RGB PIL images decoded from the request's bytes
         (MediaError, as RequestError naming the field, on bad media; the MediaError is its `__cause__`). This decodes
         the pixels: `validate` has checked everything the headers decide, so what can still fail here is the pixel
-        data itself (ditcore.media.decode_image)."""
+        data itself (ditcore.keyframes.decode_image)."""
         inputs: dict[str, Any] = {}
         for name, key in zip(KEYFRAME_FIELDS, ("image", "last_image"), strict=True):
             data = getattr(self, name)
@@ -178,7 +179,7 @@ class GenerationRequest:
         return inputs
 
     def probe_keyframes(self, limits: RequestLimits = H3_LIMITS) -> None:
-        """Every keyframe check its bytes' header and structure decide, no pixel decoded (ditcore.media.probe_image;
+        """Every keyframe check its bytes' header and structure decide, no pixel decoded (ditcore.keyframes.probe_image;
         RequestError naming the field, the MediaError as its `__cause__`)."""
         for name in KEYFRAME_FIELDS:
             data = getattr(self, name)

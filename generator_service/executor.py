@@ -44,7 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ditcore import GenerationRequest, GenerationResult, PlanKey, RequestError, RequestLimits, generate
-from ditcore.media import EncodedMedia, MediaError, encode
+from ditcore.keyframes import MediaError
+from ditcore.media import EncodedMedia, encode
 from ditcore.request import KEYFRAME_FIELDS, forget_decoded_keyframes
 from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.errors import GenerationMismatchError

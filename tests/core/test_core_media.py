@@ -1,4 +1,4 @@
-"""ditcore.media: keyframe images in (every refusal names its rule), MP4 and frames+WAV out (checked by reading the
+"""ditcore.keyframes and ditcore.media: keyframe images in (every refusal names its rule), MP4 and frames+WAV out (checked by reading the
 bytes back with PyAV, zipfile and wave)."""
 
 from __future__ import annotations
@@ -20,18 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from ditcore.media import (
-    DEFAULT_IMAGE_LIMITS,
-    FPS,
-    OUTPUT_TYPES,
-    DecodedMedia,
-    ImageLimits,
-    MediaError,
-    decode_image,
-    encode,
-    h264_encoder,
-    output_type_for_path,
-)
+from ditcore.keyframes import DEFAULT_IMAGE_LIMITS, ImageLimits, MediaError, decode_image
+from ditcore.media import FPS, OUTPUT_TYPES, DecodedMedia, encode, h264_encoder, output_type_for_path
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -391,6 +381,6 @@ def test_output_type_for_path(path: str | Path, expected: str | None) -> None:
 
 
 def test_import_is_cheap_and_layered() -> None:
-    code = "import sys, ditcore.media; print(sorted(m for m in ('av', 'grpc') if m in sys.modules))"
+    code = "import sys, ditcore.keyframes, ditcore.media; print(sorted(m for m in ('av', 'grpc') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

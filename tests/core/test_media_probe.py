@@ -1,4 +1,4 @@
-"""ditcore.media.probe_image: every refusal decode_image makes from a keyframe's header and structure is made by the
+"""ditcore.keyframes.probe_image: every refusal decode_image makes from a keyframe's header and structure is made by the
 probe too, without decoding a pixel; real PNGs and JPEGs probe to the upright size decode_image gives; and image
 data that is far too short for its header (a JPEG whose scans were cut, a PNG whose rows run out) is refused instead
 of decoding to grey or black."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile, PngImagePlugin
 
-from ditcore.media import DEFLATE_MAX_RATIO, ImageLimits, ImageProbe, MediaError, decode_image, probe_image
+from ditcore.keyframes import DEFLATE_MAX_RATIO, ImageLimits, ImageProbe, MediaError, decode_image, probe_image
 
 
 # ------------------------------------------------------------------------------------------------------ helpers

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 import ditcore.request as request_module
-from ditcore.media import MediaError
+from ditcore.keyframes import MediaError
 from ditcore.request import (
     MAX_PROMPT_BYTES,
     MAX_PROMPT_TOKENS,
