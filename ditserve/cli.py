@@ -128,7 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     uw = sub.add_parser("update-weights", help="swap the served repository (admin token required)")
     uw.add_argument("--target", required=True, help="generator address HOST:PORT")
     uw.add_argument("--path", required=True, help="repository directory inside the server's --weights-root")
-    uw.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN)")
+    uw.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN); visible in ps")
+    uw.add_argument("--token-file", default=None, help="read the admin token from this file (not readable by others)")
+    uw.add_argument(
+        "--allow-plaintext-admin", action="store_true",
+        help="send the token without TLS to a target that is not loopback (it then crosses the network in cleartext)",
+    )  # fmt: skip
     uw.add_argument("--expected-generation", type=int, default=None, help="refuse unless this generation serves")
     uw.add_argument("--request-id", default=None)
     uw.add_argument("--timeout-s", type=float, default=600.0)

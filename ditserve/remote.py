@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from ditcore import GenerationRequest, GenerationResult
+from ditruntime.auth import is_loopback_host, listen_host, read_token_file
 
 from .client import ClientResult, GeneratorClient, IntegrityError
 from .errors import UsageError
@@ -76,6 +77,32 @@ def client_from_args(args: argparse.Namespace) -> GeneratorClient:
     return GeneratorClient(args.target, credentials=creds)
 
 
+def admin_token_of(args: argparse.Namespace) -> str:
+    """`--token`, or the contents of `--token-file` (UsageError for both, or for a file others may read)."""
+    if args.token and args.token_file:
+        raise UsageError("give --token or --token-file, not both")
+    if args.token_file:
+        try:
+            return read_token_file(Path(args.token_file), "--token-file")
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    return str(args.token or "")
+
+
+def check_token_transport(args: argparse.Namespace) -> None:
+    """The admin token never leaves this machine in cleartext: without TLS (--tls-ca / --tls-cert) the target must
+    be loopback (the server refuses such an update from beyond loopback anyway, after the token has crossed), unless
+    --allow-plaintext-admin."""
+    if args.tls_ca or args.tls_cert or args.allow_plaintext_admin:
+        return
+    host = listen_host(args.target)
+    if not is_loopback_host(host):
+        raise UsageError(
+            f"refusing to send the admin token in cleartext to {host}: give --tls-ca (TLS), or "
+            "--allow-plaintext-admin to send it anyway"
+        )
+
+
 def check_client_args(args: argparse.Namespace) -> None:
     """The values a proto field or a deadline could not carry: exit 2 before any call."""
     if args.expected_generation is not None and args.expected_generation < 0:
@@ -118,7 +145,9 @@ def cmd_update_weights(args: argparse.Namespace) -> int:
     from protos.ditserve.generator.v1 import generator_pb2 as pb
 
     check_client_args(args)
-    token = args.token or os.environ.get("DITSERVE_ADMIN_TOKEN", "")
+    token = admin_token_of(args) or os.environ.get("DITSERVE_ADMIN_TOKEN", "")
+    if token:
+        check_token_transport(args)
     metadata = [("authorization", f"Bearer {token}")] if token else []
     req = pb.UpdateWeightsRequest(weights_path=args.path, request_id=args.request_id or "")
     if args.expected_generation is not None:

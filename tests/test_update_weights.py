@@ -619,3 +619,31 @@ def test_update_weights_cli(
     assert set(out["phase_ms"]) >= {"validate_ms", "prepare_ms", "drain_ms", "load_ms", "commit_ms"}
     assert all(v >= 0 for v in out["phase_ms"].values())
     assert_serves(pair, 2, weights.b)
+
+    token_file = pair.workdir / "admin-token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    back = run_cli(["update-weights", "--target", pair.target, "--path", "A", "--token-file", token_file])
+    assert back.code == 0, back.err
+    assert back.json_lines()[0]["generation"] == 3
+
+
+def test_update_weights_cli_keeps_the_token_off_the_network_in_cleartext(
+    run_cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before any call (exit 2): a token for a non-loopback target without TLS, a token file others may
+    read, and both a token and a token file."""
+    monkeypatch.delenv("DITSERVE_ADMIN_TOKEN", raising=False)
+    base = ["update-weights", "--path", "B", "--timeout-s", "2"]
+    remote = run_cli([*base, "--target", "10.255.255.1:50051", "--token", TOKEN])
+    assert remote.code == 2
+    assert "refusing to send the admin token in cleartext to 10.255.255.1: give --tls-ca" in remote.err
+    monkeypatch.setenv("DITSERVE_ADMIN_TOKEN", TOKEN)  # from the environment too
+    assert run_cli([*base, "--target", "10.255.255.1:50051"]).code == 2
+    shared = tmp_path / "token"
+    shared.write_text(TOKEN)
+    shared.chmod(0o644)
+    loose = run_cli([*base, "--target", "127.0.0.1:1", "--token-file", shared])
+    assert loose.code == 2 and "--token-file" in loose.err and "other users" in loose.err
+    both = run_cli([*base, "--target", "127.0.0.1:1", "--token", TOKEN, "--token-file", shared])
+    assert both.code == 2 and "give --token or --token-file, not both" in both.err
