@@ -271,7 +271,9 @@ def _declared_flags() -> set[str]:
 # Flags with the same name but their own meaning, added by hand on purpose.
 OWN_MEANING = {
     "ditserve/launcher.py": {"--checkpoint", "--metrics-port"},  # demo checkpoint by default; P and P+1
-    "ditserve/cli.py": {"--checkpoint", "--adaln-mode", "--log-level"},  # generate-local's; ditserve's own logging
+    # generate-local's; ditserve's own logging; update-weights' consent to send its token without TLS (the server's
+    # flag of that name is its consent to accept one)
+    "ditserve/cli.py": {"--checkpoint", "--adaln-mode", "--log-level", "--allow-plaintext-admin"},
     "plancache_service/cli.py": {"--listen"},  # the sidecar's TCP address (SidecarConfig.address)
     "ditserve/remote.py": {"--tls-cert", "--tls-key"},  # the client's certificate
     "ditserve/bench/runner.py": {"--checkpoint", "--device", "--threads"},  # the benchmark's services
