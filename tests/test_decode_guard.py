@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
@@ -16,6 +16,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry
+from servicekit import wait_for
 
 from ditruntime.decode_guard import DecodeGuard, invalid_utf8_field
 from ditruntime.obs import RpcMetrics
@@ -110,15 +111,6 @@ def _count(registry: CollectorRegistry, method: str, code: str) -> float:
     return registry.get_sample_value(f"{PREFIX}_rpc_requests_total", {"method": method, "code": code}) or 0.0
 
 
-def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 # ----------------------------------------------------------------------------- invalid UTF-8
 def test_invalid_utf8_prompt_is_invalid_argument_naming_the_field_without_a_traceback(
     served: tuple[grpc.Channel, Servicer, CollectorRegistry], caplog: pytest.LogCaptureFixture
@@ -186,9 +178,7 @@ def test_a_client_cancelled_stream_is_counted_cancelled(
     call = stub.GenerateStream(pb.GenerateStreamRequest(request=pb.GenerateRequest(request_id="c-1")), timeout=30)
     assert next(call).HasField("queued")
     call.cancel()
-    assert _until(lambda: _count(registry, "GenerateStream", "CANCELLED") == 1), "counted as: " + str(
-        {c: _count(registry, "GenerateStream", c) for c in ("UNKNOWN", "OK", "CANCELLED")}
-    )
+    wait_for(lambda: _count(registry, "GenerateStream", "CANCELLED") == 1, 10, "the cancelled stream to be counted")
     assert _count(registry, "GenerateStream", "UNKNOWN") == 0
 
 
@@ -205,6 +195,6 @@ def test_deadline_exceeded_rpcs_are_counted_deadline_exceeded(
     with pytest.raises(grpc.RpcError) as e:
         list(call)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert _until(lambda: _count(registry, "Generate", "DEADLINE_EXCEEDED") == 1)
-    assert _until(lambda: _count(registry, "GenerateStream", "DEADLINE_EXCEEDED") == 1)
+    wait_for(lambda: _count(registry, "Generate", "DEADLINE_EXCEEDED") == 1, 10, "Generate's DEADLINE_EXCEEDED")
+    wait_for(lambda: _count(registry, "GenerateStream", "DEADLINE_EXCEEDED") == 1, 10, "the stream's DEADLINE_EXCEEDED")
     assert _count(registry, "Generate", "OK") == 0 and _count(registry, "GenerateStream", "UNKNOWN") == 0

@@ -12,7 +12,7 @@ import stat
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
+from servicekit import wait_for
 
 from ditruntime.auth import (
     ADMIN_TOKEN_ENV,
@@ -71,15 +72,6 @@ def _scrape(server: MetricsServer) -> str:
         return body
 
 
-def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 # ----------------------------------------------------------------------------- /metrics
 def test_metrics_bind_loopback_by_default(metrics: MetricsServer) -> None:
     assert metrics.host == "127.0.0.1"
@@ -100,7 +92,7 @@ def test_idle_connections_hold_no_threads_and_a_scrape_still_answers(registry: C
     before = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(200)]
     try:
-        assert _until(lambda: server.open_connections == server.max_connections)  # the rest: oldest closed
+        wait_for(lambda: server.open_connections == server.max_connections, 10, "the oldest to close")  # the rest
         assert threading.active_count() - before < 10, threading.active_count() - before
         t0 = time.monotonic()
         assert "probe_total 1.0" in _scrape(server)  # behind 200 idle connections
@@ -120,7 +112,7 @@ def test_a_stalled_connection_is_closed_after_the_timeout(metrics: MetricsServer
         t0 = time.monotonic()
         assert s.recv(100) == b""  # closed by the server (a timeout here raises instead)
         assert time.monotonic() - t0 < 8
-    assert _until(lambda: metrics.open_connections == 0)
+    wait_for(lambda: metrics.open_connections == 0, 10, "every connection to close")
     assert "probe_total 1.0" in _scrape(metrics)
 
 
