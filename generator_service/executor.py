@@ -252,15 +252,19 @@ class Executor:
                 self._lock.notify_all()
 
     def withdraw(self, job: Job) -> bool:
-        """Take a cancelled job out of the queue at once (True), if it is still waiting there."""
+        """Cancel a job and take it out of the queue at once (True), if it is still waiting there. Never waits (grpc
+        calls this when an RPC ends): a prefetch still running for it releases the lease it gets (_prefetch_loop);
+        either side takes the lease under the lock, so exactly one releases it."""
+        job.cancel()
         with self._lock:
             if job not in self._queue:
                 return False
             self._queue.remove(job)
+            lease, job.prefetched = job.prefetched, None
             self._lock.notify_all()
-        if job.prefetching:
-            job.prefetch_done.wait()  # the prefetch thread releases a lease it got for a job no longer queued
-        self._drop(job, CancelledError(f"request {job.request.request_id} was cancelled while queued"))
+        if lease is not None:
+            lease.release()
+        job.emit(Failed(CancelledError(f"request {job.request.request_id} was cancelled while queued")))
         return True
 
     def _emit_finished(self, job: Job, final: JobEvent) -> None:
@@ -567,8 +571,9 @@ class Executor:
                 job.prefetching = False
                 job.prefetch_done.set()
             if job.cancelled.is_set():
-                with self._lock:
-                    queued = job in self._queue
-                if not queued and job.prefetched is not None:
-                    lease, job.prefetched = job.prefetched, None
+                with self._lock:  # withdraw takes the lease under the lock too: one of the two releases it
+                    lease = None
+                    if job not in self._queue:
+                        lease, job.prefetched = job.prefetched, None
+                if lease is not None:
                     lease.release()

@@ -325,7 +325,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 case Finished(result):
                     try:
                         header = response_from_result(result, self.mode, with_data=False)
-                        watch.start_transfer(header.total_bytes)
+                        watch.start_transfer()
                         yield pb.GenerateStreamResponse(result=header)
                         yield from self._chunks(result)
                     finally:

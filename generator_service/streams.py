@@ -87,7 +87,7 @@ class StreamWatch:
     def sent(self) -> None:
         self.waiting_since = None
 
-    def start_transfer(self, total_bytes: int) -> None:
+    def start_transfer(self) -> None:
         """The result header is about to go: the rest must arrive within the transfer bound."""
         assert self._watchdog is not None
         self.transfer_deadline = self._watchdog.clock() + self._watchdog.transfer_s
