@@ -3,7 +3,8 @@
 Domain errors never import grpc: ditcore's are mapped here by class; the services' carry a
 `grpc_code` attribute (a `grpc.StatusCode` member name) and a stable `reason`. Every error
 leaves with google.rpc details: ErrorInfo (reason, domain, metadata) and, for request
-fields, BadRequest field violations. INTERNAL errors never carry stack traces.
+fields, BadRequest field violations; a refusal to retry later, RetryInfo (`retry_after_s`) and QuotaFailure
+(`quota_violation`: subject, description). INTERNAL errors never carry stack traces.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from typing import Any, NoReturn
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -54,6 +55,15 @@ def to_status(exc: BaseException, metadata: dict[str, str] | None = None) -> grp
             field=field, description=getattr(exc, "description", message)
         )
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
+    retry = getattr(exc, "retry_after_s", None)
+    if isinstance(retry, int | float):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(retry * 1e9))
+        details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+    quota = getattr(exc, "quota_violation", None)
+    if isinstance(quota, tuple):
+        violation_q = error_details_pb2.QuotaFailure.Violation(subject=quota[0], description=quota[1])
+        details.append(_pack(error_details_pb2.QuotaFailure(violations=[violation_q])))
     status = status_pb2.Status(code=_code_number(code), message=message, details=details)
     return rpc_status.to_status(status)
 

@@ -159,10 +159,11 @@ class Child:
 
 SERVE_GENERATOR_EXCLUDE = (
     "checkpoint", "sidecar", "listen", "metrics_port", "max_message_bytes", "prefetch",
-    "sidecar_tls_ca", "sidecar_tls_cert", "sidecar_tls_key",
+    "sidecar_tls_ca", "sidecar_tls_cert", "sidecar_tls_key", "state_dir",
 )  # fmt: skip
 """GeneratorConfig fields that are not `serve` flags: derived from serve's own options, or left at
-default (serve's sidecar is always on the run dir's unix socket, so no sidecar TLS)."""
+default (serve's sidecar is always on the run dir's unix socket, so no sidecar TLS; serve's one --state-dir holds
+the sidecar's state file and the generator's jobs)."""
 SERVE_CACHE_EXCLUDE = ("device",)
 """One --device (GeneratorConfig's) places both the transformer and the slab."""
 SERVE_SIDECAR_ONLY = ("state_dir",)
@@ -187,6 +188,8 @@ def child_configs(
         listen=f"{args.host}:{args.port}",
         metrics_port=args.metrics_port,
     )
+    state_dir = Path(args.state_dir) if args.state_dir is not None else run_dir / "state"
+    gen = replace(gen, jobs=replace(gen.jobs, state_dir=state_dir))  # the jobs store beside the sidecar's state file
     if not cached:
         return gen, None
     side = from_args(

@@ -4,11 +4,14 @@ passes each its collaborators; nothing is wired after construction."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import grpc
 import torch
 
 from ditcore.attention import AttentionBackendError, check_runs
-from ditruntime.paths import require_dir
+from ditruntime.paths import prepare_dir, require_dir
 from ditruntime.tls import mutual_tls_channel_credentials
 
 from .backend import Backend
@@ -16,8 +19,13 @@ from .cached import CachedBackend, CachedWeights
 from .config import GeneratorConfig
 from .executor import Executor
 from .health import ServingState
-from .metrics import GeneratorMetrics, register_state_gauges
+from .job_server import classify_error, decode_request
+from .job_service import JobService, JobsPolicy
+from .job_store import JobStore
+from .metrics import GeneratorMetrics, register_job_gauges, register_state_gauges
+from .registry import JobRegistry
 from .resident import ResidentBackend
+from .results import ResultStore
 from .server import GeneratorServer, HealthPublisher
 from .sidecar_client import SidecarClient
 from .updates import UpdateCoordinator
@@ -63,4 +71,26 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     )
     register_state_gauges(metrics.registry, backend, executor)
     updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
-    return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher)
+    registry = JobRegistry(executor)
+    jobs, scratch = build_jobs(cfg, registry, metrics)
+    register_job_gauges(metrics.registry, jobs)
+    return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher, registry, jobs, scratch)
+
+
+def build_jobs(
+    cfg: GeneratorConfig, registry: JobRegistry, metrics: GeneratorMetrics
+) -> tuple[JobService, Path | None]:
+    """The jobs core on its store and results directory; a config built in code without a state dir keeps them in
+    a temporary directory (the second value), removed when the server stops (the CLI always names one)."""
+    scratch = None
+    if cfg.jobs.state_dir is None:
+        state_dir = scratch = Path(tempfile.mkdtemp(prefix="ditserve-jobs-"))
+    else:
+        state_dir = prepare_dir(cfg.jobs.state_dir, "--state-dir")
+    results = cfg.jobs.results_path(state_dir)
+    prepare_dir(results, "--results-dir")
+    store = JobStore.open(cfg.jobs.store_url(state_dir))
+    j = cfg.jobs
+    policy = JobsPolicy(j.replica, j.max_queued_jobs, j.job_ttl_s, j.results_max_bytes, j.job_claim_s)
+    observer = metrics.jobs_observer()
+    return JobService(store, ResultStore(results), registry, decode_request, classify_error, policy, observer), scratch

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -39,6 +39,8 @@ from ditruntime.auth import (
     resolve_admin_token,
 )
 from ditruntime.flags import check_bounds, flag
+
+from .jobs_config import JobsConfig
 
 TOKEN_ENV = ADMIN_TOKEN_ENV
 MIB = 2**20
@@ -280,6 +282,8 @@ class GeneratorConfig:
     """TCP sidecar only: the generator's client certificate (signed by the sidecar's --tls-client-ca)."""
     sidecar_tls_key: Path | None = flag(None, "PEM private key of --sidecar-tls-cert (required with TCP --sidecar)")
     """TCP sidecar only: the PEM private key of sidecar_tls_cert."""
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    """The jobs API: its store, results and retention (generator_service.jobs_config)."""
 
     @property
     def sidecar_tcp(self) -> bool:

@@ -18,10 +18,21 @@ class GeneratorError(ServiceError):
 
 
 class QueueFullError(GeneratorError):
-    """The queue holds `--max-queue-depth` requests (waiting or running); retry later."""
+    """The queue holds `--max-queue-depth` requests (waiting, running or being sent); retry later. Carries
+    RetryInfo (the delay from the queue's measured drain rate) and QuotaFailure (the flag); ErrorInfo metadata
+    `queue_depth`, `max_queue_depth`."""
 
     reason = "QUEUE_FULL"
     grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(
+        self, message: str, retry_after_s: float, quota: str, metadata: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message, metadata)
+        self.retry_after_s = retry_after_s
+        """RetryInfo's retry_delay."""
+        self.quota_violation = (quota, message)
+        """QuotaFailure's (subject, description)."""
 
 
 class HandlersBusyError(GeneratorError):

@@ -62,7 +62,7 @@ from .errors import (
     QueueFullError,
     SidecarUnavailableError,
 )
-from .jobs import Decoding, Failed, Finished, Job, JobEvent, JobResult, PlansReady, Queued, StepDone
+from .jobs import Decoding, Failed, Finished, Job, JobEvent, JobResult, Muxing, PlansReady, Queued, Started, StepDone
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,10 @@ DRAIN_SLACK_S = 30.0
 """Added to a derived drain bound (scheduling, the lease release, a prefetch still in flight)."""
 DRAIN_POLL_S = 0.1
 """How often a drain re-reads its clock (and a derived one re-estimates the running request's remaining time)."""
+DRAIN_RATE_WINDOW = 16
+"""Queue slots freed (jobs done) the drain rate is measured over."""
+RETRY_AFTER_S = (1.0, 600.0)
+"""The bounds of the retry delay a full queue suggests (RetryInfo)."""
 
 
 def check_request(request: GenerationRequest, limits: RequestLimits) -> None:
@@ -171,6 +175,7 @@ class Executor:
         self._queue: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
         self._delivering: set[Job] = set()  # finished jobs whose results their RPCs are still sending
+        self._freed: collections.deque[float] = collections.deque(maxlen=DRAIN_RATE_WINDOW)  # when slots freed
         self._stopping = False
         self._paused = False
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
@@ -219,14 +224,55 @@ class Executor:
             raise NotServingError("the generator is shutting down")
         depth = self._depth()
         if depth >= self.max_queue_depth:
-            raise QueueFullError(f"the queue is full ({depth} of {self.max_queue_depth} requests); retry later")
+            raise QueueFullError(
+                f"the queue is full ({depth} of {self.max_queue_depth} requests, --max-queue-depth); retry later",
+                self._retry_after_s(),
+                "--max-queue-depth",
+                {"queue_depth": str(depth), "max_queue_depth": str(self.max_queue_depth)},
+            )
         return depth
 
-    def submit(self, job: Job) -> int:
-        """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing. Only cheap checks run
-        here (no keyframe pixel is decoded), the queue's capacity first."""
+    @property
+    def has_room(self) -> bool:
+        """A submit now would not be refused for the queue's capacity."""
         with self._lock:
-            self._check_capacity()
+            return not self._stopping and self._depth() < self.max_queue_depth
+
+    def retry_after_s(self) -> float:
+        """How long until a queue slot is likely free: the measured drain rate's interval between freed slots (the
+        last DRAIN_RATE_WINDOW), else the running job's modeled remaining time; within RETRY_AFTER_S."""
+        with self._lock:
+            return self._retry_after_s()
+
+    def _retry_after_s(self) -> float:  # under _lock
+        low, high = RETRY_AFTER_S
+        if len(self._freed) >= 2:
+            interval = (self._freed[-1] - self._freed[0]) / (len(self._freed) - 1)
+        elif self._running is not None:
+            interval = self.remaining_s(self._running.request) - DRAIN_SLACK_S
+        else:
+            interval = low
+        return round(min(high, max(low, interval)), 3)
+
+    def _slot_freed(self) -> None:  # under _lock: a job left the running, muxing or delivering slot
+        self._freed.append(self._clock())
+
+    def position(self, job: Job) -> int | None:
+        """The job's place in the queue (0 = runs next), None when it is not waiting there."""
+        with self._lock:
+            try:
+                return self._queue.index(job)
+            except ValueError:
+                return None
+
+    def waiting(self, which: Callable[[Job], bool] = lambda job: True) -> int:
+        """Jobs waiting in the queue that `which` selects."""
+        with self._lock:
+            return sum(1 for job in self._queue if which(job))
+
+    def check(self, job: Job) -> None:
+        """Admission's checks but the queue's capacity: H3's rules and the operator's limits, the prompt's tokens,
+        the slab, the modeled memory, the expected generation. Raises what `submit` would."""
         check_request(job.request, self.limits)
         check_prompt_tokens(self.backend, job.request, self.limits)  # the served tokenizer: ~8 ms for 16 KB
         self.backend.check_fits(job.request)
@@ -235,6 +281,13 @@ class Executor:
                 running = self._running.request if self._running is not None else None
             self.backend.check_memory(job.request, running, self.sizing.memory_reserve_bytes)
         self._check_generation(job)
+
+    def submit(self, job: Job) -> int:
+        """Admit a job; returns its queue position (0 = runs next). Raises before enqueueing. Only cheap checks run
+        here (no keyframe pixel is decoded), the queue's capacity first."""
+        with self._lock:
+            self._check_capacity()
+        self.check(job)
         with self._lock:
             depth = self._check_capacity()
             self._queue.append(job)
@@ -249,6 +302,7 @@ class Executor:
             job.rpc_over = True
             if job in self._delivering:
                 self._delivering.discard(job)
+                self._slot_freed()
                 self._lock.notify_all()
 
     def withdraw(self, job: Job) -> bool:
@@ -272,6 +326,8 @@ class Executor:
         caller frees the running or muxing slot in the same critical section)."""
         if isinstance(final, Finished) and not job.rpc_over:
             self._delivering.add(job)
+        else:
+            self._slot_freed()
 
     def _check_generation(self, job: Job) -> None:
         if job.expected_generation is not None:
@@ -395,6 +451,7 @@ class Executor:
     def _run(self, job: Job) -> JobEvent | _Denoised:
         """Run one job's loop; returns its failure, or what finishing it (muxing, results) needs."""
         started = time.perf_counter()
+        job.emit(Started())
         if job.prefetching:
             job.prefetch_done.wait()
         lease = job.prefetched
@@ -489,6 +546,7 @@ class Executor:
             self._check_live(job)  # a cancelled or late request is not encoded for nobody
             if media is None:
                 raise MediaEncodeError(f"request {job.request.request_id} has no decoded media to encode")
+            job.emit(Muxing(job.request.output_type))
             t0 = time.perf_counter()
             try:
                 encoded = encode(media, job.request.output_type, check=lambda: self._check_live(job))

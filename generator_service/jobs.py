@@ -1,15 +1,19 @@
-"""A job (one admitted request) and the events it sends back to its RPC, in order:
-Queued, then PlansReady (cached mode), StepDone per denoise step, Decoding (media output
-types: the loop is done, decoding and muxing begin), and one final Failed or Finished. The
-adapter dispatches on them with `match`. No grpc here.
+"""A job (one admitted request) and the events it sends, in order, to every watcher: Queued,
+Started (the executor took it), PlansReady (cached mode), StepDone per denoise step, Decoding
+(media output types: the loop is done, decoding begins), Muxing (decoded; encoding the file
+begins), and one final Failed or Finished. `events` is the watcher its creator reads; `watch()`
+adds more, `subscribe()` a listener called on the emitting thread. Watchers dispatch on events
+with `match`. No grpc here.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ditcore import GenerationRequest, GenerationResult
@@ -17,6 +21,8 @@ from ditcore.media import EncodedMedia
 from ditcore.report import CacheReport
 
 from .backend import ServedLease
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,11 @@ class JobResult:
 @dataclass(frozen=True)
 class Queued:
     position: int  # 0 = runs next
+
+
+@dataclass(frozen=True)
+class Started:
+    """The executor took the job (it is running from here on)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,11 @@ class Decoding:
 
 
 @dataclass(frozen=True)
+class Muxing:
+    output_type: str  # decoded; encoding the file begins
+
+
+@dataclass(frozen=True)
 class Failed:
     error: BaseException
     """Emitted with no frame locals left in its traceback (`Job.emit`, `forget_frame_locals`)."""
@@ -63,14 +79,19 @@ class Finished:
     result: JobResult
 
 
-JobEvent = Queued | PlansReady | StepDone | Decoding | Failed | Finished
+JobEvent = Queued | Started | PlansReady | StepDone | Decoding | Muxing | Failed | Finished
+JobListener = Callable[["Job", JobEvent], None]
+"""Told each event on the thread that emits it (the executor's, the mux thread's): must be quick and never raise."""
 
 
 @dataclass(eq=False)
 class Job:
-    """One admitted request and the channel its events flow back on."""
+    """One admitted request, its identity (`job_id`: the jobs API's, or "" for a Generate call) and the watchers
+    its events flow to. `cancel` is the job's own: the executor checks it after every step, and the registry that
+    owns the job also takes it out of the queue (generator_service.registry)."""
 
     request: GenerationRequest
+    job_id: str = ""
     expected_generation: int | None = None
     deadline: float | None = None  # time.monotonic() seconds
     admitted_at: float = field(default_factory=time.perf_counter)
@@ -81,14 +102,42 @@ class Job:
     prefetch_done: threading.Event = field(default_factory=threading.Event)
     prepare_ms: float = 0.0
     rpc_over: bool = False  # its RPC ended (the executor's lock guards it): a result no longer holds a queue slot
+    _watchers: list[queue.Queue[JobEvent]] = field(default_factory=list, repr=False)
+    _listeners: list[JobListener] = field(default_factory=list, repr=False)
+    _watch_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def watch(self) -> queue.Queue[JobEvent]:
+        """Another watcher: a queue of every event from now on."""
+        q: queue.Queue[JobEvent] = queue.Queue()
+        with self._watch_lock:
+            self._watchers.append(q)
+        return q
+
+    def unwatch(self, q: queue.Queue[JobEvent]) -> None:
+        with self._watch_lock:
+            if q in self._watchers:
+                self._watchers.remove(q)
+
+    def subscribe(self, listener: JobListener) -> None:
+        with self._watch_lock:
+            self._listeners.append(listener)
+
     def emit(self, event: JobEvent) -> None:
         if isinstance(event, Failed):  # whoever keeps the error from here on keeps none of the request's tensors
             forget_frame_locals(event.error)
+        with self._watch_lock:
+            watchers, listeners = list(self._watchers), list(self._listeners)
         self.events.put(event)
+        for q in watchers:
+            q.put(event)
+        for listener in listeners:
+            try:
+                listener(self, event)
+            except Exception:  # a listener's fault must not stop the executor
+                log.exception("job %s: event listener failed", self.job_id or self.request.request_id)
 
 
 def forget_frame_locals(error: BaseException) -> None:

@@ -5,6 +5,7 @@ streams the server cancelled (plus RPC counts from `ditruntime.obs.RpcMetrics`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -12,6 +13,7 @@ from ditruntime.errors import ServiceError
 
 from .backend import Backend
 from .executor import Executor
+from .job_service import STATES, JobService, JobsObserver
 from .jobs import Job, JobResult
 
 P = "ditserve_generator"
@@ -34,6 +36,14 @@ class GeneratorMetrics:
         self.plans = Counter(f"{P}_plans", "Plans by the tier that served them", ["tier"], registry=r)
         self.rebuild = Counter(f"{P}_rebuild_seconds", "Rebuild seconds reported to this generator", registry=r)
         self.updates = Counter(f"{P}_weight_updates", "UpdateWeights outcomes", ["outcome"], registry=r)
+        self.job_wait = Histogram(
+            f"{P}_job_queue_wait_seconds", "Jobs API: time from CreateJob to the executor taking the job",
+            registry=r, buckets=_BUCKETS,
+        )  # fmt: skip
+        self.job_run = Histogram(
+            f"{P}_job_run_seconds", "Jobs API: time from the executor taking a job to its final state", ["state"],
+            registry=r, buckets=_BUCKETS,
+        )  # fmt: skip
         self.streams_cancelled = Counter(
             f"{P}_streams_cancelled", "GenerateStream calls the server cancelled (stall: the client read nothing for "
             "--stream-stall-s; transfer: past --stream-transfer-s)", ["reason"], registry=r,
@@ -57,6 +67,19 @@ class GeneratorMetrics:
         if c.rebuild_s:
             self.rebuild.inc(c.rebuild_s)
 
+    def jobs_observer(self) -> JobsObserver:
+        return JobsObserver(self.job_wait.observe, lambda state, s: self.job_run.labels(state).observe(s))
+
+
+def register_job_gauges(registry: CollectorRegistry, jobs: JobService) -> None:
+    """Job counts by state and the results' bytes, read from the store at scrape time."""
+    counts = Gauge(f"{P}_jobs", "Jobs in the job store by state", ["state"], registry=registry)
+    for state in STATES:
+        counts.labels(state).set_function(partial(_count, jobs, state))
+    Gauge(f"{P}_job_results_bytes", "Bytes of job results in the results directory", registry=registry).set_function(
+        lambda: _safe(jobs.results.total_bytes)
+    )
+
 
 def register_state_gauges(registry: CollectorRegistry, backend: Backend, executor: Executor) -> None:
     """Gauges read at scrape time from the backend and the executor."""
@@ -69,6 +92,10 @@ def register_state_gauges(registry: CollectorRegistry, backend: Backend, executo
     Gauge(f"{P}_sidecar_connected", "1 when attached to the sidecar (resident: 1)", registry=registry).set_function(
         lambda: 1 if backend.status().serving else 0
     )
+
+
+def _count(jobs: JobService, state: str) -> float:
+    return _safe(lambda: jobs.store.counts_by_state().get(state, 0))
 
 
 def _safe(fn: Callable[[], int]) -> float:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Any
+from pathlib import Path
 
 import grpc
 import torch
@@ -23,8 +22,6 @@ from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
 from ditcore.model import ComponentInfo
-from ditcore.plans import DTYPES
-from ditcore.request import infer_task
 from ditruntime.auth import check_admin_transport, check_bearer, plaintext_admin_warning
 from ditruntime.convert import to_proto
 from ditruntime.decode_guard import DecodeGuard
@@ -37,77 +34,24 @@ from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 from .backend import Backend
 from .config import GeneratorConfig
 from .errors import HandlersBusyError, ResultTooLargeError
-from .executor import Executor
+from .executor import Executor, check_request
 from .health import ServingState
+from .job_server import SERVICE_NAME as JOBS_SERVICE
+from .job_server import JobsServicer
+from .job_service import JobService
 from .jobs import Decoding, Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
 from .metrics import GeneratorMetrics
+from .proto_convert import OUTPUT_ENUMS, request_from_proto, tensor_from_proto
+from .registry import JobRegistry
 from .streams import HandlerSlots, SendWatchdog, StreamWatch
 from .updates import UpdateCoordinator, resolve_weights_path
-
-
-def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
-    """A pushed tensor (UpdateWeights): raw little-endian bytes of `dtype` in `shape`."""
-    if t.dtype not in DTYPES:
-        raise RequestError("tensors", f"{t.name}: dtype {t.dtype!r} not in {sorted(DTYPES)}")
-    dtype = DTYPES[t.dtype]
-    if any(d < 0 for d in t.shape) or len(t.data) != math.prod(t.shape) * dtype.itemsize:
-        raise RequestError("tensors", f"{t.name}: {len(t.data)} bytes do not hold {t.dtype}{list(t.shape)}")
-    if not t.data:
-        return torch.empty(tuple(t.shape), dtype=dtype)
-    return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(tuple(t.shape))
-
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 _MODES: dict[str, pb.AdalnMode] = {"cached": pb.ADALN_MODE_CACHED, "resident": pb.ADALN_MODE_RESIDENT}
-_TASKS = {pb.TASK_T2VA: "t2va", pb.TASK_FL2VA: "fl2va"}  # TASK_UNSPECIFIED: inferred from the keyframes
-_OUTPUT_TYPES = {
-    pb.OUTPUT_TYPE_UNSPECIFIED: "latents",
-    pb.OUTPUT_TYPE_LATENTS: "latents",
-    pb.OUTPUT_TYPE_MP4: "mp4",
-    pb.OUTPUT_TYPE_FRAMES_AND_WAV: "frames_and_wav",
-}
-_OUTPUT_ENUMS = {name: value for value, name in _OUTPUT_TYPES.items() if value != pb.OUTPUT_TYPE_UNSPECIFIED}
-_OPTIONAL = ("num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width")
 _ENVELOPE = 4096
 """Bytes a unary response keeps free under --max-message-mb for gRPC's own framing."""
-
-
-def _allowed(enum: Any, default: str) -> str:
-    names = [v.name for v in enum.DESCRIPTOR.values if v.number != 0]
-    return f"{', '.join(names)} (or {enum.Name(0)}, meaning {default})"
-
-
-def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int | None]:
-    """(request, expected_generation); unset optional fields take GenerationRequest defaults. An unset task is
-    fl2va when a keyframe is given, else t2va; an unset output type is latents."""
-    if msg.task != pb.TASK_UNSPECIFIED and msg.task not in _TASKS:
-        raise RequestError(
-            "task",
-            f"unknown task enum value {msg.task}; allowed: "
-            + _allowed(pb.Task, "TASK_FL2VA with a first_frame or last_frame, else TASK_T2VA"),
-        )
-    if msg.output_type not in _OUTPUT_TYPES:
-        raise RequestError(
-            "output_type",
-            f"unknown output_type enum value {msg.output_type}; allowed: "
-            + _allowed(pb.OutputType, "OUTPUT_TYPE_LATENTS"),
-        )
-    has_keyframes = bool(msg.first_frame or msg.last_frame)
-    kwargs: dict[str, Any] = {
-        "request_id": msg.request_id or f"req-{uuid.uuid4().hex[:12]}",
-        "task": infer_task(_TASKS.get(msg.task), has_keyframes),
-        "prompt": msg.prompt,
-        "output_type": _OUTPUT_TYPES[msg.output_type],
-        "first_frame": msg.first_frame,
-        "last_frame": msg.last_frame,
-    }
-    for name in _OPTIONAL:
-        if msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
-    expected = msg.expected_generation if msg.HasField("expected_generation") else None
-    return GenerationRequest(**kwargs), expected
 
 
 def server_credentials(cfg: GeneratorConfig) -> grpc.ServerCredentials:
@@ -165,7 +109,7 @@ def response_from_result(res: JobResult, mode: pb.AdalnMode, with_data: bool = T
         cache=cache,
         timings=pb.StageTimings(**res.timings_ms, attention_backend=r.attention_backend),
         adaln_mode=mode,
-        output_type=_OUTPUT_ENUMS[res.media.output_type if res.media is not None else "latents"],
+        output_type=OUTPUT_ENUMS[res.media.output_type if res.media is not None else "latents"],
         total_bytes=0 if with_data else _payload_bytes(res),
     )
     m = res.media
@@ -185,7 +129,7 @@ class HealthPublisher:
 
     def publish(self, serving: bool, reason: str) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, JOBS_SERVICE):
             self.servicer.set(name, status)
         log.debug("health: %s", "SERVING" if serving else f"NOT_SERVING ({reason})")
 
@@ -200,11 +144,13 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         metrics: GeneratorMetrics,
         slots: HandlerSlots,
         watchdog: SendWatchdog,
+        registry: JobRegistry,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.backend = backend
         self.executor = executor
+        self.registry = registry
         self.updates = updates
         self.slots = slots
         self.watchdog = watchdog
@@ -219,16 +165,15 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             deadline = time.monotonic() + remaining if remaining is not None else None
             job = Job(request, expected_generation=expected, deadline=deadline)
             context.add_callback(lambda: self._ended(job))  # client cancel / disconnect stops the executor
-            self.executor.submit(job)
+            self.registry.submit(job)
         except (RequestError, ServiceError) as e:
             abort(context, e)
         return job
 
     def _ended(self, job: Job) -> None:
         """The RPC ended (sent, failed, cancelled, or its client went away): stop the job and free its slot."""
-        job.cancel()
-        self.executor.withdraw(job)
-        self.executor.delivered(job)
+        self.registry.cancel(job)
+        self.registry.release(job)
 
     def _too_large(self, size: int, what: str) -> ResultTooLargeError:
         limit = self.cfg.max_message_bytes
@@ -246,10 +191,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         sizer = self.backend.sizer()
         if sizer is None or request.decodes:
             return
-        try:
-            size = sizer.latent_bytes(request)
-        except Exception:  # an invalid canvas: admission names the field
-            return
+        check_request(request, self.executor.limits)  # an invalid canvas is refused for its field, not its size
+        size = sizer.latent_bytes(request)
         if size > self.cfg.max_message_bytes - _ENVELOPE:
             raise self._too_large(size, "the result's latents alone")
 
@@ -260,7 +203,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 try:
                     return self._unary_result(job, context)
                 finally:
-                    self.executor.delivered(job)  # grpc sends the returned message on its own
+                    self.registry.release(job)  # grpc sends the returned message on its own
         except HandlersBusyError as e:
             abort(context, e)
 
@@ -284,8 +227,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         self, request: pb.GenerateStreamRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateStreamResponse]:
         try:
-            slot = self.slots.take()
-            slot.__enter__()
+            self.slots.acquire()
         except HandlersBusyError as e:
             abort(context, e)
         watch = self.watchdog.watch(request.request.request_id or "(unnamed)", context.cancel)
@@ -300,8 +242,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         finally:
             watch.close()
             if job is not None:
-                self.executor.delivered(job)
-            slot.__exit__(None, None, None)
+                self.registry.release(job)
+            self.slots.release()
 
     def _stream(
         self, job: Job, context: grpc.ServicerContext, watch: StreamWatch
@@ -319,7 +261,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 case StepDone(step, total):
                     yield pb.GenerateStreamResponse(step=pb.StepProgress(step=step, total=total))
                 case Decoding(output_type):
-                    yield pb.GenerateStreamResponse(decoding=pb.Decoding(output_type=_OUTPUT_ENUMS[output_type]))
+                    yield pb.GenerateStreamResponse(decoding=pb.Decoding(output_type=OUTPUT_ENUMS[output_type]))
                 case Failed(error):
                     abort(context, error)
                 case Finished(result):
@@ -456,24 +398,36 @@ class GeneratorServer:
         metrics: GeneratorMetrics,
         state: ServingState,
         publisher: HealthPublisher,
+        registry: JobRegistry,
+        jobs: JobService,
+        scratch_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
         self.executor = executor
         self.metrics = metrics
         self.state = state
+        self.jobs = jobs
+        self._scratch_dir = scratch_dir  # the jobs' temporary state dir (a config built in code), removed at stop
         self.metrics_server: MetricsServer | None = None
         self.server = _grpc_server(cfg, metrics)
         self.slots = HandlerSlots(cfg.request_handlers, cfg.workers)
         self.watchdog = SendWatchdog(
             cfg.stream_stall_s, cfg.stream_transfer_s, lambda why: metrics.streams_cancelled.labels(why).inc()
         )
-        servicer = GeneratorServicer(cfg, backend, executor, updates, metrics, self.slots, self.watchdog)
+        servicer = GeneratorServicer(cfg, backend, executor, updates, metrics, self.slots, self.watchdog, registry)
         pb_grpc.add_GeneratorServicer_to_server(servicer, self.server)
+        jobs_servicer = JobsServicer(jobs, self.slots, self.watchdog, cfg.chunk_bytes)
+        pb_grpc.add_JobsServicer_to_server(jobs_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(publisher.servicer, self.server)
         if cfg.reflection:
             reflection.enable_server_reflection(
-                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                (
+                    SERVICE_NAME,
+                    JOBS_SERVICE,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
                 self.server,
             )
         self.port = (
@@ -493,6 +447,7 @@ class GeneratorServer:
             log.warning("%s", warning)
         self.backend.start()
         self.executor.start()
+        self.jobs.start()
         self.watchdog.start()
         self.server.start()
         host = self.cfg.listen.rsplit(":", 1)[0]
@@ -501,9 +456,13 @@ class GeneratorServer:
 
     def stop(self, grace_s: float = 10.0) -> None:
         self.state.set_stopping()
+        self.jobs.stopping()  # jobs the stopping executor drops stay queued for the next start
         self.server.stop(grace_s).wait()
         self.watchdog.stop()
         self.executor.stop()
+        self.jobs.stop()
         self.backend.close()
+        if self._scratch_dir is not None:
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
         if self.metrics_server is not None:
             self.metrics_server.close()

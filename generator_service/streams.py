@@ -50,8 +50,9 @@ class HandlerSlots:
         with self._lock:
             return self._busy
 
-    @contextmanager
-    def take(self) -> Iterator[None]:
+    def acquire(self) -> None:
+        """Take a slot, or raise HandlersBusyError at once; a stream's handler pairs it with `release` in its
+        `finally` (a generator cannot hold a `with` across its first yield and an abort before it)."""
         if not self._free.acquire(blocking=False):
             raise HandlersBusyError(
                 f"all {self.limit} request handlers are busy (--workers {self.workers} less "
@@ -61,12 +62,19 @@ class HandlerSlots:
             )
         with self._lock:
             self._busy += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._busy -= 1
+        self._free.release()
+
+    @contextmanager
+    def take(self) -> Iterator[None]:
+        self.acquire()
         try:
             yield
         finally:
-            with self._lock:
-                self._busy -= 1
-            self._free.release()
+            self.release()
 
 
 @dataclass(eq=False)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from clikit import CliRunner, run_cli_inprocess, run_cli_subprocess
+from jobskit import jobs_server
+from pgkit import pg_url  # noqa: F401  (the session's PostgreSQL server, for the job store's tests)
 from servicekit import Pair, ProcessGroup, StartPair, Weights, process_group, updatable
 
 from ditcore import write_repository
@@ -113,3 +115,11 @@ def pairs(weights: Weights) -> Iterator[StartPair]:
 def proc_pair(procs: ProcessGroup, weights: Weights) -> Pair:
     """A sidecar and a generator as processes (not started) serving A, set up for updates (drain 30 s)."""
     return procs.pair(weights.a, **updatable(weights, drain_timeout_s=30.0))
+
+
+@pytest.fixture(scope="module")
+def jobs_target(svc_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """ "127.0.0.1:PORT" of a real in-process generator (resident, the tiny preset) serving Generator and Jobs, its
+    jobs in a fresh state directory (one per test module)."""
+    with jobs_server(svc_ckpt, tmp_path_factory.mktemp("jobs-state")) as srv:
+        yield f"127.0.0.1:{srv.port}"

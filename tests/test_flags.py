@@ -296,9 +296,11 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
     serve = _options(_serve_parser())
     own = {"-h", "--help", "--checkpoint", "--metrics-port", "--port"}  # serve's own meaning
     cases = [
+        # serve's --state-dir is the sidecar's declaration: serve hands the same directory to the generator's own
+        # --state-dir (its jobs), so the generator's help is not serve's.
         (
             generator_cli.build_parser(),
-            own,
+            own | {"--state-dir"},
             {"--max-num-frames", "--max-prompt-bytes", "--admin-token", "--device", "--log-format", "--run-dir"},
         ),
         # serve's --device is the generator's declaration (one device for both processes); the

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -25,6 +28,26 @@ class AdalnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADALN_MODE_UNSPECIFIED: _ClassVar[AdalnMode]
     ADALN_MODE_RESIDENT: _ClassVar[AdalnMode]
     ADALN_MODE_CACHED: _ClassVar[AdalnMode]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class JobStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STAGE_UNSPECIFIED: _ClassVar[JobStage]
+    JOB_STAGE_QUEUED: _ClassVar[JobStage]
+    JOB_STAGE_PREPARING: _ClassVar[JobStage]
+    JOB_STAGE_DENOISING: _ClassVar[JobStage]
+    JOB_STAGE_DECODING: _ClassVar[JobStage]
+    JOB_STAGE_MUXING: _ClassVar[JobStage]
+    JOB_STAGE_STORING: _ClassVar[JobStage]
+    JOB_STAGE_DONE: _ClassVar[JobStage]
 TASK_UNSPECIFIED: Task
 TASK_T2VA: Task
 TASK_FL2VA: Task
@@ -35,6 +58,20 @@ OUTPUT_TYPE_FRAMES_AND_WAV: OutputType
 ADALN_MODE_UNSPECIFIED: AdalnMode
 ADALN_MODE_RESIDENT: AdalnMode
 ADALN_MODE_CACHED: AdalnMode
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+JOB_STAGE_UNSPECIFIED: JobStage
+JOB_STAGE_QUEUED: JobStage
+JOB_STAGE_PREPARING: JobStage
+JOB_STAGE_DENOISING: JobStage
+JOB_STAGE_DECODING: JobStage
+JOB_STAGE_MUXING: JobStage
+JOB_STAGE_STORING: JobStage
+JOB_STAGE_DONE: JobStage
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame")
@@ -338,3 +375,235 @@ class ModelMemory(_message.Message):
     saved_bytes: int
     saved_fraction: float
     def __init__(self, transformer_bytes: _Optional[int] = ..., plan_tensor_bytes: _Optional[int] = ..., held_plan_bytes: _Optional[int] = ..., saved_bytes: _Optional[int] = ..., saved_fraction: _Optional[float] = ...) -> None: ...
+
+class JobProgress(_message.Message):
+    __slots__ = ("stage", "steps_done", "steps_total")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    stage: JobStage
+    steps_done: int
+    steps_total: int
+    def __init__(self, stage: _Optional[_Union[JobStage, str]] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
+
+class JobError(_message.Message):
+    __slots__ = ("code", "reason", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    reason: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "output_type", "has_first_frame", "has_last_frame", "expected_generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    HAS_FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    HAS_LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    task: Task
+    prompt: str
+    num_inference_steps: int
+    flow_shift: float
+    audio_flow_shift: float
+    seed: int
+    num_frames: int
+    height: int
+    width: int
+    output_type: OutputType
+    has_first_frame: bool
+    has_last_frame: bool
+    expected_generation: int
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., has_first_frame: _Optional[bool] = ..., has_last_frame: _Optional[bool] = ..., expected_generation: _Optional[int] = ...) -> None: ...
+
+class JobContent(_message.Message):
+    __slots__ = ("content_type", "total_bytes", "sha256", "filename", "available")
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    content_type: str
+    total_bytes: int
+    sha256: str
+    filename: str
+    available: bool
+    def __init__(self, content_type: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., filename: _Optional[str] = ..., available: _Optional[bool] = ...) -> None: ...
+
+class JobResult(_message.Message):
+    __slots__ = ("sha256", "generation", "output_type", "content", "timings", "cache")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    generation: int
+    output_type: OutputType
+    content: JobContent
+    timings: StageTimings
+    cache: CacheReport
+    def __init__(self, sha256: _Optional[str] = ..., generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., content: _Optional[_Union[JobContent, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "state", "spec", "idempotency_key", "created_at", "started_at", "finished_at", "queue_position", "progress", "error", "result", "attempts", "cancel_requested", "replica")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    spec: JobSpec
+    idempotency_key: str
+    created_at: _timestamp_pb2.Timestamp
+    started_at: _timestamp_pb2.Timestamp
+    finished_at: _timestamp_pb2.Timestamp
+    queue_position: int
+    progress: JobProgress
+    error: JobError
+    result: JobResult
+    attempts: int
+    cancel_requested: bool
+    replica: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., attempts: _Optional[int] = ..., cancel_requested: _Optional[bool] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class CreateJobRequest(_message.Message):
+    __slots__ = ("request", "idempotency_key")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    idempotency_key: str
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class CreateJobResponse(_message.Message):
+    __slots__ = ("job", "created")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    created: bool
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GetJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "states", "oldest_first")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_FIRST_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    states: _containers.RepeatedScalarFieldContainer[JobState]
+    oldest_first: bool
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., states: _Optional[_Iterable[_Union[JobState, str]]] = ..., oldest_first: _Optional[bool] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs", "next_page_token")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class WatchJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class GetJobContentRequest(_message.Message):
+    __slots__ = ("job_id", "offset")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    offset: int
+    def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ContentHeader(_message.Message):
+    __slots__ = ("content", "offset")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    content: JobContent
+    offset: int
+    def __init__(self, content: _Optional[_Union[JobContent, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ContentChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetJobContentResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ContentHeader
+    chunk: ContentChunk
+    def __init__(self, header: _Optional[_Union[ContentHeader, _Mapping]] = ..., chunk: _Optional[_Union[ContentChunk, _Mapping]] = ...) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("job_id", "deleted")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    deleted: bool
+    def __init__(self, job_id: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...

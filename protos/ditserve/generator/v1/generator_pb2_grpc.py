@@ -231,3 +231,366 @@ class Generator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class JobsStub:
+    """---- Jobs: requests with an identity that outlives their connection. A job is created, runs on the
+    generator's one executor (beside synchronous Generate calls), and its record and result stay in the
+    job store (SQLite in --state-dir, or a shared PostgreSQL) until it is deleted or retention removes
+    it: a client may disconnect, a proxy time out, the generator restart (queued jobs are queued again in
+    order, a running one is run again: the output is deterministic by seed).
+    The asynchronous jobs API, on the generator's public port.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreateJob = channel.unary_unary(
+                '/ditserve.generator.v1.Jobs/CreateJob',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CreateJobRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CreateJobResponse.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/ditserve.generator.v1.Jobs/GetJob',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobResponse.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/ditserve.generator.v1.Jobs/ListJobs',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
+        self.WatchJob = channel.unary_stream(
+                '/ditserve.generator.v1.Jobs/WatchJob',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.WatchJobResponse.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/ditserve.generator.v1.Jobs/CancelJob',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CancelJobResponse.FromString,
+                _registered_method=True)
+        self.GetJobContent = channel.unary_stream(
+                '/ditserve.generator.v1.Jobs/GetJobContent',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobContentRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobContentResponse.FromString,
+                _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/ditserve.generator.v1.Jobs/DeleteJob',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
+
+
+class JobsServicer:
+    """---- Jobs: requests with an identity that outlives their connection. A job is created, runs on the
+    generator's one executor (beside synchronous Generate calls), and its record and result stay in the
+    job store (SQLite in --state-dir, or a shared PostgreSQL) until it is deleted or retention removes
+    it: a client may disconnect, a proxy time out, the generator restart (queued jobs are queued again in
+    order, a running one is run again: the output is deterministic by seed).
+    The asynchronous jobs API, on the generator's public port.
+    """
+
+    def CreateJob(self, request, context):
+        """Create a job from a Generate request. The request is checked as Generate checks it (INVALID_ARGUMENT
+        naming the field) before anything is stored. With an idempotency_key, a retry with the same key and the
+        same request returns the job the first call created (created = false); a different request under a used
+        key is ALREADY_EXISTS. A full job queue is RESOURCE_EXHAUSTED with RetryInfo and QuotaFailure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """One job's record: state, queue position while queued, progress, error or result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Jobs, newest first (or oldest first), optionally filtered by state, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchJob(self, request, context):
+        """The job's record now and after every change (queue position, state, each finished denoise step, the
+        decode and mux stages); the stream ends after the job's final state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Cancel a job: a queued one leaves the queue at once; a running one stops at its next denoise step
+        boundary and ends CANCELLED. Cancelling a cancelled job is a no-op; a succeeded or failed one is
+        FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobContent(self, request, context):
+        """A succeeded job's result bytes: a header (content type, total bytes, sha256), then chunks in order from
+        `offset` (to resume a download). Latents are a safetensors file; mp4 an MP4; frames_and_wav a ZIP.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Delete a job and its content. A job still queued or running is cancelled first; its record goes once it
+        has stopped (never while the executor still computes it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JobsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJob,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CreateJobRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CreateJobResponse.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobResponse.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListJobsRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'WatchJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJob,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.WatchJobRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.WatchJobResponse.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CancelJobRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CancelJobResponse.SerializeToString,
+            ),
+            'GetJobContent': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetJobContent,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobContentRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobContentResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.DeleteJobRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.DeleteJobResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ditserve.generator.v1.Jobs', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ditserve.generator.v1.Jobs', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Jobs:
+    """---- Jobs: requests with an identity that outlives their connection. A job is created, runs on the
+    generator's one executor (beside synchronous Generate calls), and its record and result stay in the
+    job store (SQLite in --state-dir, or a shared PostgreSQL) until it is deleted or retention removes
+    it: a client may disconnect, a proxy time out, the generator restart (queued jobs are queued again in
+    order, a running one is run again: the output is deterministic by seed).
+    The asynchronous jobs API, on the generator's public port.
+    """
+
+    @staticmethod
+    def CreateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Jobs/CreateJob',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CreateJobRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CreateJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Jobs/GetJob',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Jobs/ListJobs',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListJobsRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ditserve.generator.v1.Jobs/WatchJob',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.WatchJobRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.WatchJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Jobs/CancelJob',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CancelJobRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.CancelJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobContent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ditserve.generator.v1.Jobs/GetJobContent',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobContentRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetJobContentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Jobs/DeleteJob',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.DeleteJobRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.DeleteJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,246 @@
+"""The Jobs gRPC adapter: proto <-> the jobs core (generator_service.job_service), every error through the one
+mapping (ditruntime.rpc_errors). WatchJob and GetJobContent are streams: they take a request-handler slot (as
+GenerateStream does) and GetJobContent's sends are watched for stalled readers (generator_service.streams)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf import timestamp_pb2
+
+from ditcore import GenerationRequest, RequestError
+from ditruntime.errors import ServiceError
+from ditruntime.rpc_errors import abort, classify
+from protos.ditserve.generator.v1 import generator_pb2 as pb
+from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
+
+from .errors import HandlersBusyError
+from .job_service import STATES, JobService, JobView, NewJob
+from .proto_convert import request_from_proto
+from .streams import HandlerSlots, SendWatchdog
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jobs"].full_name
+_STATES = {name: pb.JobState.Value(f"JOB_STATE_{name.upper()}") for name in STATES}
+_STATE_NAMES = {v: k for k, v in _STATES.items()}
+_STAGES = {s: pb.JobStage.Value(f"JOB_STAGE_{s.upper()}")
+           for s in ("queued", "preparing", "denoising", "decoding", "muxing", "storing", "done")}  # fmt: skip
+_TASKS = {"t2va": pb.TASK_T2VA, "fl2va": pb.TASK_FL2VA}
+_OUTPUTS = {
+    "latents": pb.OUTPUT_TYPE_LATENTS,
+    "mp4": pb.OUTPUT_TYPE_MP4,
+    "frames_and_wav": pb.OUTPUT_TYPE_FRAMES_AND_WAV,
+}
+_JOB_ID = re.compile(r"job_[0-9a-f]{32}")
+_KEY = re.compile(r"[\x20-\x7e]{1,256}")
+DEFAULT_PAGE, MAX_PAGE = 50, 1000
+
+
+def decode_request(data: bytes) -> tuple[GenerationRequest, int | None]:
+    """A stored GenerateRequest's bytes, parsed as Generate parses it (the jobs core's Decoder)."""
+    return request_from_proto(pb.GenerateRequest.FromString(data))
+
+
+def classify_error(error: BaseException) -> tuple[str, str, str]:
+    """(status code name, reason, message): how the job would have ended a Generate call (the core's Classifier)."""
+    code, reason, message = classify(error)
+    return code.name, reason, message
+
+
+def _check_id(job_id: str) -> str:
+    if not _JOB_ID.fullmatch(job_id):
+        raise RequestError("job_id", f"must be 'job_' and 32 lowercase hex digits, got {job_id[:80]!r}")
+    return job_id
+
+
+def _ts(epoch: float | None) -> timestamp_pb2.Timestamp | None:
+    if epoch is None:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(epoch * 1e9))
+    return ts
+
+
+def _spec(spec: dict[str, object]) -> pb.JobSpec:
+    out = pb.JobSpec(
+        request_id=str(spec["request_id"]), task=_TASKS.get(str(spec["task"]), pb.TASK_UNSPECIFIED),
+        prompt=str(spec["prompt"]), num_inference_steps=int(spec["num_inference_steps"]),  # type: ignore[call-overload]
+        flow_shift=float(spec["flow_shift"]), audio_flow_shift=float(spec["audio_flow_shift"]),  # type: ignore[arg-type]
+        seed=int(spec["seed"]), num_frames=int(spec["num_frames"]),  # type: ignore[call-overload]
+        height=int(spec["height"]), width=int(spec["width"]),  # type: ignore[call-overload]
+        output_type=_OUTPUTS.get(str(spec["output_type"]), pb.OUTPUT_TYPE_UNSPECIFIED),
+        has_first_frame=spec.get("first_frame") is not None, has_last_frame=spec.get("last_frame") is not None,
+    )  # fmt: skip
+    if spec.get("expected_generation") is not None:
+        out.expected_generation = int(spec["expected_generation"])  # type: ignore[call-overload]
+    return out
+
+
+def job_to_proto(view: JobView) -> pb.Job:
+    r = view.record
+    job = pb.Job(
+        job_id=r.job_id, state=_STATES[view.state], spec=_spec(r.spec), idempotency_key=r.idempotency_key or "",
+        progress=pb.JobProgress(stage=_STAGES.get(view.stage, pb.JOB_STAGE_UNSPECIFIED), steps_done=view.steps_done,
+                                steps_total=view.steps_total),
+        attempts=r.attempts, cancel_requested=r.cancel_requested and not view.terminal, replica=r.replica or "",
+    )  # fmt: skip
+    for name in ("created_at", "started_at", "finished_at"):
+        ts = _ts(getattr(r, name))
+        if ts is not None:
+            getattr(job, name).CopyFrom(ts)
+    if view.queue_position is not None:
+        job.queue_position = view.queue_position
+    if r.error_code and view.state in ("failed", "cancelled"):
+        job.error.CopyFrom(pb.JobError(code=r.error_code, reason=r.error_reason or "", message=r.error_message or ""))
+    if view.state == "succeeded" and r.result is not None:
+        job.result.CopyFrom(_result(view))
+    return job
+
+
+def _result(view: JobView) -> pb.JobResult:
+    res = view.record.result or {}
+    timings = dict(res.get("timings_ms") or {})
+    cache = res.get("cache")
+    return pb.JobResult(
+        sha256=str(res.get("sha256", "")), generation=int(res.get("generation", 0)),
+        output_type=_OUTPUTS.get(str(res.get("output_type")), pb.OUTPUT_TYPE_UNSPECIFIED),
+        content=_content(view),
+        timings=pb.StageTimings(**timings, attention_backend=str(res.get("attention_backend", ""))),
+        cache=pb.CacheReport(**cache) if isinstance(cache, dict) else pb.CacheReport(),
+    )  # fmt: skip
+
+
+def _content(view: JobView) -> pb.JobContent:
+    r = view.record
+    return pb.JobContent(
+        content_type=r.content_type or "", total_bytes=int(r.content_bytes or 0), sha256=r.content_sha256 or "",
+        filename=r.content_filename or "", available=bool(r.content_available),
+    )  # fmt: skip
+
+
+def _page_token(after: int, states: list[str], oldest_first: bool) -> str:
+    raw = f"{after}|{','.join(states)}|{int(oldest_first)}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _after(token: str, states: list[str], oldest_first: bool) -> int | None:
+    if not token:
+        return None
+    try:
+        after, names, order = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode().split("|")
+        seq = int(after)
+    except ValueError as e:
+        raise RequestError("page_token", "is not a next_page_token this server gave") from e
+    if names != ",".join(states) or order != str(int(oldest_first)):
+        raise RequestError("page_token", "was given for other states or another order: repeat them unchanged")
+    return seq
+
+
+class JobsServicer(pb_grpc.JobsServicer):
+    def __init__(self, jobs: JobService, slots: HandlerSlots, watchdog: SendWatchdog, chunk_bytes: int) -> None:
+        self.jobs = jobs
+        self.slots = slots
+        self.watchdog = watchdog
+        self.chunk_bytes = chunk_bytes
+
+    def CreateJob(self, request: pb.CreateJobRequest, context: grpc.ServicerContext) -> pb.CreateJobResponse:
+        try:
+            key = request.idempotency_key
+            if key and not _KEY.fullmatch(key):
+                raise RequestError("idempotency_key", "must be 1 to 256 printable ASCII characters")
+            if not request.HasField("request"):
+                raise RequestError("request", "is required: the Generate request the job runs")
+            client_sha = hashlib.sha256(request.request.SerializeToString(deterministic=True)).hexdigest()
+            parsed, expected = request_from_proto(request.request)
+            stored = pb.GenerateRequest()
+            stored.CopyFrom(request.request)
+            stored.request_id = parsed.request_id  # a restart runs it under the same id
+            new = NewJob(parsed, expected, stored.SerializeToString(deterministic=True), client_sha)
+            view, created = self.jobs.create(new, key or None)
+        except (RequestError, ServiceError) as e:
+            abort(context, e)
+        return pb.CreateJobResponse(job=job_to_proto(view), created=created)
+
+    def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.GetJobResponse:
+        try:
+            return pb.GetJobResponse(job=job_to_proto(self.jobs.get(_check_id(request.job_id))))
+        except (RequestError, ServiceError) as e:
+            abort(context, e)
+
+    def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
+        try:
+            if request.page_size > MAX_PAGE:
+                raise RequestError(
+                    "page_size", f"must be in [1, {MAX_PAGE}] (0: {DEFAULT_PAGE}), got {request.page_size}"
+                )
+            states = []
+            for s in request.states:
+                if s not in _STATE_NAMES:
+                    allowed = ", ".join(pb.JobState.Name(v) for v in _STATE_NAMES)
+                    raise RequestError("states", f"unknown job state {s}; allowed: {allowed}")
+                states.append(_STATE_NAMES[s])
+            after = _after(request.page_token, states, request.oldest_first)
+            limit = request.page_size or DEFAULT_PAGE
+            views, last = self.jobs.list(states, limit, after, request.oldest_first)
+        except (RequestError, ServiceError) as e:
+            abort(context, e)
+        token = _page_token(last, states, request.oldest_first) if last is not None else ""
+        return pb.ListJobsResponse(jobs=[job_to_proto(v) for v in views], next_page_token=token)
+
+    def WatchJob(self, request: pb.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchJobResponse]:
+        try:
+            with self.slots.take():
+                for view in self.jobs.watch(_check_id(request.job_id), context.is_active):
+                    yield pb.WatchJobResponse(job=job_to_proto(view))
+        except (RequestError, ServiceError) as e:  # HandlersBusyError included
+            abort(context, e)
+
+    def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.CancelJobResponse:
+        try:
+            return pb.CancelJobResponse(job=job_to_proto(self.jobs.cancel(_check_id(request.job_id))))
+        except (RequestError, ServiceError) as e:
+            abort(context, e)
+
+    def DeleteJob(self, request: pb.DeleteJobRequest, context: grpc.ServicerContext) -> pb.DeleteJobResponse:
+        try:
+            job_id = _check_id(request.job_id)
+            return pb.DeleteJobResponse(job_id=job_id, deleted=self.jobs.delete(job_id))
+        except (RequestError, ServiceError) as e:
+            abort(context, e)
+
+    def GetJobContent(
+        self, request: pb.GetJobContentRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GetJobContentResponse]:
+        try:
+            self.slots.acquire()
+        except HandlersBusyError as e:
+            abort(context, e)
+        watch = self.watchdog.watch(request.job_id[:64] or "(no job_id)", context.cancel)
+        try:
+            with self.jobs.content(_check_id(request.job_id), request.offset) as (ref, chunks):
+                header = pb.ContentHeader(content=pb.JobContent(
+                    content_type=ref.content_type, total_bytes=ref.size, sha256=ref.sha256, filename=ref.filename,
+                    available=True,
+                ), offset=request.offset)  # fmt: skip
+                watch.start_transfer()
+                for message in self._content(header, chunks):
+                    watch.sending()
+                    yield message
+                    watch.sent()
+        except (RequestError, ServiceError) as e:
+            abort(context, e)
+        finally:
+            watch.close()
+            self.slots.release()
+
+    def _content(self, header: pb.ContentHeader, chunks: Iterator[bytes]) -> Iterator[pb.GetJobContentResponse]:
+        yield pb.GetJobContentResponse(header=header)
+        offset = header.offset
+        for data in chunks:
+            for i in range(0, len(data), self.chunk_bytes):
+                piece = data[i : i + self.chunk_bytes]
+                yield pb.GetJobContentResponse(chunk=pb.ContentChunk(offset=offset, data=piece))
+                offset += len(piece)

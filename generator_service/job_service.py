@@ -1,0 +1,580 @@
+"""The jobs API's core: jobs that outlive their connection, on this generator's one executor (no grpc here).
+
+A job is stored before it is answered (CreateJob), `queued` in the job store (generator_service.job_store). The
+dispatcher thread claims the oldest queued job when the executor has room and no other job of ours waits there (so
+the next job's plans prefetch while one runs, and Generate calls keep their turn), and submits it; from then on the
+job's events drive its record: `running` when the executor takes it, progress after every finished step, the decode
+and mux stages, then `succeeded` (its result stored as a content-addressed file first: generator_service.results),
+`failed` or `cancelled`. The recorder thread writes them, so the executor never waits on the store.
+
+Restart: on start, every job this replica held and did not finish is queued again where it was (its seq), so queued
+jobs run in order and a job that was running runs again (deterministic by seed). A replica's claims are leases
+renewed every `claim_s / 3`; one whose replica died is claimed by another after `claim_s`. Cancel: a queued job
+nobody holds is cancelled in the store; a job this replica runs is cancelled through the registry (out of the queue,
+or at its next step boundary); one another replica runs gets `cancel_requested`, which its owner sees at its next
+renewal. Delete cancels first and removes the record once the job has stopped. Retention: `ttl_s` removes finished
+jobs, `results_max_bytes` removes the oldest content first, never content being read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import safetensors.torch
+
+from ditcore import GenerationRequest
+
+from .errors import GeneratorError, NotServingError, QueueFullError
+from .executor import Executor
+from .job_store import JobQueueFullError, JobRecord, JobStore
+from .jobs import Decoding, Failed, Finished, Job, JobEvent, JobResult, Muxing, Started, StepDone
+from .registry import JobRegistry
+from .results import ContentRef, ResultStore
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+STATES = ("queued", "running", *TERMINAL)
+DISPATCH_AHEAD = 1
+"""Jobs of ours waiting in the executor's queue at most: one, whose plans prefetch while the running one denoises."""
+LATENTS_CONTENT = ("application/octet-stream", ".safetensors")
+
+Decoder = Callable[[bytes], tuple[GenerationRequest, int | None]]
+"""A stored request's bytes -> (request, expected_generation): the adapter's own parse of a GenerateRequest."""
+Classifier = Callable[[BaseException], tuple[str, str, str]]
+"""An error -> (status code name, reason, message): the one error mapping's (ditruntime.rpc_errors)."""
+
+
+class JobNotFoundError(GeneratorError):
+    """No job has that id (or it was deleted)."""
+
+    reason = "JOB_NOT_FOUND"
+    grpc_code = "NOT_FOUND"
+
+
+class JobStateError(GeneratorError):
+    """The job is not in a state the call needs: content of a job that has not succeeded, cancel of a finished job.
+    ErrorInfo metadata `job_id`, `state`."""
+
+    reason = "JOB_STATE"
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class ResultsFullError(GeneratorError):
+    """The results directory holds `--results-max-gb` of content that is being read, so nothing can be removed
+    for a new job's result; retry later (RetryInfo, QuotaFailure)."""
+
+    reason = "RESULTS_FULL"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.quota_violation = ("--results-max-gb", message)
+
+
+@dataclass(frozen=True)
+class JobsPolicy:
+    """GeneratorConfig's jobs flags."""
+
+    replica: str
+    max_queued: int
+    ttl_s: float
+    results_max_bytes: int
+    claim_s: float = 30.0
+    poll_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What CreateJob stores: the request as the adapter parsed it, and its bytes (what a restart parses again)."""
+
+    request: GenerationRequest
+    expected_generation: int | None
+    request_bytes: bytes
+    request_sha256: str  # of the client's message (an idempotent retry sends the same)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job as the API shows it: its record, with this replica's live state over it and its queue position."""
+
+    record: JobRecord
+    state: str
+    stage: str
+    steps_done: int
+    steps_total: int
+    queue_position: int | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def change_key(self) -> tuple[object, ...]:
+        r = self.record
+        return (self.state, self.stage, self.steps_done, self.queue_position, r.cancel_requested, r.attempts)
+
+
+@dataclass
+class _Live:
+    """A job of ours the executor holds: what its events have said so far."""
+
+    job: Job
+    created_at: float = 0.0  # the store's clock (epoch seconds)
+    started_at: float | None = None
+    state: str = "queued"
+    stage: str = "queued"
+    steps_done: int = 0
+    steps_total: int = 0
+
+
+@dataclass(frozen=True)
+class JobsObserver:
+    """What the metrics hear: a job's wait in the queue when it starts, its run time and final state when it
+    ends (jobs this replica ran)."""
+
+    waited: Callable[[float], None] = lambda seconds: None
+    ran: Callable[[str, float], None] = lambda state, seconds: None
+
+
+def new_job_id() -> str:
+    return f"job_{uuid.uuid4().hex}"
+
+
+class JobService:
+    def __init__(
+        self,
+        store: JobStore,
+        results: ResultStore,
+        registry: JobRegistry,
+        decode: Decoder,
+        classify: Classifier,
+        policy: JobsPolicy,
+        observer: JobsObserver | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.observer = observer or JobsObserver()
+        self.store, self.results, self.registry = store, results, registry
+        self.executor: Executor = registry.executor
+        self._decode, self._classify, self.policy, self._clock = decode, classify, policy, clock
+        self._cond = threading.Condition()
+        self._version = 0  # bumped on every change this replica makes (watchers wait on it)
+        self._live: dict[str, _Live] = {}
+        self._records: queue.Queue[tuple[Job, JobEvent] | None] = queue.Queue()
+        self._stopping = False
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="jobs-dispatch", daemon=True)
+        self._recorder = threading.Thread(target=self._record_loop, name="jobs-record", daemon=True)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        again = self.store.requeue_owned(self.policy.replica)
+        if again:
+            log.info("jobs: %d unfinished job(s) of replica %s queued again: %s", len(again), self.policy.replica,
+                     ", ".join(again))  # fmt: skip
+        self._recorder.start()
+        self._dispatcher.start()
+
+    def stopping(self) -> None:
+        """From now on jobs that fail are not recorded (the executor drops its queue when it stops): they stay ours
+        and are queued again by the next start."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """After the executor stopped: record what finished, then end both threads."""
+        self.stopping()
+        self._records.put(None)
+        self._recorder.join(timeout)
+        self._dispatcher.join(timeout)
+
+    # ---------------------------------------------------------------- the API
+    def create(self, new: NewJob, idempotency_key: str | None) -> tuple[JobView, bool]:
+        """Check the request as Generate would (but the queue's capacity), store it queued; or, for an idempotent
+        retry, return the job the first call made."""
+        self.executor.check(Job(new.request, expected_generation=new.expected_generation))
+        self._check_results_room()
+        job_id = new_job_id()
+        request_bytes = new.request_bytes
+        spec = {**new.request.to_dict(), "expected_generation": new.expected_generation}
+        try:
+            record, created = self.store.create(
+                job_id=job_id, request=request_bytes, request_sha256=new.request_sha256,
+                idempotency_key=idempotency_key, spec=spec, steps_total=new.request.steps, now=self._clock(),
+                max_queued=self.policy.max_queued,
+            )  # fmt: skip
+        except JobQueueFullError as e:
+            e.retry_after_s = self.executor.retry_after_s()
+            e.quota_violation = ("--max-queued-jobs", str(e))
+            raise
+        if created:
+            log.info("job %s created (request %s)", record.job_id, new.request.request_id,
+                     extra={"job_id": record.job_id, "request_id": new.request.request_id})  # fmt: skip
+        self._changed()
+        return self._view(record), created
+
+    def get(self, job_id: str) -> JobView:
+        record = self.store.get(job_id)
+        if record is None:
+            raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
+        return self._view(record)
+
+    def list(
+        self, states: Sequence[str], limit: int, after_seq: int | None, oldest_first: bool
+    ) -> tuple[list[JobView], int | None]:
+        """A page of jobs and the seq to continue after (None on the last page)."""
+        records = self.store.list(states=states, limit=limit + 1, after_seq=after_seq, oldest_first=oldest_first)
+        more = len(records) > limit
+        page = [self._view(r) for r in records[:limit]]
+        return page, (records[limit - 1].seq if more else None)
+
+    def watch(self, job_id: str, alive: Callable[[], bool]) -> Iterator[JobView]:
+        """The job now and after each change, until it is final (or `alive` says the watcher went away)."""
+        last: tuple[object, ...] | None = None
+        while alive():
+            with self._cond:
+                version = self._version
+            view = self.get(job_id)
+            if view.change_key() != last:
+                last = view.change_key()
+                yield view
+            if view.terminal:
+                return
+            with self._cond:  # a change here wakes us; another replica's shows at the next poll
+                self._cond.wait_for(partial(self._moved, version), self.policy.poll_s)
+                if self._stopping:
+                    raise NotServingError("the generator is shutting down")
+
+    def _moved(self, version: int) -> bool:  # under _cond
+        return self._version != version or self._stopping
+
+    def cancel(self, job_id: str) -> JobView:
+        record = self.store.get(job_id)
+        if record is None:
+            raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
+        if record.state in ("succeeded", "failed"):
+            raise JobStateError(
+                f"job {job_id} already {record.state}: only a queued or running job can be cancelled",
+                {"job_id": job_id, "state": record.state},
+            )
+        if record.state != "cancelled":
+            self.store.request_cancel(job_id, self._clock())
+            self._cancel_here(job_id)
+            self._changed()
+        return self.get(job_id)
+
+    def delete(self, job_id: str) -> bool:
+        """True when the record and content are gone now; False when it still runs (cancelled; removed once it
+        stopped)."""
+        record = self.store.mark_deleted(job_id)
+        if record is None:
+            raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
+        self._changed()
+        if record.state in TERMINAL:
+            self._remove(job_id)
+            return True
+        self.store.request_cancel(job_id, self._clock())
+        self._cancel_here(job_id)
+        record = self.store.get_any(job_id)
+        if record is not None and record.state in TERMINAL:  # it was queued: cancelled at once
+            self._remove(job_id)
+            return True
+        return False
+
+    @contextmanager
+    def content(self, job_id: str, offset: int) -> Iterator[tuple[ContentRef, Iterator[bytes]]]:
+        """A succeeded job's content from `offset`, held against retention while the caller reads it."""
+        view = self.get(job_id)
+        r = view.record
+        if view.state != "succeeded":
+            raise JobStateError(
+                f"job {job_id} is {view.state}: content exists only once it has succeeded",
+                {"job_id": job_id, "state": view.state},
+            )
+        if not r.content_available or r.content_sha256 is None:
+            raise JobStateError(
+                f"job {job_id}'s content was removed by retention (--results-max-gb); the record stays",
+                {"job_id": job_id, "state": view.state},
+            )
+        ref = ContentRef(r.content_sha256, int(r.content_bytes or 0), r.content_type or "", r.content_filename or "")
+        if not 0 <= offset <= ref.size:
+            raise OffsetError(f"offset: must be in [0, {ref.size}] (the content's total_bytes), got {offset}")
+        with self.results.reading(ref.sha256):
+            f = self.results.open(ref.sha256)
+            try:
+                yield ref, _read_from(f, offset)
+            finally:
+                f.close()
+
+    # ---------------------------------------------------------------- views
+    def _view(self, record: JobRecord) -> JobView:
+        with self._cond:
+            live = self._live.get(record.job_id)
+            overlay = dataclasses.replace(live) if live is not None else None
+        state, stage = record.state, record.stage
+        done, total = record.steps_done, record.steps_total
+        if overlay is not None and record.state not in TERMINAL:
+            state, stage, done, total = overlay.state, overlay.stage, overlay.steps_done, overlay.steps_total or total
+        position = None
+        if state == "queued":
+            position = self._position(record, overlay.job if overlay is not None else None)
+        return JobView(record, state, stage, done, total, position)
+
+    def _position(self, record: JobRecord, job: Job | None) -> int:
+        """Jobs that start before it: its place in the executor's queue, or the store's queued jobs ahead of it
+        (ours waiting in the executor among them) plus the Generate calls waiting there."""
+        if job is not None:
+            here = self.executor.position(job)
+            if here is not None:
+                return here
+        ahead = self.store.queue_position(record.job_id) or 0
+        return ahead + self.executor.waiting(lambda j: not j.job_id)
+
+    def _changed(self) -> None:
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- dispatch
+    def _dispatch_loop(self) -> None:
+        next_renew = next_retention = 0.0
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                self._cond.wait(self.policy.poll_s)
+                if self._stopping:
+                    return
+            try:
+                now = time.monotonic()
+                if now >= next_renew:
+                    self._renew()
+                    next_renew = now + self.policy.claim_s / 3
+                if now >= next_retention:
+                    self.retention()
+                    next_retention = now + max(self.policy.poll_s, 10.0)
+                while self._ready_for_more() and self._dispatch_one():
+                    pass
+            except Exception:  # the store is down for a moment: try again at the next tick
+                log.exception("jobs: dispatch pass failed")
+
+    def _ready_for_more(self) -> bool:
+        if self._stopping or not self.executor.has_room:
+            return False
+        return self.executor.waiting(lambda j: bool(j.job_id)) < DISPATCH_AHEAD
+
+    def _dispatch_one(self) -> bool:
+        """Claim and submit the oldest queued job; False when there is none."""
+        record = self.store.claim_next(self.policy.replica, self.policy.claim_s, self._clock())
+        if record is None:
+            return False
+        try:
+            request, expected = self._decode(record.request)
+        except Exception as e:
+            self._finish_failed(record.job_id, e)
+            return True
+        job = Job(request, job_id=record.job_id, expected_generation=expected)
+        with self._cond:
+            self._live[record.job_id] = _Live(job, record.created_at, steps_total=record.steps_total)
+        job.subscribe(self._on_event)
+        try:
+            self.registry.submit(job)
+        except (QueueFullError, NotServingError):  # a Generate call took the room, or we are stopping
+            with self._cond:
+                self._live.pop(record.job_id, None)
+            self.store.unclaim(record.job_id, self.policy.replica)
+            return False
+        except Exception as e:  # refused now (e.g. the weights moved past its expected_generation)
+            with self._cond:
+                self._live.pop(record.job_id, None)
+            self._finish_failed(record.job_id, e)
+        return True
+
+    def _renew(self) -> None:
+        for job_id in self.store.renew_claims(self.policy.replica, self.policy.claim_s, self._clock()):
+            self._cancel_here(job_id)
+
+    def _cancel_here(self, job_id: str) -> None:
+        job = self.registry.get(job_id)
+        if job is not None:
+            self.registry.cancel(job)  # withdrawn now (Failed follows), or stopped at its next check
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- events -> records
+    def _on_event(self, job: Job, event: JobEvent) -> None:
+        """On the executor's (or mux) thread: the live overlay now, the store by the recorder."""
+        with self._cond:
+            live = self._live.get(job.job_id)
+            if live is not None:
+                match event:
+                    case Started():
+                        live.state, live.stage, live.started_at = "running", "preparing", self._clock()
+                        self.observer.waited(max(0.0, live.started_at - live.created_at))
+                    case StepDone(step, total):
+                        live.stage, live.steps_done, live.steps_total = "denoising", step, total
+                    case Decoding():
+                        live.stage = "decoding"
+                    case Muxing():
+                        live.stage = "muxing"
+                    case Finished():
+                        live.stage = "storing"
+            self._version += 1
+            self._cond.notify_all()
+        if isinstance(event, Started | StepDone | Decoding | Muxing | Finished | Failed):
+            self._records.put((job, event))
+
+    def _record_loop(self) -> None:
+        while True:
+            item = self._records.get()
+            if item is None:
+                return
+            job, event = item
+            try:
+                self._record(job, event)
+            except Exception:
+                log.exception("jobs: recording %s for %s failed", type(event).__name__, job.job_id)
+            del job, event, item  # nothing of a result waits here for the next event
+
+    def _record(self, job: Job, event: JobEvent) -> None:
+        replica = self.policy.replica
+        match event:
+            case Started():
+                self.store.mark_running(job.job_id, replica, self._clock())
+            case StepDone() | Decoding() | Muxing():
+                with self._cond:
+                    live = self._live.get(job.job_id)
+                    snap = dataclasses.replace(live) if live is not None else None
+                if snap is not None and self._records.empty():  # a later event says more: write only the last
+                    self.store.update_progress(job.job_id, replica, stage=snap.stage, steps_done=snap.steps_done,
+                                               steps_total=snap.steps_total)  # fmt: skip
+            case Finished(result):
+                self._store_result(job, result)
+            case Failed(error):
+                if self._stopping and not job.cancelled.is_set():
+                    self._forget(job)  # dropped by the stopping executor: queued again by the next start
+                    return
+                state = self._finish_failed(job.job_id, error)
+                self._forget(job, state)
+
+    def _store_result(self, job: Job, res: JobResult) -> None:
+        state = "succeeded"
+        try:
+            ref = self._write_content(job, res)
+            result = {
+                "sha256": res.result.sha256, "generation": res.generation, "output_type": job.request.output_type,
+                "timings_ms": res.timings_ms, "attention_backend": res.result.attention_backend,
+                "cache": res.result.cache.to_dict() if res.result.cache is not None else None,
+            }  # fmt: skip
+            self.store.finish(job.job_id, self.policy.replica, state="succeeded", now=self._clock(), result=result,
+                              content=ref)  # fmt: skip
+            log.info("job %s succeeded: %s (%d bytes, sha256 %s)", job.job_id, ref.filename, ref.size,
+                     ref.sha256[:16], extra={"job_id": job.job_id, "sha256": ref.sha256})  # fmt: skip
+        except Exception as e:
+            log.exception("job %s: storing its result failed", job.job_id)
+            state = self._finish_failed(job.job_id, e)
+        finally:
+            if res.media is not None:
+                res.media.close()
+            self._forget(job, state)
+        self._remove_if_deleted(job.job_id)
+
+    def _write_content(self, job: Job, res: JobResult) -> ContentRef:
+        rid = job.request.request_id
+        if res.media is not None:
+            m = res.media
+            return self.results.put_bytes(m.chunks(), m.content_type, f"{rid}{m.suffix}")
+        tensors = {n: t.contiguous() for n, t in (("video", res.result.video), ("audio", res.result.audio))
+                   if t is not None}  # fmt: skip
+        content_type, suffix = LATENTS_CONTENT
+        return self.results.put_bytes(safetensors.torch.save(tensors), content_type, f"{rid}{suffix}")
+
+    def _finish_failed(self, job_id: str, error: BaseException) -> str:
+        code, reason, message = self._classify(error)
+        state = "cancelled" if code == "CANCELLED" else "failed"
+        self.store.finish(job_id, self.policy.replica, state=state, now=self._clock(), error=(code, reason, message))
+        log.info("job %s %s: %s (%s)", job_id, state, message, reason, extra={"job_id": job_id, "reason": reason})
+        self._remove_if_deleted(job_id)
+        return state
+
+    def _forget(self, job: Job, state: str = "") -> None:
+        self.registry.release(job)
+        with self._cond:
+            live = self._live.pop(job.job_id, None)
+        if state and live is not None and live.started_at is not None:
+            self.observer.ran(state, max(0.0, self._clock() - live.started_at))
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+        self.wake()
+
+    # ---------------------------------------------------------------- deletion and retention
+    def _remove_if_deleted(self, job_id: str) -> None:
+        record = self.store.get_any(job_id)
+        if record is not None and record.deleted and record.state in TERMINAL:
+            self._remove(job_id)
+
+    def _remove(self, job_id: str) -> None:
+        record = self.store.remove(job_id)
+        if record is not None and record.content_sha256 and self.store.content_refs(record.content_sha256) == 0:
+            self.results.remove(record.content_sha256)
+        self._changed()
+
+    def retention(self) -> None:
+        """Remove jobs finished longer than `ttl_s` ago and deleted ones that stopped; then the oldest content
+        until the results fit `results_max_bytes` (content being read stays)."""
+        for record in self.store.deleted_terminal():
+            self._remove(record.job_id)
+        for record in self.store.expired(self._clock() - self.policy.ttl_s):
+            self._remove(record.job_id)
+        if self.results.total_bytes() <= self.policy.results_max_bytes:
+            return
+        for record in self.store.content_oldest_first():
+            if self.results.total_bytes() <= self.policy.results_max_bytes:
+                return
+            sha = record.content_sha256
+            if sha is None or self.results.readers(sha):
+                continue
+            self.store.set_content_unavailable(record.job_id)
+            if self.store.content_refs(sha) == 0:
+                self.results.remove(sha)
+            self._changed()
+
+    def _check_results_room(self) -> None:
+        if self.results.total_bytes() <= self.policy.results_max_bytes:
+            return
+        self.retention()
+        total = self.results.total_bytes()
+        if total > self.policy.results_max_bytes:
+            raise ResultsFullError(
+                f"the results directory holds {total} bytes, above --results-max-gb "
+                f"({self.policy.results_max_bytes} bytes), all of it being read; retry later",
+                self.executor.retry_after_s(),
+            )
+
+
+class OffsetError(GeneratorError):
+    """GetJobContent's offset is past the content's end."""
+
+    reason = "OFFSET_OUT_OF_RANGE"
+    grpc_code = "OUT_OF_RANGE"
+
+
+def _read_from(f: object, offset: int, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
+    f.seek(offset)  # type: ignore[attr-defined]
+    while True:
+        data = f.read(chunk_bytes)  # type: ignore[attr-defined]
+        if not data:
+            return
+        yield data

@@ -1,0 +1,42 @@
+"""The jobs tests' real generator: in-process, resident mode on the tiny demo checkpoint, its job store and results
+in a directory the test owns (so a restart on the same directory finds them again)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from servicekit import wait_for
+
+from generator_service.app import build_server
+from generator_service.config import GeneratorConfig
+from generator_service.jobs_config import JobsConfig
+from generator_service.server import GeneratorServer
+from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
+
+QUICK = {"prompt": "a red fox", "num_inference_steps": 3}
+"""A small job: the default 32 x 32 x 124 canvas, two forwards."""
+
+
+@contextlib.contextmanager
+def jobs_server(checkpoint: Path, state_dir: Path, *, jobs: dict[str, Any] | None = None,
+                **options: Any) -> Iterator[GeneratorServer]:  # fmt: skip
+    """A started generator whose jobs live in `state_dir` (JobsConfig fields in `jobs`, GeneratorConfig's in
+    `options`); stopped on exit."""
+    jobs_cfg = JobsConfig(state_dir=state_dir, **{"replica_id": "test-replica", **(jobs or {})})
+    cfg = GeneratorConfig(adaln_mode="resident", checkpoint=checkpoint, listen="127.0.0.1:0", jobs=jobs_cfg, **options)
+    srv = build_server(cfg)
+    srv.start()
+    try:
+        wait_for(lambda: srv.state.serving, 120, "the resident model to load")
+        yield srv
+    finally:
+        srv.stop(1)
+
+
+def jobs_stub(target: str) -> tuple[grpc.Channel, pb_grpc.JobsStub]:
+    channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+    return channel, pb_grpc.JobsStub(channel)
