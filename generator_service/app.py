@@ -20,8 +20,9 @@ from .config import GeneratorConfig
 from .executor import Executor
 from .health import ServingState
 from .job_server import classify_error, decode_request
-from .job_service import JobService, JobsPolicy
+from .job_service import JobService
 from .job_store import JobStore
+from .job_types import JobsPolicy
 from .metrics import GeneratorMetrics, register_job_gauges, register_state_gauges
 from .registry import JobRegistry
 from .resident import ResidentBackend

@@ -151,3 +151,38 @@ def tensor_updates_refused() -> UpdateError:
         "tensor-pushed updates are refused in cached mode: plans are rebuilt from checkpoint files and "
         "pushed tensors have none on disk; write a checkpoint under --weights-root and pass weights_path",
     )
+
+
+class JobNotFoundError(GeneratorError):
+    """No job has that id (or it was deleted)."""
+
+    reason = "JOB_NOT_FOUND"
+    grpc_code = "NOT_FOUND"
+
+
+class JobStateError(GeneratorError):
+    """The job is not in a state the call needs: content of a job that has not succeeded, cancel of a finished job.
+    ErrorInfo metadata `job_id`, `state`."""
+
+    reason = "JOB_STATE"
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class ResultsFullError(GeneratorError):
+    """The results directory holds `--results-max-gb` of content that is being read, so nothing can be removed
+    for a new job's result; retry later (RetryInfo, QuotaFailure)."""
+
+    reason = "RESULTS_FULL"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.quota_violation = ("--results-max-gb", message)
+
+
+class OffsetError(GeneratorError):
+    """GetJobContent's offset is past the content's end."""
+
+    reason = "OFFSET_OUT_OF_RANGE"
+    grpc_code = "OUT_OF_RANGE"

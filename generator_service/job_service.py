@@ -26,124 +26,31 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
 import safetensors.torch
 
-from ditcore import GenerationRequest
-
-from .errors import GeneratorError, NotServingError, QueueFullError
+from .errors import JobNotFoundError, JobStateError, NotServingError, OffsetError, QueueFullError
 from .executor import Executor
+from .job_retention import Retention
 from .job_store import JobQueueFullError, JobRecord, JobStore
+from .job_types import (
+    DISPATCH_AHEAD,
+    LATENTS_CONTENT,
+    TERMINAL,
+    Classifier,
+    Decoder,
+    JobsObserver,
+    JobsPolicy,
+    JobView,
+    LiveJob,
+    NewJob,
+)
 from .jobs import Decoding, Failed, Finished, Job, JobEvent, JobResult, Muxing, Started, StepDone
 from .registry import JobRegistry
 from .results import ContentRef, ResultStore
 
 log = logging.getLogger(__name__)
-
-TERMINAL = ("succeeded", "failed", "cancelled")
-STATES = ("queued", "running", *TERMINAL)
-DISPATCH_AHEAD = 1
-"""Jobs of ours waiting in the executor's queue at most: one, whose plans prefetch while the running one denoises."""
-LATENTS_CONTENT = ("application/octet-stream", ".safetensors")
-
-Decoder = Callable[[bytes], tuple[GenerationRequest, int | None]]
-"""A stored request's bytes -> (request, expected_generation): the adapter's own parse of a GenerateRequest."""
-Classifier = Callable[[BaseException], tuple[str, str, str]]
-"""An error -> (status code name, reason, message): the one error mapping's (ditruntime.rpc_errors)."""
-
-
-class JobNotFoundError(GeneratorError):
-    """No job has that id (or it was deleted)."""
-
-    reason = "JOB_NOT_FOUND"
-    grpc_code = "NOT_FOUND"
-
-
-class JobStateError(GeneratorError):
-    """The job is not in a state the call needs: content of a job that has not succeeded, cancel of a finished job.
-    ErrorInfo metadata `job_id`, `state`."""
-
-    reason = "JOB_STATE"
-    grpc_code = "FAILED_PRECONDITION"
-
-
-class ResultsFullError(GeneratorError):
-    """The results directory holds `--results-max-gb` of content that is being read, so nothing can be removed
-    for a new job's result; retry later (RetryInfo, QuotaFailure)."""
-
-    reason = "RESULTS_FULL"
-    grpc_code = "RESOURCE_EXHAUSTED"
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.quota_violation = ("--results-max-gb", message)
-
-
-@dataclass(frozen=True)
-class JobsPolicy:
-    """GeneratorConfig's jobs flags."""
-
-    replica: str
-    max_queued: int
-    ttl_s: float
-    results_max_bytes: int
-    claim_s: float = 30.0
-    poll_s: float = 1.0
-
-
-@dataclass(frozen=True)
-class NewJob:
-    """What CreateJob stores: the request as the adapter parsed it, and its bytes (what a restart parses again)."""
-
-    request: GenerationRequest
-    expected_generation: int | None
-    request_bytes: bytes
-    request_sha256: str  # of the client's message (an idempotent retry sends the same)
-
-
-@dataclass(frozen=True)
-class JobView:
-    """A job as the API shows it: its record, with this replica's live state over it and its queue position."""
-
-    record: JobRecord
-    state: str
-    stage: str
-    steps_done: int
-    steps_total: int
-    queue_position: int | None
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL
-
-    def change_key(self) -> tuple[object, ...]:
-        r = self.record
-        return (self.state, self.stage, self.steps_done, self.queue_position, r.cancel_requested, r.attempts)
-
-
-@dataclass
-class _Live:
-    """A job of ours the executor holds: what its events have said so far."""
-
-    job: Job
-    created_at: float = 0.0  # the store's clock (epoch seconds)
-    started_at: float | None = None
-    state: str = "queued"
-    stage: str = "queued"
-    steps_done: int = 0
-    steps_total: int = 0
-
-
-@dataclass(frozen=True)
-class JobsObserver:
-    """What the metrics hear: a job's wait in the queue when it starts, its run time and final state when it
-    ends (jobs this replica ran)."""
-
-    waited: Callable[[float], None] = lambda seconds: None
-    ran: Callable[[str, float], None] = lambda state, seconds: None
 
 
 def new_job_id() -> str:
@@ -168,9 +75,10 @@ class JobService:
         self._decode, self._classify, self.policy, self._clock = decode, classify, policy, clock
         self._cond = threading.Condition()
         self._version = 0  # bumped on every change this replica makes (watchers wait on it)
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveJob] = {}
         self._records: queue.Queue[tuple[Job, JobEvent] | None] = queue.Queue()
         self._stopping = False
+        self._retention = Retention(store, results, policy.ttl_s, policy.results_max_bytes, self.now, self._changed)
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="jobs-dispatch", daemon=True)
         self._recorder = threading.Thread(target=self._record_loop, name="jobs-record", daemon=True)
 
@@ -197,12 +105,19 @@ class JobService:
         self._recorder.join(timeout)
         self._dispatcher.join(timeout)
 
+    def now(self) -> float:
+        return self._clock()
+
+    def retention(self) -> None:
+        """One retention pass now (the dispatcher runs one every 10 s): generator_service.job_retention."""
+        self._retention.run()
+
     # ---------------------------------------------------------------- the API
     def create(self, new: NewJob, idempotency_key: str | None) -> tuple[JobView, bool]:
         """Check the request as Generate would (but the queue's capacity), store it queued; or, for an idempotent
         retry, return the job the first call made."""
         self.executor.check(Job(new.request, expected_generation=new.expected_generation))
-        self._check_results_room()
+        self._retention.check_room(self.executor.retry_after_s)
         job_id = new_job_id()
         request_bytes = new.request_bytes
         spec = {**new.request.to_dict(), "expected_generation": new.expected_generation}
@@ -280,13 +195,13 @@ class JobService:
             raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
         self._changed()
         if record.state in TERMINAL:
-            self._remove(job_id)
+            self._retention.remove(job_id)
             return True
         self.store.request_cancel(job_id, self._clock())
         self._cancel_here(job_id)
         record = self.store.get_any(job_id)
         if record is not None and record.state in TERMINAL:  # it was queued: cancelled at once
-            self._remove(job_id)
+            self._retention.remove(job_id)
             return True
         return False
 
@@ -360,7 +275,7 @@ class JobService:
                     self._renew()
                     next_renew = now + self.policy.claim_s / 3
                 if now >= next_retention:
-                    self.retention()
+                    self._retention.run()
                     next_retention = now + max(self.policy.poll_s, 10.0)
                 while self._ready_for_more() and self._dispatch_one():
                     pass
@@ -384,7 +299,7 @@ class JobService:
             return True
         job = Job(request, job_id=record.job_id, expected_generation=expected)
         with self._cond:
-            self._live[record.job_id] = _Live(job, record.created_at, steps_total=record.steps_total)
+            self._live[record.job_id] = LiveJob(job, record.created_at, steps_total=record.steps_total)
         job.subscribe(self._on_event)
         try:
             self.registry.submit(job)
@@ -523,52 +438,7 @@ class JobService:
     def _remove_if_deleted(self, job_id: str) -> None:
         record = self.store.get_any(job_id)
         if record is not None and record.deleted and record.state in TERMINAL:
-            self._remove(job_id)
-
-    def _remove(self, job_id: str) -> None:
-        record = self.store.remove(job_id)
-        if record is not None and record.content_sha256 and self.store.content_refs(record.content_sha256) == 0:
-            self.results.remove(record.content_sha256)
-        self._changed()
-
-    def retention(self) -> None:
-        """Remove jobs finished longer than `ttl_s` ago and deleted ones that stopped; then the oldest content
-        until the results fit `results_max_bytes` (content being read stays)."""
-        for record in self.store.deleted_terminal():
-            self._remove(record.job_id)
-        for record in self.store.expired(self._clock() - self.policy.ttl_s):
-            self._remove(record.job_id)
-        if self.results.total_bytes() <= self.policy.results_max_bytes:
-            return
-        for record in self.store.content_oldest_first():
-            if self.results.total_bytes() <= self.policy.results_max_bytes:
-                return
-            sha = record.content_sha256
-            if sha is None or self.results.readers(sha):
-                continue
-            self.store.set_content_unavailable(record.job_id)
-            if self.store.content_refs(sha) == 0:
-                self.results.remove(sha)
-            self._changed()
-
-    def _check_results_room(self) -> None:
-        if self.results.total_bytes() <= self.policy.results_max_bytes:
-            return
-        self.retention()
-        total = self.results.total_bytes()
-        if total > self.policy.results_max_bytes:
-            raise ResultsFullError(
-                f"the results directory holds {total} bytes, above --results-max-gb "
-                f"({self.policy.results_max_bytes} bytes), all of it being read; retry later",
-                self.executor.retry_after_s(),
-            )
-
-
-class OffsetError(GeneratorError):
-    """GetJobContent's offset is past the content's end."""
-
-    reason = "OFFSET_OUT_OF_RANGE"
-    grpc_code = "OUT_OF_RANGE"
+            self._retention.remove(job_id)
 
 
 def _read_from(f: object, offset: int, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:

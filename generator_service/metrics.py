@@ -13,7 +13,8 @@ from ditruntime.errors import ServiceError
 
 from .backend import Backend
 from .executor import Executor
-from .job_service import STATES, JobService, JobsObserver
+from .job_service import JobService
+from .job_types import STATES, JobsObserver
 from .jobs import Job, JobResult
 
 P = "ditserve_generator"

@@ -1,0 +1,87 @@
+"""The jobs core's values: its policy (from the flags), a job as CreateJob stores it and as the API shows it, the live
+state of a job this replica runs, and what the metrics hear. No grpc here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ditcore import GenerationRequest
+
+from .job_store import JobRecord
+from .jobs import Job
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+STATES = ("queued", "running", *TERMINAL)
+DISPATCH_AHEAD = 1
+"""Jobs of ours waiting in the executor's queue at most: one, whose plans prefetch while the running one denoises."""
+LATENTS_CONTENT = ("application/octet-stream", ".safetensors")
+
+Decoder = Callable[[bytes], tuple[GenerationRequest, int | None]]
+"""A stored request's bytes -> (request, expected_generation): the adapter's own parse of a GenerateRequest."""
+Classifier = Callable[[BaseException], tuple[str, str, str]]
+"""An error -> (status code name, reason, message): the one error mapping's (ditruntime.rpc_errors)."""
+
+
+@dataclass(frozen=True)
+class JobsPolicy:
+    """GeneratorConfig's jobs flags."""
+
+    replica: str
+    max_queued: int
+    ttl_s: float
+    results_max_bytes: int
+    claim_s: float = 30.0
+    poll_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What CreateJob stores: the request as the adapter parsed it, and its bytes (what a restart parses again)."""
+
+    request: GenerationRequest
+    expected_generation: int | None
+    request_bytes: bytes
+    request_sha256: str  # of the client's message (an idempotent retry sends the same)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job as the API shows it: its record, with this replica's live state over it and its queue position."""
+
+    record: JobRecord
+    state: str
+    stage: str
+    steps_done: int
+    steps_total: int
+    queue_position: int | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def change_key(self) -> tuple[object, ...]:
+        r = self.record
+        return (self.state, self.stage, self.steps_done, self.queue_position, r.cancel_requested, r.attempts)
+
+
+@dataclass
+class LiveJob:
+    """A job of ours the executor holds: what its events have said so far."""
+
+    job: Job
+    created_at: float = 0.0  # the store's clock (epoch seconds)
+    started_at: float | None = None
+    state: str = "queued"
+    stage: str = "queued"
+    steps_done: int = 0
+    steps_total: int = 0
+
+
+@dataclass(frozen=True)
+class JobsObserver:
+    """What the metrics hear: a job's wait in the queue when it starts, its run time and final state when it
+    ends (jobs this replica ran)."""
+
+    waited: Callable[[float], None] = lambda seconds: None
+    ran: Callable[[str, float], None] = lambda state, seconds: None
