@@ -14,11 +14,13 @@ so a reader never sees a partial file and a failed write leaves none."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 SOCKET_NAME = "plancache.sock"
 
@@ -133,3 +135,22 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], objec
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def hold_lock(path: str | Path, what: str) -> IO[str]:
+    """An exclusive advisory lock on `path` (created), held while the returned file stays open (the process's life:
+    the kernel drops it when the process dies, `kill -9` included). DirectoryFlagError naming `what` and the
+    holder's pid when another process holds it."""
+    f = open(path, "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise DirectoryFlagError(f"{what} is in use by pid {holder}: give each process its own") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f

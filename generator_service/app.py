@@ -4,14 +4,18 @@ passes each its collaborators; nothing is wired after construction."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import grpc
 import torch
 
 from ditcore.attention import AttentionBackendError, check_runs
-from ditruntime.paths import prepare_dir, require_dir
+from ditruntime.paths import hold_lock, prepare_dir, require_dir
 from ditruntime.tls import mutual_tls_channel_credentials
 
 from .backend import Backend
@@ -30,6 +34,8 @@ from .results import ResultStore
 from .server import GeneratorServer, HealthPublisher
 from .sidecar_client import SidecarClient
 from .updates import UpdateCoordinator
+
+log = logging.getLogger(__name__)
 
 
 def sidecar_credentials(cfg: GeneratorConfig) -> grpc.ChannelCredentials | None:
@@ -73,25 +79,48 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     register_state_gauges(metrics.registry, backend, executor)
     updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
     registry = JobRegistry(executor)
-    jobs, scratch = build_jobs(cfg, registry, metrics)
+    jobs, jobs_dir = build_jobs(cfg, registry, metrics)
     register_job_gauges(metrics.registry, jobs)
-    return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher, registry, jobs, scratch)
+    return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher, registry, jobs, jobs_dir.close)
 
 
-def build_jobs(
-    cfg: GeneratorConfig, registry: JobRegistry, metrics: GeneratorMetrics
-) -> tuple[JobService, Path | None]:
-    """The jobs core on its store and results directory; a config built in code without a state dir keeps them in
-    a temporary directory (the second value), removed when the server stops (the CLI always names one)."""
-    scratch = None
-    if cfg.jobs.state_dir is None:
-        state_dir = scratch = Path(tempfile.mkdtemp(prefix="ditserve-jobs-"))
-    else:
-        state_dir = prepare_dir(cfg.jobs.state_dir, "--state-dir")
-    results = cfg.jobs.results_path(state_dir)
-    prepare_dir(results, "--results-dir")
-    store = JobStore.open(cfg.jobs.store_url(state_dir))
+def build_jobs(cfg: GeneratorConfig, registry: JobRegistry, metrics: GeneratorMetrics) -> tuple[JobService, JobsDir]:
+    """The jobs core on its store and results directory. Without a state dir (a config built in code, or
+    `ditserve generator` without --state-dir) they live in a temporary directory removed at stop: jobs then do not
+    survive a restart (`ditserve serve` always names one). An embedded (SQLite) store is one generator's: its
+    state dir is locked while the generator runs."""
     j = cfg.jobs
+    if j.state_dir is None:
+        state_dir = Path(tempfile.mkdtemp(prefix="ditserve-jobs-"))
+        where = JobsDir(state_dir, scratch=True)
+        log.warning("jobs: no --state-dir, so jobs live in %s and do not survive a restart", state_dir)
+    else:
+        state_dir = prepare_dir(j.state_dir, "--state-dir")
+        where = JobsDir(state_dir, scratch=False)
+    url = j.store_url(state_dir)
+    if url.startswith("sqlite"):
+        prepare_dir(state_dir / "jobs", "--state-dir")
+        where.lock = hold_lock(state_dir / "jobs" / "generator.lock", f"--state-dir {state_dir} (its job store)")
+    results = j.results_path(state_dir)
+    prepare_dir(results, "--results-dir")
+    store = JobStore.open(url)
     policy = JobsPolicy(j.replica, j.max_queued_jobs, j.job_ttl_s, j.results_max_bytes, j.job_claim_s)
     observer = metrics.jobs_observer()
-    return JobService(store, ResultStore(results), registry, decode_request, classify_error, policy, observer), scratch
+    return JobService(store, ResultStore(results), registry, decode_request, classify_error, policy, observer), where
+
+
+@dataclass
+class JobsDir:
+    """The jobs' state directory as this generator holds it: removed at stop when it is a temporary one, its lock
+    (an embedded store) released."""
+
+    path: Path
+    scratch: bool
+    lock: IO[str] | None = None
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+        if self.scratch:
+            shutil.rmtree(self.path, ignore_errors=True)

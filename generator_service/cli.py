@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
-from pathlib import Path
 
 from ditcore import CheckpointError
 from ditruntime.flags import LaunchOptions, add_flags, from_args
 from ditruntime.obs import setup_logging
-from ditruntime.paths import default_run_dir, default_socket, grpc_target
+from ditruntime.paths import default_socket, grpc_target
 from ditruntime.service_main import run_service
 
 from .app import build_server
@@ -41,13 +39,6 @@ def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
     return from_args(GeneratorConfig, args, sidecar=sidecar, listen=listen)
 
 
-def with_state_dir(cfg: GeneratorConfig, run_dir: Path | None) -> GeneratorConfig:
-    """The config a process runs: without --state-dir, its jobs live in <run-dir>/state."""
-    if cfg.jobs.state_dir is not None:
-        return cfg
-    return replace(cfg, jobs=replace(cfg.jobs, state_dir=Path(run_dir or default_run_dir()) / "state"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     launch = from_args(LaunchOptions, args)
@@ -55,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_service(
         "ditserve generator",
         launch.threads,
-        lambda: build_server(with_state_dir(config_from_args(args), launch.run_dir)),
+        lambda: build_server(config_from_args(args)),
         (ValueError, CheckpointError, OSError),
         lambda server: f"generator serving on port {server.port}",  # type: ignore[attr-defined]
     )

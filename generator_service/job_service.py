@@ -104,6 +104,7 @@ class JobService:
         self._records.put(None)
         self._recorder.join(timeout)
         self._dispatcher.join(timeout)
+        self.store.close()
 
     def now(self) -> float:
         return self._clock()

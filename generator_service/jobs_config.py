@@ -16,10 +16,12 @@ HOUR_S = 3600
 @dataclass(frozen=True)
 class JobsConfig:
     state_dir: Path | None = flag(
-        None, "the job store (jobs/jobs.db) and results (jobs/results/) live here (default <run-dir>/state)"
+        None,
+        "the job store (jobs/jobs.db) and results (jobs/results/) live here; default: a temporary directory (jobs do not survive a restart; serve: <run-dir>/state)",
     )
     """The generator's state directory: the embedded job store `jobs/jobs.db` (SQLite, WAL) and the results
-    `jobs/results/` live under it. `ditserve serve` shares its --state-dir with the sidecar (whose state file is
+    `jobs/results/` live under it, locked while one generator runs on it. None: a temporary directory removed at
+    stop, so jobs do not survive a restart. `ditserve serve` shares its --state-dir with the sidecar (whose state file is
     beside them)."""
     job_store: str = flag(
         "", "job store URL: sqlite:///PATH or postgresql://USER@HOST[:PORT]/DB, its password from PGPASSWORD or "

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import torch
@@ -400,7 +398,7 @@ class GeneratorServer:
         publisher: HealthPublisher,
         registry: JobRegistry,
         jobs: JobService,
-        scratch_dir: Path | None = None,
+        release_jobs_dir: Callable[[], None] = lambda: None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
@@ -408,7 +406,7 @@ class GeneratorServer:
         self.metrics = metrics
         self.state = state
         self.jobs = jobs
-        self._scratch_dir = scratch_dir  # the jobs' temporary state dir (a config built in code), removed at stop
+        self._release_jobs_dir = release_jobs_dir  # its lock, or the temporary dir itself: at stop
         self.metrics_server: MetricsServer | None = None
         self.server = _grpc_server(cfg, metrics)
         self.slots = HandlerSlots(cfg.request_handlers, cfg.workers)
@@ -462,7 +460,6 @@ class GeneratorServer:
         self.executor.stop()
         self.jobs.stop()
         self.backend.close()
-        if self._scratch_dir is not None:
-            shutil.rmtree(self._scratch_dir, ignore_errors=True)
+        self._release_jobs_dir()
         if self.metrics_server is not None:
             self.metrics_server.close()

@@ -268,3 +268,14 @@ def test_jobs_metrics_count_states(server: GeneratorServer) -> None:
     assert 'ditserve_generator_jobs{state="succeeded"}' in text
     assert "ditserve_generator_job_queue_wait_seconds_count" in text
     assert 'ditserve_generator_job_run_seconds_count{state="succeeded"}' in text
+
+
+def test_an_embedded_store_is_one_generators_at_a_time(svc_ckpt: Path, tmp_path: Path) -> None:
+    from ditruntime.paths import DirectoryFlagError
+
+    with jobs_server(svc_ckpt, tmp_path / "state"):
+        with pytest.raises(DirectoryFlagError, match=r"--state-dir .* is in use by pid \d+"):
+            with jobs_server(svc_ckpt, tmp_path / "state"):
+                pass
+    with jobs_server(svc_ckpt, tmp_path / "state") as again:  # released at stop
+        assert again.jobs.store.counts_by_state()["queued"] == 0
