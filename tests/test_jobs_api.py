@@ -273,9 +273,39 @@ def test_jobs_metrics_count_states(server: GeneratorServer) -> None:
 def test_an_embedded_store_is_one_generators_at_a_time(svc_ckpt: Path, tmp_path: Path) -> None:
     from ditruntime.paths import DirectoryFlagError
 
-    with jobs_server(svc_ckpt, tmp_path / "state"):
-        with pytest.raises(DirectoryFlagError, match=r"--state-dir .* is in use by pid \d+"):
-            with jobs_server(svc_ckpt, tmp_path / "state"):
-                pass
+    with (
+        jobs_server(svc_ckpt, tmp_path / "state"),
+        pytest.raises(DirectoryFlagError, match=r"--state-dir .* is in use by pid \d+"),
+        jobs_server(svc_ckpt, tmp_path / "state"),
+    ):
+        pass
     with jobs_server(svc_ckpt, tmp_path / "state") as again:  # released at stop
         assert again.jobs.store.counts_by_state()["queued"] == 0
+
+
+def test_two_replicas_on_one_postgresql_store_never_run_a_job_twice(
+    svc_ckpt: Path, tmp_path: Path, pg_url: str
+) -> None:
+    """Two generators share a real PostgreSQL store and one results directory: every job runs exactly once, on one
+    of them, and either replica serves any job's record and content."""
+    from pgkit import reset_database
+
+    reset_database(pg_url)
+    shared = {"job_store": pg_url, "results_dir": tmp_path / "results"}
+    with (
+        jobs_server(svc_ckpt, tmp_path / "a", jobs={**shared, "replica_id": "replica-a"}) as a,
+        jobs_server(svc_ckpt, tmp_path / "b", jobs={**shared, "replica_id": "replica-b"}) as b,
+    ):
+        ca, sa_ = jobs_stub(f"127.0.0.1:{a.port}")
+        cb, sb = jobs_stub(f"127.0.0.1:{b.port}")
+        ids = [_create(sa_ if i % 2 else sb, **QUICK, seed=80 + i).job_id for i in range(6)]
+        finals = [_wait_final(sb, job_id)[0] for job_id in ids]
+        assert all(f.state == pb.JOB_STATE_SUCCEEDED and f.attempts == 1 for f in finals)
+        assert {f.replica for f in finals} <= {"replica-a", "replica-b"}
+        counts = [srv.metrics.registry.get_sample_value("ditserve_generator_job_run_seconds_count",
+                                                         {"state": "succeeded"}) or 0 for srv in (a, b)]  # fmt: skip
+        assert sum(counts) == len(ids)  # each job ran once, on one replica
+        header, data = _content(sa_, finals[0].job_id)  # content of a job either replica ran, from replica A
+        assert hashlib.sha256(data).hexdigest() == header.content.sha256 == finals[0].result.content.sha256
+        ca.close()
+        cb.close()
