@@ -23,6 +23,7 @@ from ditcore.repo import DTYPES
 from ditruntime.paths import prepare_dir
 
 from . import report, scenarios
+from .jobs_scenario import job_overhead
 from .harness import Record
 
 
@@ -96,6 +97,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["media_share"] = scenarios.media_share(ctx)
     ctx.log("11. fl2va plans over repeated requests")
     results["fl2va_cache"] = scenarios.fl2va_cache(ctx, _keyframe_png())
+    ctx.log("12. a job against a synchronous Generate")
+    results["job_overhead"] = job_overhead(ctx)
     meta = {
         "checkpoint": str(ckpt), "preset": info.preset, "precision": info.precision,
         "num_inference_steps": steps, "forwards": ctx.forwards, "device": args.device, "threads": threads,
