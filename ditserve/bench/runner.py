@@ -23,8 +23,8 @@ from ditcore.repo import DTYPES
 from ditruntime.paths import prepare_dir
 
 from . import report, scenarios
-from .jobs_scenario import job_overhead
 from .harness import Record
+from .jobs_scenario import job_overhead
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
