@@ -39,6 +39,7 @@ from .commands import (
     cmd_make_checkpoint,
 )
 from .errors import UsageError
+from .jobs_cli import add_jobs_parser
 from .launcher import add_serve_flags, serve
 from .memory_view import add_memory_flags
 from .remote import add_client_flags, cmd_generate, cmd_update_weights
@@ -124,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     add_request_flags(gr)
     add_client_flags(gr)
     gr.set_defaults(func=cmd_generate)
+
+    add_jobs_parser(sub)
 
     uw = sub.add_parser("update-weights", help="swap the served repository (admin token required)")
     uw.add_argument("--target", required=True, help="generator address HOST:PORT")

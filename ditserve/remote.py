@@ -66,15 +66,19 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
 
 
+def credentials_from_args(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS from --tls-ca (and mutual TLS from --tls-cert / --tls-key); None: plaintext."""
+    if not (args.tls_ca or args.tls_cert):
+        return None
+
+    def read(p: str | None) -> bytes | None:
+        return Path(p).read_bytes() if p else None
+
+    return grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+
+
 def client_from_args(args: argparse.Namespace) -> GeneratorClient:
-    creds = None
-    if args.tls_ca or args.tls_cert:
-
-        def read(p: str | None) -> bytes | None:
-            return Path(p).read_bytes() if p else None
-
-        creds = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
-    return GeneratorClient(args.target, credentials=creds)
+    return GeneratorClient(args.target, credentials=credentials_from_args(args))
 
 
 def admin_token_of(args: argparse.Namespace) -> str:
@@ -105,8 +109,9 @@ def check_token_transport(args: argparse.Namespace) -> None:
 
 def check_client_args(args: argparse.Namespace) -> None:
     """The values a proto field or a deadline could not carry: exit 2 before any call."""
-    if args.expected_generation is not None and args.expected_generation < 0:
-        raise UsageError(f"--expected-generation must be >= 0, got {args.expected_generation}")
+    expected = getattr(args, "expected_generation", None)
+    if expected is not None and expected < 0:
+        raise UsageError(f"--expected-generation must be >= 0, got {expected}")
     timeout = getattr(args, "timeout_s", None)
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"--timeout-s must be finite and > 0, got {timeout}")
