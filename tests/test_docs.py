@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from docskit import commands, ditserve_invocations, doc_files, grpcurl_calls, links, prose, rel, shell_blocks
+from docskit import (
+    Invocation,
+    commands,
+    ditserve_invocations,
+    doc_files,
+    grpcurl_calls,
+    links,
+    prose,
+    rel,
+    shell_blocks,
+)
 from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import Descriptor
 from grpc_health.v1 import health_pb2  # noqa: F401  (registers grpc.health.v1 in the default pool)
@@ -192,6 +202,8 @@ def test_ditserve_commands_in_the_docs_use_real_flags() -> None:
     seen, wrong = 0, []
     for doc in DOCS:
         for inv in ditserve_invocations(doc):
+            if inv.args and f"{inv.subcommand} {inv.args[0]}" in parsers:  # a command's own subcommand
+                inv = Invocation(inv.where, f"{inv.subcommand} {inv.args[0]}", inv.args[1:])
             parser = parsers.get(inv.subcommand)
             if parser is None:
                 wrong.append(f"{inv.where}: no command `ditserve {inv.subcommand}`")

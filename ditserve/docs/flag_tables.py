@@ -47,7 +47,17 @@ def commands() -> list[Command]:
         chosen: argparse.ArgumentParser | None = own.get(name, parser)
         assert chosen is not None
         out.append(Command(f"ditserve {name}", helps.get(name, ""), chosen))
+        out += _verbs(f"ditserve {name}", chosen)
     return out
+
+
+def _verbs(name: str, parser: argparse.ArgumentParser) -> list[Command]:
+    """A command's own subcommands (`ditserve jobs create`, ...), each with its parser."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None:
+        return []
+    helps = {a.dest: a.help or "" for a in sub._choices_actions}
+    return [Command(f"{name} {verb}", helps.get(verb, ""), p) for verb, p in sub.choices.items()]
 
 
 def _shown(action: argparse.Action) -> bool:
