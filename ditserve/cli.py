@@ -42,6 +42,7 @@ from .errors import UsageError
 from .jobs_cli import add_jobs_parser
 from .launcher import add_serve_flags, serve
 from .memory_view import add_memory_flags
+from .openai_api import add_openai_api_parser
 from .remote import add_client_flags, cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags
 
@@ -127,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     gr.set_defaults(func=cmd_generate)
 
     add_jobs_parser(sub)
+    add_openai_api_parser(sub)
 
     uw = sub.add_parser("update-weights", help="swap the served repository (admin token required)")
     uw.add_argument("--target", required=True, help="generator address HOST:PORT")

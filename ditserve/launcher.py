@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,25 @@ def wait_healthy(
     raise TimeoutError(f"{target} did not become healthy within {timeout_s:.0f} s")
 
 
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll `url` until it answers HTTP at all (any status: a 401 is an up server that wants a key)."""
+    import urllib.error
+    import urllib.request
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} before it served {url}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
 def terminate(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> int | None:
     """SIGTERM, wait up to `grace_s`, then SIGKILL; returns the exit code."""
     if proc.poll() is None:
@@ -124,8 +144,11 @@ class Child:
         credentials: grpc.ChannelCredentials | None = None,
         env: dict[str, str] | None = None,
         config: GeneratorConfig | SidecarConfig | None = None,
+        ready: Callable[[subprocess.Popen[bytes], float], None] | None = None,
     ) -> None:
         self.config = config
+        self.ready = ready
+        """How to tell it is up (default: its gRPC health at `health_target`)."""
         """The config its argv renders."""
         self.credentials = credentials
         self.name = name
@@ -144,7 +167,10 @@ class Child:
         )
         logf.close()
         try:
-            wait_healthy(self.health_target, timeout_s, self.proc, self.credentials)
+            if self.ready is not None:
+                self.ready(self.proc, timeout_s)
+            else:
+                wait_healthy(self.health_target, timeout_s, self.proc, self.credentials)
         except Exception as e:
             self.stop()
             raise RuntimeError(f"{self.name} failed to start ({e}); see {self.log_path}") from e
@@ -229,7 +255,24 @@ def build_children(
     health = f"{health_host}:{args.port}"
     gen_log, creds = run_dir / "generator.log", health_credentials(gen)
     children.append(Child("generator", gen_argv, health, gen_log, creds, child_env(gen.admin_token), gen))
+    if args.openai_port is not None:
+        children.append(openai_child(args, gen, health, run_dir))
     return children
+
+
+def openai_child(args: argparse.Namespace, gen: GeneratorConfig, target: str, run_dir: Path) -> Child:
+    """The /v1/videos facade (ditserve openai-api) on serve's --host and --openai-port, a client of the generator
+    (over TLS trusting the certificate the generator serves, presenting it too under mutual TLS)."""
+    argv = [sys.executable, "-m", "ditserve", "openai-api", "--target", target, "--host", args.host,
+            "--port", str(args.openai_port)]  # fmt: skip
+    if gen.tls_cert is not None:
+        argv += ["--tls-ca", str(gen.tls_cert)]
+        if gen.tls_client_ca is not None:
+            argv += ["--tls-cert", str(gen.tls_cert), "--tls-key", str(gen.tls_key)]
+    probe = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host
+    url = f"{_base(probe, args.openai_port)}/v1/videos"
+    return Child("openai-api", argv, target, run_dir / "openai-api.log", None, None, None,
+                 ready=lambda proc, timeout: wait_http(url, timeout, proc))  # fmt: skip
 
 
 def child_env(admin_token: str) -> dict[str, str]:
@@ -242,8 +285,12 @@ def child_env(admin_token: str) -> dict[str, str]:
     return env
 
 
+def _base(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+    return f"{_base(host, port)}/metrics"
 
 
 def banner(args: argparse.Namespace, gen: GeneratorConfig, checkpoint: Path, run_dir: Path) -> str:
@@ -265,6 +312,8 @@ def banner(args: argparse.Namespace, gen: GeneratorConfig, checkpoint: Path, run
     lines.append(
         f'  try: grpcurl {transport} -d \'{{"prompt": "a red fox"}}\' {target} ditserve.generator.v1.Generator/Generate'
     )
+    if args.openai_port is not None:
+        lines.append(f"  openai-compatible /v1/videos: {_base(args.host, args.openai_port)}/v1")
     return "\n".join(lines)
 
 
@@ -327,8 +376,7 @@ def serve(args: argparse.Namespace) -> int:
         for child in children:
             print(f"starting {child.name} (log: {child.log_path})", flush=True)
             child.start()
-        gen = children[-1].config
-        assert isinstance(gen, GeneratorConfig)
+        gen = next(c.config for c in children if isinstance(c.config, GeneratorConfig))
         print(banner(args, gen, checkpoint, run_dir), flush=True)
         while not stop.wait(0.5):
             for child in children:
@@ -366,6 +414,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=9400, help="generator /metrics on P, sidecar on P+1 (default %(default)s)"
     )
     p.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
+    p.add_argument(
+        "--openai-port", type=int, default=None,
+        help="also serve the OpenAI-compatible /v1/videos facade on --host at this port (default off; its key: "
+        "$DITSERVE_OPENAI_API_KEY)",
+    )  # fmt: skip
     add_flags(p, LaunchOptions, exclude=SERVE_LAUNCH_EXCLUDE)
     add_flags(p, GeneratorConfig, exclude=SERVE_GENERATOR_EXCLUDE, group="generator")
     side = p.add_argument_group("plan-cache sidecar (cached mode)")

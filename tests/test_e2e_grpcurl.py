@@ -139,7 +139,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, svc_ckpt: Path) -> dict[
 def test_list_generator_services(services: Services) -> None:
     r = run_grpcurl(["-plaintext", services.target, "list"])
     assert r.code == 0, r.text
-    assert set(r.out.split()) == {GENERATOR_SERVICE, HEALTH_SERVICE, REFLECTION_SERVICE}
+    assert set(r.out.split()) == {GENERATOR_SERVICE, "ditserve.generator.v1.Jobs", HEALTH_SERVICE, REFLECTION_SERVICE}
 
 
 def test_list_sidecar_services_over_unix_socket(services: Services) -> None:

@@ -1,0 +1,194 @@
+"""`ditserve openai-api --target HOST:PORT`: an OpenAI-compatible `/v1/videos` HTTP facade over the Jobs API.
+
+    ditserve openai-api --target 127.0.0.1:50051 --port 8000      # key: DITSERVE_OPENAI_API_KEY or --api-key-file
+
+| method, path | does | codes |
+| --- | --- | --- |
+| `POST /v1/videos` | create (JSON or multipart with `input_reference`, the first frame) | 200, 400, 401, 409, 429, 503 |
+| `GET /v1/videos/{id}` | the video (job) | 200, 401, 404 |
+| `GET /v1/videos` | list: `after`, `limit` 1-100, `order` asc/desc | 200, 400, 401 |
+| `GET /v1/videos/{id}/content` | the MP4 (`variant=thumbnail`: its first frame as PNG) | 200, 400, 401, 404, 409 |
+| `DELETE /v1/videos/{id}` | cancel and delete | 200, 401, 404 |
+
+Stateless: every call is a Jobs RPC (ditserve.openai_map maps both ways), so the facade may restart, or run as
+several copies, without losing anything. Errors have OpenAI's body shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import hmac
+import io
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ditruntime.auth import read_token_file
+
+from .errors import UsageError
+from .jobs_client import JobsClient
+from .openai_map import ApiError, create_body, from_rpc_error, video_object
+from .remote import add_client_flags, credentials_from_args
+
+API_KEY_ENV = "DITSERVE_OPENAI_API_KEY"
+MAX_LIST = 100
+
+
+def create_app(jobs: JobsClient, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="ditserve /v1/videos", version="1", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def auth_and_errors(request: Request, call_next: Any) -> Response:
+        if api_key:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", None,
+                                       "invalid_api_key", "authentication_error"))  # fmt: skip
+        try:
+            response: Response = await call_next(request)
+            return response
+        except ApiError as e:
+            return _error(e)
+        except grpc.RpcError as e:
+            return _error(from_rpc_error(e))
+
+    @app.post("/v1/videos")
+    async def create(request: Request) -> dict[str, Any]:
+        fields, first, last = await _create_fields(request)
+        body = create_body(fields, first, last)
+        key = request.headers.get("idempotency-key", "") or body.idempotency_key
+        job, _ = jobs.create(body.request, key)
+        return video_object(job, body.model)
+
+    @app.get("/v1/videos/{video_id}")
+    def retrieve(video_id: str) -> dict[str, Any]:
+        return video_object(jobs.get(video_id))
+
+    @app.get("/v1/videos")
+    def list_videos(after: str | None = None, limit: int = 20, order: str = "desc") -> dict[str, Any]:
+        if not 1 <= limit <= MAX_LIST:
+            raise ApiError(400, f"limit must be in [1, {MAX_LIST}], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be asc or desc, got {order!r}", "order")
+        found = jobs.iter_all(oldest_first=order == "asc")
+        if after:
+            found = itertools.dropwhile(lambda j: j.job_id != after, found)
+            if next(found, None) is None:
+                raise ApiError(404, f"after: no video {after!r}", "after")
+        page = list(itertools.islice(found, limit + 1))
+        data = [video_object(j) for j in page[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit}  # fmt: skip
+
+    @app.get("/v1/videos/{video_id}/content")
+    def content(video_id: str, variant: str = "video") -> Response:
+        if variant not in ("video", "thumbnail"):
+            raise ApiError(400, f"variant must be video or thumbnail, got {variant!r}", "variant")
+        header, chunks = jobs.content_iter(video_id)
+        if header.content.content_type != "video/mp4":
+            raise ApiError(409, f"video {video_id} holds {header.content.content_type}, not an MP4", None)
+        if variant == "thumbnail":
+            return Response(_first_frame_png(b"".join(chunks)), media_type="image/png")
+        headers = {"Content-Length": str(header.content.total_bytes),
+                   "Content-Disposition": f'attachment; filename="{header.content.filename}"'}  # fmt: skip
+        return StreamingResponse(_guarded(chunks), media_type="video/mp4", headers=headers)
+
+    @app.delete("/v1/videos/{video_id}")
+    def delete(video_id: str) -> dict[str, Any]:
+        jobs.delete(video_id)
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    return app
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _create_fields(request: Request) -> tuple[dict[str, Any], bytes, bytes]:
+    """The create body's fields and its keyframes: multipart (files `input_reference`, `last_frame`) or JSON
+    (`first_frame` / `last_frame` as base64)."""
+    kind = request.headers.get("content-type", "")
+    if kind.startswith("multipart/form-data") or kind.startswith("application/x-www-form-urlencoded"):
+        form = await request.form()
+        fields: dict[str, Any] = {k: v for k, v in form.items() if isinstance(v, str)}
+        files = {k: await v.read() for k, v in form.items() if not isinstance(v, str)}
+        return fields, files.get("input_reference", b""), files.get("last_frame", b"")
+    try:
+        data = await request.json()
+    except ValueError:
+        raise ApiError(400, "the body must be JSON or multipart/form-data", None) from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", None)
+    return data, _b64(data, "first_frame"), _b64(data, "last_frame")
+
+
+def _b64(data: dict[str, Any], name: str) -> bytes:
+    value = data.get(name)
+    if not value:
+        return b""
+    try:
+        return base64.b64decode(str(value), validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{name} must be base64 PNG or JPEG bytes", name) from None
+
+
+def _guarded(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """The content's chunks; a failure mid-stream ends the response (its Content-Length then tells the client)."""
+    try:
+        yield from chunks
+    except grpc.RpcError:
+        return
+
+
+def _first_frame_png(mp4: bytes) -> bytes:
+    import av
+    from PIL import Image
+
+    with av.open(io.BytesIO(mp4), mode="r") as container:
+        frame = next(container.decode(video=0))
+        image = Image.fromarray(frame.to_ndarray(format="rgb24"))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def add_openai_api_parser(sub: Any) -> None:
+    p = sub.add_parser("openai-api", help="serve an OpenAI-compatible /v1/videos HTTP API over a generator's jobs")
+    p.add_argument("--target", required=True, help="generator address HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
+    p.add_argument("--api-key-file", default=None, help=f"bearer key clients must send (default: ${API_KEY_ENV}; "
+                   "none: no key asked)")  # fmt: skip
+    add_client_flags(p)
+    p.set_defaults(func=cmd_openai_api)
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    if args.api_key_file:
+        try:
+            return read_token_file(Path(args.api_key_file), "--api-key-file")
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def cmd_openai_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    key = api_key_of(args)
+    with JobsClient(args.target, credentials=credentials_from_args(args)) as jobs:
+        print(f"openai-api on http://{args.host}:{args.port}/v1/videos -> {args.target} "
+              f"({'bearer key required' if key else 'no key'})", flush=True)  # fmt: skip
+        uvicorn.run(create_app(jobs, key), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,113 @@
+"""The OpenAI-compatible /v1/videos facade, driven by the real `openai` package as a user would, over a real
+generator's Jobs API (tests/jobskit.py): create, poll retrieve, download the MP4 (checked with PyAV) and its
+thumbnail, list with paging, delete; bad input as OpenAI's errors naming the field; the bearer key."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from collections.abc import Iterator
+
+import av
+import httpx2
+import openai
+import pytest
+import uvicorn
+from PIL import Image
+from servicekit import free_port, wait_for
+
+from ditserve.jobs_client import JobsClient
+from ditserve.openai_api import create_app
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client's notice of OpenAI's
+# own service; this facade is not it
+KEY = "sk-test-0123456789abcdef"
+QUICK = {"num_inference_steps": 3, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def base_url(jobs_target: str) -> Iterator[str]:
+    port = free_port()
+    with JobsClient(jobs_target) as jobs:
+        server = uvicorn.Server(uvicorn.Config(create_app(jobs, KEY), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_for(lambda: server.started, 30, "uvicorn to start")
+        try:
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            server.should_exit = True
+            thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+
+
+def _done(client: openai.OpenAI, video_id: str) -> openai.types.Video:
+    seen: list[int] = []
+
+    def finished() -> openai.types.Video | None:
+        v = client.videos.retrieve(video_id)
+        seen.append(v.progress)
+        return v if v.status in ("completed", "failed") else None
+
+    video = wait_for(finished, 120, "the video", interval=0.1)
+    assert seen == sorted(seen) and all(p < 100 for p in seen[:-1])  # progress never goes back, 100 only at the end
+    return video
+
+
+def test_create_poll_download_list_delete(client: openai.OpenAI, tmp_path: object) -> None:
+    video = client.videos.create(prompt="a red fox", model="minimax-h3", seconds="5", size="64x32",
+                                 extra_body=QUICK)  # fmt: skip
+    assert video.status == "queued" and video.id.startswith("job_") and video.size == "64x32"
+    done = _done(client, video.id)
+    assert done.status == "completed" and done.progress == 100 and done.completed_at is not None
+    data = client.videos.download_content(video.id).read()
+    extra = done.model_extra or {}
+    assert hashlib.sha256(data).hexdigest() == extra["sha256"]
+    with av.open(io.BytesIO(data)) as mp4:
+        kinds = {s.type for s in mp4.streams}
+        frames = sum(1 for _ in mp4.decode(video=0))
+    assert kinds == {"video", "audio"} and frames == 124
+    thumb = client.videos.download_content(video.id, variant="thumbnail").read()
+    assert Image.open(io.BytesIO(thumb)).size == (64, 32)
+    second = client.videos.create(prompt="a blue fox", extra_body=QUICK)
+    _done(client, second.id)
+    page = client.videos.list(limit=1, order="desc")
+    assert [v.id for v in page.data] == [second.id] and page.has_more
+    after = client.videos.list(limit=1, after=second.id, order="desc")
+    assert [v.id for v in after.data] == [video.id]
+    deleted = client.videos.delete(video.id)
+    assert deleted.deleted and deleted.id == video.id
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video.id)
+
+
+def test_bad_input_is_openais_error_naming_the_field(client: openai.OpenAI, base_url: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt="a fox", seconds="30")
+    assert err.value.body["param"] == "seconds" and "5, 15" in err.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt="a fox", size="big")
+    assert err.value.body["param"] == "size"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:  # the server's own rule: a height not a multiple of 32
+        client.videos.create(prompt="a fox", size="64x40", extra_body=QUICK)
+    assert err.value.body["param"] == "height"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        client.videos.retrieve("nope")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).videos.list()
+    raw = httpx2.get(f"{base_url}/videos", params={"limit": 0}, headers={"Authorization": f"Bearer {KEY}"})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "limit"
+
+
+def test_multipart_with_an_input_reference_is_fl2va(client: openai.OpenAI) -> None:
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 80, 20)).save(png, format="PNG")
+    video = client.videos.create(prompt="the fox turns", input_reference=("fox.png", png.getvalue(), "image/png"),
+                                 extra_body=QUICK)  # fmt: skip
+    done = _done(client, video.id)
+    assert done.status == "completed", done.error
