@@ -419,6 +419,12 @@ class JobService:
     def _finish_failed(self, job_id: str, error: BaseException) -> str:
         code, reason, message = self._classify(error)
         state = "cancelled" if code == "CANCELLED" else "failed"
+        with self._cond:
+            live = self._live.get(job_id)
+            snap = dataclasses.replace(live) if live is not None else None
+        if snap is not None:  # the steps it really finished, not the last progress written
+            self.store.update_progress(job_id, self.policy.replica, stage=snap.stage, steps_done=snap.steps_done,
+                                       steps_total=snap.steps_total)  # fmt: skip
         self.store.finish(job_id, self.policy.replica, state=state, now=self._clock(), error=(code, reason, message))
         log.info("job %s %s: %s (%s)", job_id, state, message, reason, extra={"job_id": job_id, "reason": reason})
         self._remove_if_deleted(job_id)
