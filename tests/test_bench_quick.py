@@ -13,6 +13,7 @@ import pytest
 SCENARIOS = {
     "repeat_vs_first_seen", "host_tier", "alternating", "cached_vs_resident",
     "sidecar_overhead", "prepare_latency", "rebuild_efficiency", "rebuild_overlap", "generator_memory",
+    "job_overhead",
 }  # fmt: skip
 
 
@@ -37,6 +38,7 @@ def test_bench_quick_writes_table_json_and_chart(tmp_path: Path) -> None:
     assert doc["alternating"]["rebuilds_after_warmup"]["one_fits_no_host"] == 4  # every request after warm-up
     assert doc["alternating"]["sha256_identical"] is True
     assert doc["cached_vs_resident"]["sha256_identical"] is True
+    assert doc["job_overhead"]["same_sha256"] is True  # a job's MP4 is Generate's
     memory = doc["generator_memory"]
     assert memory["met"] is True and memory["ratio"] >= 0.95
     assert memory["cached"]["held_plan_bytes"] == 0
