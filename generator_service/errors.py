@@ -186,3 +186,23 @@ class OffsetError(GeneratorError):
 
     reason = "OFFSET_OUT_OF_RANGE"
     grpc_code = "OUT_OF_RANGE"
+
+
+class IdempotencyConflictError(GeneratorError):
+    """CreateJob's `idempotency_key` is held by a job created from a different request (or by a job being
+    deleted). ErrorInfo metadata `idempotency_key`, `job_id` (the job holding it)."""
+
+    reason = "IDEMPOTENCY_KEY_REUSED"
+    grpc_code = "ALREADY_EXISTS"
+
+
+class JobQueueFullError(GeneratorError):
+    """`--max-queued-jobs` jobs are queued (across the replicas sharing the store); retry later. ErrorInfo metadata
+    `queued`, `max_queued`; RetryInfo and QuotaFailure when the service sets them."""
+
+    reason = "JOB_QUEUE_FULL"
+    grpc_code = "RESOURCE_EXHAUSTED"
+    retry_after_s: float | None = None
+    """RetryInfo's delay (the service fills it in from the executor's drain rate)."""
+    quota_violation: tuple[str, str] | None = None
+    """QuotaFailure's (subject, description)."""

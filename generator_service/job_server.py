@@ -19,8 +19,9 @@ from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
 from .errors import HandlersBusyError
+from .job_schema import STATES
 from .job_service import JobService
-from .job_types import STATES, JobView, NewJob
+from .job_types import JobView, NewJob
 from .proto_convert import request_from_proto
 from .streams import HandlerSlots, SendWatchdog
 

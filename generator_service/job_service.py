@@ -30,14 +30,14 @@ from functools import partial
 
 import safetensors.torch
 
-from .errors import JobNotFoundError, JobStateError, NotServingError, OffsetError, QueueFullError
+from .errors import JobNotFoundError, JobQueueFullError, JobStateError, NotServingError, OffsetError, QueueFullError
 from .executor import Executor
 from .job_retention import Retention
-from .job_store import JobQueueFullError, JobRecord, JobStore
+from .job_schema import TERMINAL, JobRecord
+from .job_store import JobStore
 from .job_types import (
     DISPATCH_AHEAD,
     LATENTS_CONTENT,
-    TERMINAL,
     Classifier,
     Decoder,
     JobsObserver,

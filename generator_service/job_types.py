@@ -8,11 +8,9 @@ from dataclasses import dataclass
 
 from ditcore import GenerationRequest
 
-from .job_store import JobRecord
+from .job_schema import TERMINAL, JobRecord
 from .jobs import Job
 
-TERMINAL = ("succeeded", "failed", "cancelled")
-STATES = ("queued", "running", *TERMINAL)
 DISPATCH_AHEAD = 1
 """Jobs of ours waiting in the executor's queue at most: one, whose plans prefetch while the running one denoises."""
 LATENTS_CONTENT = ("application/octet-stream", ".safetensors")

@@ -13,8 +13,9 @@ from ditruntime.errors import ServiceError
 
 from .backend import Backend
 from .executor import Executor
+from .job_schema import STATES
 from .job_service import JobService
-from .job_types import STATES, JobsObserver
+from .job_types import JobsObserver
 from .jobs import Job, JobResult
 
 P = "ditserve_generator"

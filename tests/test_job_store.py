@@ -17,13 +17,9 @@ import pytest
 import sqlalchemy as sa
 from pgkit import reset_database
 
-from generator_service.job_store import (
-    IdempotencyConflictError,
-    JobQueueFullError,
-    JobRecord,
-    JobStore,
-    jobs,
-)
+from generator_service.errors import IdempotencyConflictError, JobQueueFullError
+from generator_service.job_schema import JobRecord, jobs
+from generator_service.job_store import JobStore
 from generator_service.results import ContentRef
 
 T0 = 1000.0  # the tests' clock: epoch seconds, chosen, never read
