@@ -355,17 +355,22 @@ class _Assembly:
         return result_from_response(self.header, self.parts, self.media_file)
 
 
+def open_channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None, max_message_bytes: int = 64 * 2**20
+) -> grpc.Channel:
+    """A channel to a generator: TLS with `credentials` (plaintext without), messages up to `max_message_bytes`."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    return grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
+
+
 class GeneratorClient:
     def __init__(
         self, target: str, credentials: grpc.ChannelCredentials | None = None, max_message_bytes: int = 64 * 2**20
     ) -> None:
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        self.channel = (
-            grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
-        )
+        self.channel = open_channel(target, credentials, max_message_bytes)
         self.stub = pb_grpc.GeneratorStub(self.channel)
 
     def __enter__(self) -> GeneratorClient:

@@ -15,15 +15,12 @@ from ditcore import GenerationRequest
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-from .client import IntegrityError, request_to_proto
+from .client import IntegrityError, open_channel, request_to_proto
 
 
 class JobsClient:
     def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None) -> None:
-        options = [("grpc.max_receive_message_length", 64 * 2**20)]
-        self.channel = (
-            grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
-        )
+        self.channel = open_channel(target, credentials)
         self.stub = pb_grpc.JobsStub(self.channel)
 
     def __enter__(self) -> JobsClient:
