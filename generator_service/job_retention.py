@@ -40,15 +40,16 @@ class Retention:
             self.remove(record.job_id)
         for record in self.store.expired(self._clock() - self.ttl_s):
             self.remove(record.job_id)
+        total = self.results.total_bytes()  # one scan; each file removed below is taken off it
         for record in self.store.content_oldest_first():
-            if self.results.total_bytes() <= self.max_bytes:
+            if total <= self.max_bytes:
                 return
             sha = record.content_sha256
             if sha is None or self.results.readers(sha):
                 continue
             self.store.set_content_unavailable(record.job_id)
-            if self.store.content_refs(sha) == 0:
-                self.results.remove(sha)
+            if self.store.content_refs(sha) == 0 and self.results.remove(sha):
+                total -= record.content_bytes or 0
             self._changed()
 
     def check_room(self, retry_after_s: Callable[[], float]) -> None:

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import BinaryIO
 
 import safetensors.torch
 
@@ -139,10 +140,7 @@ class JobService:
         return self._view(record), created
 
     def get(self, job_id: str) -> JobView:
-        record = self.store.get(job_id)
-        if record is None:
-            raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
-        return self._view(record)
+        return self._view(self._record_of(job_id))
 
     def list(
         self, states: Sequence[str], limit: int, after_seq: int | None, oldest_first: bool
@@ -170,13 +168,14 @@ class JobService:
                 if self._stopping:
                     raise NotServingError("the generator is shutting down")
 
+    def _record_of(self, job_id: str) -> JobRecord:
+        return _found(self.store.get(job_id), job_id)
+
     def _moved(self, version: int) -> bool:  # under _cond
         return self._version != version or self._stopping
 
     def cancel(self, job_id: str) -> JobView:
-        record = self.store.get(job_id)
-        if record is None:
-            raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
+        record = self._record_of(job_id)
         if record.state in ("succeeded", "failed"):
             raise JobStateError(
                 f"job {job_id} already {record.state}: only a queued or running job can be cancelled",
@@ -191,17 +190,15 @@ class JobService:
     def delete(self, job_id: str) -> bool:
         """True when the record and content are gone now; False when it still runs (cancelled; removed once it
         stopped)."""
-        record = self.store.mark_deleted(job_id)
-        if record is None:
-            raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
+        record = _found(self.store.mark_deleted(job_id), job_id)
         self._changed()
         if record.state in TERMINAL:
             self._retention.remove(job_id)
             return True
         self.store.request_cancel(job_id, self._clock())
         self._cancel_here(job_id)
-        record = self.store.get_any(job_id)
-        if record is not None and record.state in TERMINAL:  # it was queued: cancelled at once
+        now = self.store.get_any(job_id)
+        if now is not None and now.state in TERMINAL:  # it was queued: cancelled at once
             self._retention.remove(job_id)
             return True
         return False
@@ -324,10 +321,6 @@ class JobService:
         if job is not None:
             self.registry.cancel(job)  # withdrawn now (Failed follows), or stopped at its next check
 
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
     # ---------------------------------------------------------------- events -> records
     def _on_event(self, job: Job, event: JobEvent) -> None:
         """On the executor's (or mux) thread: the live overlay now, the store by the recorder."""
@@ -369,12 +362,8 @@ class JobService:
             case Started():
                 self.store.mark_running(job.job_id, replica, self._clock())
             case StepDone() | Decoding() | Muxing():
-                with self._cond:
-                    live = self._live.get(job.job_id)
-                    snap = dataclasses.replace(live) if live is not None else None
-                if snap is not None and self._records.empty():  # a later event says more: write only the last
-                    self.store.update_progress(job.job_id, replica, stage=snap.stage, steps_done=snap.steps_done,
-                                               steps_total=snap.steps_total)  # fmt: skip
+                if self._records.empty():  # a later event says more: write only the last
+                    self._write_progress(job.job_id)
             case Finished(result):
                 self._store_result(job, result)
             case Failed(error):
@@ -397,14 +386,14 @@ class JobService:
                               content=ref)  # fmt: skip
             log.info("job %s succeeded: %s (%d bytes, sha256 %s)", job.job_id, ref.filename, ref.size,
                      ref.sha256[:16], extra={"job_id": job.job_id, "sha256": ref.sha256})  # fmt: skip
+            self._remove_if_deleted(job.job_id)
         except Exception as e:
             log.exception("job %s: storing its result failed", job.job_id)
-            state = self._finish_failed(job.job_id, e)
+            state = self._finish_failed(job.job_id, e)  # removes it too, if deleted
         finally:
             if res.media is not None:
                 res.media.close()
             self._forget(job, state)
-        self._remove_if_deleted(job.job_id)
 
     def _write_content(self, job: Job, res: JobResult) -> ContentRef:
         rid = job.request.request_id
@@ -416,15 +405,19 @@ class JobService:
         content_type, suffix = LATENTS_CONTENT
         return self.results.put_bytes(safetensors.torch.save(tensors), content_type, f"{rid}{suffix}")
 
-    def _finish_failed(self, job_id: str, error: BaseException) -> str:
-        code, reason, message = self._classify(error)
-        state = "cancelled" if code == "CANCELLED" else "failed"
+    def _write_progress(self, job_id: str) -> None:
+        """The live job's stage and steps into its record (nothing once it is no longer live here)."""
         with self._cond:
             live = self._live.get(job_id)
             snap = dataclasses.replace(live) if live is not None else None
-        if snap is not None:  # the steps it really finished, not the last progress written
+        if snap is not None:
             self.store.update_progress(job_id, self.policy.replica, stage=snap.stage, steps_done=snap.steps_done,
                                        steps_total=snap.steps_total)  # fmt: skip
+
+    def _finish_failed(self, job_id: str, error: BaseException) -> str:
+        code, reason, message = self._classify(error)
+        state = "cancelled" if code == "CANCELLED" else "failed"
+        self._write_progress(job_id)  # the steps it really finished, not the last progress written
         self.store.finish(job_id, self.policy.replica, state=state, now=self._clock(), error=(code, reason, message))
         log.info("job %s %s: %s (%s)", job_id, state, message, reason, extra={"job_id": job_id, "reason": reason})
         self._remove_if_deleted(job_id)
@@ -436,10 +429,7 @@ class JobService:
             live = self._live.pop(job.job_id, None)
         if state and live is not None and live.started_at is not None:
             self.observer.ran(state, max(0.0, self._clock() - live.started_at))
-        with self._cond:
-            self._version += 1
-            self._cond.notify_all()
-        self.wake()
+        self._changed()  # watchers see it, and the dispatcher (waiting on the same condition) may take the next
 
     # ---------------------------------------------------------------- deletion and retention
     def _remove_if_deleted(self, job_id: str) -> None:
@@ -448,10 +438,12 @@ class JobService:
             self._retention.remove(job_id)
 
 
-def _read_from(f: object, offset: int, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
-    f.seek(offset)  # type: ignore[attr-defined]
-    while True:
-        data = f.read(chunk_bytes)  # type: ignore[attr-defined]
-        if not data:
-            return
-        yield data
+def _found(record: JobRecord | None, job_id: str) -> JobRecord:
+    if record is None:
+        raise JobNotFoundError(f"job_id: no job {job_id!r} (unknown, or deleted)", {"job_id": job_id})
+    return record
+
+
+def _read_from(f: BinaryIO, offset: int, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
+    f.seek(offset)
+    yield from iter(partial(f.read, chunk_bytes), b"")

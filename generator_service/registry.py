@@ -15,13 +15,12 @@ from .jobs import Job
 
 
 class JobRegistry:
-    """Jobs by `job_id` (jobs API) while they are live; Generate calls' jobs ("" ids) are tracked but not named."""
+    """Jobs by `job_id` (jobs API) while they are live; Generate calls' jobs ("" ids) pass through unnamed."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self._lock = threading.Lock()
         self._named: dict[str, Job] = {}
-        self._live: set[Job] = set()
 
     def submit(self, job: Job) -> int:
         """Admit `job` to the executor (its queue position), registered until `release`; nothing stays registered
@@ -29,7 +28,6 @@ class JobRegistry:
         with self._lock:
             if job.job_id and job.job_id in self._named:
                 raise ValueError(f"job {job.job_id} is already live")
-            self._live.add(job)
             if job.job_id:
                 self._named[job.job_id] = job
         try:
@@ -52,17 +50,7 @@ class JobRegistry:
         with self._lock:
             return self._named.get(job_id)
 
-    def named(self) -> list[Job]:
-        with self._lock:
-            return list(self._named.values())
-
-    @property
-    def live(self) -> int:
-        with self._lock:
-            return len(self._live)
-
     def _forget(self, job: Job) -> None:
         with self._lock:
-            self._live.discard(job)
             if job.job_id and self._named.get(job.job_id) is job:
                 del self._named[job.job_id]

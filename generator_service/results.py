@@ -85,8 +85,9 @@ class ResultStore:
             digest, size = hashlib.sha256(), 0
             with os.fdopen(fd, "wb") as out:
                 for chunk in chunks:
-                    for i in range(0, len(chunk), CHUNK_BYTES):
-                        piece = chunk[i : i + CHUNK_BYTES]
+                    view = memoryview(chunk)  # pieces without copying the chunk
+                    for i in range(0, len(view), CHUNK_BYTES):
+                        piece = view[i : i + CHUNK_BYTES]
                         digest.update(piece)
                         out.write(piece)
                         size += len(piece)
