@@ -73,21 +73,29 @@ class JobsClient:
         stream = self.stub.GetJobContent(pb.GetJobContentRequest(job_id=job_id, offset=offset))
         first = next(stream)
         if not first.HasField("header"):
+            stream.cancel()
             raise IntegrityError(f"job {job_id}: the content stream did not start with its header")
-        return first.header, (m.chunk.data for m in stream)
+        return first.header, _chunks(job_id, stream, first.header)
 
     def download(self, job_id: str, dest: str | os.PathLike[str], resume: bool = True) -> tuple[Path, str]:
-        """Write the content to `dest` (through `dest`.part, which a later call resumes from); check its size and
-        sha256 against the header, then rename it into place."""
+        """Write the content to `dest` (through `dest`.part, which a later call resumes from: from the part's size,
+        or from where the server starts; a part longer than the content starts over); check its size and sha256
+        against the header (IntegrityError, the part removed), then rename it into place."""
         dest = Path(dest)
         part = dest.with_name(dest.name + ".part")
         offset = part.stat().st_size if resume and part.exists() else 0
-        header, chunks = self.content_iter(job_id, offset)
+        try:
+            header, chunks = self.content_iter(job_id, offset)
+        except grpc.RpcError as e:
+            if offset and e.code() == grpc.StatusCode.OUT_OF_RANGE:  # a stale partial file longer than the content
+                return self.download(job_id, dest, resume=False)
+            raise
         content = header.content
-        if offset > content.total_bytes:  # a stale partial file of something else
-            part.unlink()
-            return self.download(job_id, dest, resume=False)
-        with part.open("ab" if offset else "wb") as f:
+        if header.offset > offset:
+            raise IntegrityError(f"job {job_id}: asked for the content from byte {offset}, got {header.offset}")
+        with part.open("r+b" if header.offset else "wb") as f:  # from where the server starts (0: it ignored offset)
+            f.truncate(header.offset)
+            f.seek(header.offset)
             for data in chunks:
                 f.write(data)
         digest = hashlib.sha256()
@@ -103,3 +111,18 @@ class JobsClient:
             )
         part.replace(dest)
         return dest, content.sha256
+
+
+def _chunks(job_id: str, stream: Any, header: pb.ContentHeader) -> Iterator[bytes]:
+    """The stream's chunk bytes, each checked to start where the last ended and to stay within total_bytes; the
+    call is cancelled when the consumer stops early."""
+    at, total = header.offset, header.content.total_bytes
+    try:
+        for m in stream:
+            if not m.HasField("chunk") or m.chunk.offset != at or at + len(m.chunk.data) > total:
+                raise IntegrityError(f"job {job_id}: a content message at offset {m.chunk.offset} "
+                                     f"({len(m.chunk.data)} bytes), expected a chunk at {at} within {total} bytes")  # fmt: skip
+            at += len(m.chunk.data)
+            yield m.chunk.data
+    finally:
+        stream.cancel()  # a no-op once the stream has ended

@@ -4,20 +4,19 @@
 
 | method, path | does | codes |
 | --- | --- | --- |
-| `POST /v1/videos` | create (JSON or multipart with `input_reference`, the first frame) | 200, 400, 401, 409, 429, 503 |
+| `POST /v1/videos` | create (JSON or multipart; `input_reference`: the first frame) | 200, 400, 401, 409, 429, 503 |
 | `GET /v1/videos/{id}` | the video (job) | 200, 401, 404 |
-| `GET /v1/videos` | list: `after`, `limit` 1-100, `order` asc/desc | 200, 400, 401 |
+| `GET /v1/videos` | list: `after`, `limit` 1-100, `order` asc/desc | 200, 400, 401, 404 (`after`) |
 | `GET /v1/videos/{id}/content` | the MP4 (`variant=thumbnail`: its first frame as PNG) | 200, 400, 401, 404, 409 |
 | `DELETE /v1/videos/{id}` | cancel and delete | 200, 401, 404 |
 
 Stateless: every call is a Jobs RPC (ditserve.openai_map maps both ways), so the facade may restart, or run as
-several copies, without losing anything. Errors have OpenAI's body shape.
+several copies, without losing anything. Errors have OpenAI's body shape, FastAPI's own (no such route, a query
+value of the wrong type) too; an unknown create field is refused naming it.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hmac
 import io
 import itertools
@@ -26,10 +25,13 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .jobs_client import JobsClient
-from .openai_map import ApiError, create_body, from_rpc_error, video_object
+from .openai_map import ApiError, create_body, from_rpc_error, reference_image, video_object
 
 MAX_LIST = 100
 
@@ -52,12 +54,22 @@ def create_app(jobs: JobsClient, api_key: str | None) -> FastAPI:
         except grpc.RpcError as e:
             return _error(from_rpc_error(e))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # no such route or method
+        return _error(ApiError(e.status_code, str(e.detail), None, None, headers=dict(e.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameter(request: Request, e: RequestValidationError) -> JSONResponse:  # e.g. limit=abc
+        [first, *_] = e.errors()
+        param = str(first["loc"][-1]) if first.get("loc") else None
+        return _error(ApiError(400, f"{param}: {first.get('msg', 'invalid value')}", param))
+
     @app.post("/v1/videos")
     async def create(request: Request) -> dict[str, Any]:
         fields, first, last = await _create_fields(request)
         body = create_body(fields, first, last)
         key = request.headers.get("idempotency-key", "") or body.idempotency_key
-        job, _ = jobs.create(body.request, key)
+        job, _ = await run_in_threadpool(jobs.create, body.request, key)  # a blocking RPC: off the event loop
         return video_object(job, body.model)
 
     @app.get("/v1/videos/{video_id}")
@@ -106,31 +118,35 @@ def _error(e: ApiError) -> JSONResponse:
 
 
 async def _create_fields(request: Request) -> tuple[dict[str, Any], bytes, bytes]:
-    """The create body's fields and its keyframes: multipart (files `input_reference`, `last_frame`) or JSON
-    (`first_frame` / `last_frame` as base64)."""
+    """The create body's fields and its keyframes: multipart (files `input_reference` = the first frame,
+    `last_frame`; or either as text) or JSON. As text a keyframe is base64, a data URL, or OpenAI's
+    `{"image_url": <data URL>}` (multipart: the field `input_reference[image_url]`); `first_frame` is
+    `input_reference`'s other name."""
     kind = request.headers.get("content-type", "")
     if kind.startswith("multipart/form-data") or kind.startswith("application/x-www-form-urlencoded"):
         form = await request.form()
-        fields: dict[str, Any] = {k: v for k, v in form.items() if isinstance(v, str)}
-        files = {k: await v.read() for k, v in form.items() if not isinstance(v, str)}
-        return fields, files.get("input_reference", b""), files.get("last_frame", b"")
-    try:
-        data = await request.json()
-    except ValueError:
-        raise ApiError(400, "the body must be JSON or multipart/form-data", None) from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object", None)
-    return data, _b64(data, "first_frame"), _b64(data, "last_frame")
-
-
-def _b64(data: dict[str, Any], name: str) -> bytes:
-    value = data.get(name)
-    if not value:
-        return b""
-    try:
-        return base64.b64decode(str(value), validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, f"{name} must be base64 PNG or JPEG bytes", name) from None
+        fields: dict[str, Any] = {}
+        for name, value in form.multi_items():
+            base, _, sub = name.partition("[")
+            fields[base] = {sub.rstrip("]"): value} if sub else value
+        files = {k: await v.read() for k, v in fields.items() if not isinstance(v, str | dict)}
+        fields = {k: v for k, v in fields.items() if k not in files}
+    else:
+        try:
+            fields = await request.json()
+        except ValueError:
+            raise ApiError(400, "the body must be JSON or multipart/form-data", None) from None
+        if not isinstance(fields, dict):
+            raise ApiError(400, "the body must be a JSON object", None)
+        files = {}
+    first = "input_reference" if "input_reference" in fields or "input_reference" in files else "first_frame"
+    if first == "input_reference" and ("first_frame" in fields or "first_frame" in files):
+        raise ApiError(400, "give input_reference or first_frame (the same keyframe), not both", "first_frame")
+    frames = []
+    for name in (first, "last_frame"):
+        text = fields.pop(name, None)
+        frames.append(reference_image(text, name) if text not in (None, "") else files.get(name, b""))
+    return fields, frames[0], frames[1]
 
 
 def _guarded(chunks: Iterator[bytes]) -> Iterator[bytes]:

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
 from dataclasses import dataclass
@@ -29,7 +31,11 @@ MODELS = ("minimax-h3",)
 MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
 EXTRA_FIELDS = {"seed": int, "num_inference_steps": int, "flow_shift": float, "audio_flow_shift": float}
 """H3's request fields a create body may carry beside OpenAI's, with their types."""
+CREATE_FIELDS = frozenset({"prompt", "model", "seconds", "size", "input_reference", "first_frame", "last_frame",
+                           "output_type", "idempotency_key", *EXTRA_FIELDS})  # fmt: skip
+"""Every field a create body may carry (another is refused naming it, not ignored)."""
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+_DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.S)
 _STATUS = {
     pb.JOB_STATE_QUEUED: "queued", pb.JOB_STATE_RUNNING: "in_progress", pb.JOB_STATE_SUCCEEDED: "completed",
     pb.JOB_STATE_FAILED: "failed", pb.JOB_STATE_CANCELLED: "failed",
@@ -82,7 +88,30 @@ class CreateBody:
     idempotency_key: str
 
 
+def reference_image(value: Any, name: str) -> bytes:
+    """A keyframe given as text: base64 PNG / JPEG bytes, a `data:image/...;base64,` URL, or OpenAI's image
+    reference object `{"image_url": <data URL>}` (a `file_id` or an http URL is refused naming `name`)."""
+    if isinstance(value, dict):
+        if set(value) != {"image_url"}:
+            raise ApiError(400, f"{name}: only {{\"image_url\": \"data:image/...;base64,...\"}} is served (no file "
+                           f"ids), got the keys {sorted(value)}", name)  # fmt: skip
+        value = value["image_url"]
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name} must be base64 PNG or JPEG bytes or a data URL", name)
+    m = _DATA_URL.fullmatch(value.strip())
+    if m is None and value.strip().startswith(("data:", "http:", "https:")):
+        raise ApiError(400, f"{name}: only data:image/...;base64, URLs are served (nothing is fetched)", name)
+    try:
+        return base64.b64decode(m.group(1) if m else value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{name} must be base64 PNG or JPEG bytes or a data URL", name) from None
+
+
 def create_body(fields: dict[str, Any], first_frame: bytes = b"", last_frame: bytes = b"") -> CreateBody:
+    unknown = sorted(set(fields) - CREATE_FIELDS)
+    if unknown:
+        raise ApiError(400, f"unknown parameter {unknown[0]!r}; allowed: {', '.join(sorted(CREATE_FIELDS))}",
+                       unknown[0], "unknown_parameter")  # fmt: skip
     prompt = fields.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "prompt is required: a non-empty string", "prompt")

@@ -1,13 +1,16 @@
 """The OpenAI-compatible /v1/videos facade, driven by the real `openai` package as a user would, over a real
 generator's Jobs API (tests/jobskit.py): create, poll retrieve, download the MP4 (checked with PyAV) and its
-thumbnail, list with paging, delete; bad input as OpenAI's errors naming the field; the bearer key."""
+thumbnail, list with paging, delete; an input_reference (file or image_url) as the first frame; bad input as
+OpenAI's errors naming the field; the bearer key; the jobs client's download over a stale partial file."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import av
 import httpx2
@@ -19,6 +22,7 @@ from servicekit import free_port, wait_for
 
 from ditserve.jobs_client import JobsClient
 from ditserve.openai_api import create_app
+from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client's notice of OpenAI's
 # own service; this facade is not it
@@ -100,14 +104,48 @@ def test_bad_input_is_openais_error_naming_the_field(client: openai.OpenAI, base
         client.videos.retrieve("nope")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).videos.list()
-    raw = httpx2.get(f"{base_url}/videos", params={"limit": 0}, headers={"Authorization": f"Bearer {KEY}"})
-    assert raw.status_code == 400 and raw.json()["error"]["param"] == "limit"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for limit in (0, "abc"):  # out of range, and not a number (FastAPI's own check, in OpenAI's shape too)
+        raw = httpx2.get(f"{base_url}/videos", params={"limit": limit}, headers=auth)
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "limit"
+    with pytest.raises(openai.BadRequestError) as err:  # a typo is refused, not ignored
+        client.videos.create(prompt="a fox", extra_body={"secconds": "30"})
+    assert err.value.body["param"] == "secconds"  # type: ignore[index]
+    raw = httpx2.post(f"{base_url}/videos", json={"prompt": "a fox", "input_reference": {"file_id": "f"}}, headers=auth)
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "input_reference"  # no file ids here
+    raw = httpx2.get(f"{base_url}/nothing", headers=auth)
+    assert raw.status_code == 404 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_multipart_with_an_input_reference_is_fl2va(client: openai.OpenAI) -> None:
+def test_an_input_reference_is_the_first_frame(client: openai.OpenAI, base_url: str, jobs_target: str) -> None:
     png = io.BytesIO()
     Image.new("RGB", (32, 32), (200, 80, 20)).save(png, format="PNG")
     video = client.videos.create(prompt="the fox turns", input_reference=("fox.png", png.getvalue(), "image/png"),
                                  extra_body=QUICK)  # fmt: skip
+    # OpenAI's image reference object, in a JSON body (the openai package sends only files in input_reference)
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    raw = httpx2.post(f"{base_url}/videos", json={"prompt": "the fox turns", "input_reference": {"image_url": url},
+                      **QUICK}, headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert raw.status_code == 200, raw.text
+    with JobsClient(jobs_target) as jobs:
+        for video_id in (video.id, raw.json()["id"]):
+            spec = jobs.get(video_id).spec
+            assert (spec.task, spec.has_first_frame, spec.has_last_frame) == (pb.TASK_FL2VA, True, False)
+    assert client.videos.delete(raw.json()["id"]).deleted
     done = _done(client, video.id)
     assert done.status == "completed", done.error
+
+
+def test_a_download_starts_over_when_the_partial_file_is_stale(client: openai.OpenAI, jobs_target: str,
+                                                                tmp_path: Path) -> None:  # fmt: skip
+    video = client.videos.create(prompt="a green fox", extra_body=QUICK)
+    sha = (_done(client, video.id).model_extra or {})["sha256"]
+    dest = tmp_path / "fox.mp4"
+    with JobsClient(jobs_target) as jobs:
+        dest.with_name("fox.mp4.part").write_bytes(b"\0" * (64 << 20))  # longer than the content: OUT_OF_RANGE
+        assert jobs.download(video.id, dest) == (dest, sha)
+        data = dest.read_bytes()
+        dest.with_name("fox.mp4.part").write_bytes(data[:1000])  # a true prefix resumes
+        dest.unlink()
+        assert jobs.download(video.id, dest) == (dest, sha) and dest.read_bytes() == data
+        assert not dest.with_name("fox.mp4.part").exists()
