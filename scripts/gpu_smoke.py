@@ -45,6 +45,7 @@ OPTIONAL = {
     "grpc_tools": "protos.generate, which regenerates the code (a dev tool)",
     "fastapi": "ditserve.openai_api, the /v1/videos facade (the check does not serve it)",
     "uvicorn": "ditserve.openai_api's HTTP server",
+    "starlette": "FastAPI's own toolkit, which ditserve.openai_api imports for its exception and threadpool",
     "psycopg": "a PostgreSQL job store (--job-store postgresql://...; the check's is SQLite)",
 }
 """Modules the code imports that the check never reaches, and why."""
