@@ -1,0 +1,222 @@
+"""Context parallelism for MiniMax-H3 through diffusers' own hooks, and the torch.distributed group it runs in.
+
+    spec = ParallelSpec(ulysses_degree=2)                  # --ulysses-degree / --ring-degree (product = ranks)
+    spec.check(world_size=2, heads=56, backend="gloo")     # ParallelError naming the flag and the rule
+    ranks = init_process_group(torch.device("cpu"))        # torchrun's environment: RANK, WORLD_SIZE, MASTER_*
+    enable_context_parallel(pipe.transformer, spec, device)  # diffusers' enable_parallelism + MiniMax-H3's _cp_plan
+    guard = split_guard(pipe.transformer, spec)            # a forward whose packed rows do not split: SplitError
+
+The model side is diffusers' `ModelMixin.enable_parallelism(config=ContextParallelConfig(...))`: its `_cp_plan`
+splits the packed sequence at the first block (with the rope rows, every block's `adaln_indices` and norm_out's
+`timestep_indices`) and gathers the two output heads, and its attention dispatcher runs the Ulysses all-to-all or
+the ring. The one thing ditserve changes is where diffusers puts the rank: its `_resolve_parallel_config` picks
+`torch.device(accelerator, rank % device_count)` (a ZeroDivisionError on a CPU-only host, and the wrong device for
+`--devices cuda:2,cuda:3`); `enable_context_parallel` gives the model instance a resolver that builds the same
+`ParallelConfig` and device mesh on the rank's own device, calls diffusers' `enable_parallelism`, and removes the
+resolver again. Everything else (the hooks, the sharder, the all-to-all) is diffusers' code.
+
+The process group's backend is "cpu:gloo" on CPU and "cpu:gloo,cuda:nccl" on CUDA: diffusers' Ulysses reads
+`"cpu" in str(dist.get_backend())` to decide where its size exchange runs, and ditserve's own broadcasts of request
+bytes go over gloo on the host either way.
+
+A plan's pages (PlanLinear) are the full (T, page_numel) rows on every rank: the CP hooks split `adaln_indices`,
+so each rank indexes its own rows of the same pages, and the cached transformer runs under CP unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CP_BACKENDS_CPU = ("native",)
+"""The one CPU attention backend diffusers has; it runs Ulysses (all-to-all), not ring (ring needs the attention's
+log-sum-exp, which diffusers' native backend refuses to return)."""
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The torchrun environment a rank reads (torch.distributed's env:// rendezvous)."""
+
+
+class ParallelError(ValueError):
+    """A parallel layout that cannot run: names the flag and the rule it breaks."""
+
+
+class SplitError(ParallelError):
+    """A request whose packed sequence does not split evenly across the ranks."""
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """How one replica splits a request's packed sequence across its ranks.
+
+    `ulysses_degree` x `ring_degree` must equal the replica's ranks. `ulysses_anything` is diffusers' Ulysses for
+    any sequence length and head count (uneven all-gathers: NCCL only).
+    """
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    ulysses_anything: bool = False
+
+    @property
+    def degree(self) -> int:
+        """The number of ranks the sequence is split across."""
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def enabled(self) -> bool:
+        return self.degree > 1
+
+    def check(self, world_size: int, heads: int, backend: str) -> None:
+        """ParallelError unless this layout runs on `world_size` ranks of a model with `heads` attention heads over
+        the process group `backend` ("gloo" or "nccl")."""
+        for flag, value in (("--ulysses-degree", self.ulysses_degree), ("--ring-degree", self.ring_degree)):
+            if value < 1:
+                raise ParallelError(f"{flag} must be at least 1, got {value}")
+        if self.degree != world_size:
+            raise ParallelError(
+                f"--ulysses-degree x --ring-degree must equal the replica's ranks: "
+                f"{self.ulysses_degree} x {self.ring_degree} = {self.degree}, ranks = {world_size}"
+            )
+        if self.ulysses_anything:
+            if backend != "nccl":
+                raise ParallelError(
+                    "--ulysses-anything needs NCCL (uneven all-gathers); gloo's allgather needs equal sizes, so on "
+                    "CPU the packed sequence must split evenly (leave --ulysses-anything off)"
+                )
+            if self.ring_degree > 1:
+                raise ParallelError("--ulysses-anything cannot be combined with --ring-degree > 1 (diffusers' rule)")
+        elif heads % self.ulysses_degree:
+            raise ParallelError(
+                f"--ulysses-degree must divide the transformer's {heads} attention heads, got {self.ulysses_degree}"
+                f" (allowed: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})"
+            )
+        if self.ring_degree > 1 and backend == "gloo":
+            raise ParallelError(
+                f"--ring-degree {self.ring_degree} needs an attention backend that returns its log-sum-exp "
+                "(flash, _native_cudnn, ... on CUDA); the CPU's native backend does not: use --ulysses-degree"
+            )
+
+    def check_rows(self, rows: int) -> None:
+        """SplitError unless a packed sequence of `rows` rows splits evenly across the ranks."""
+        if self.enabled and not self.ulysses_anything and rows % self.degree:
+            raise SplitError(
+                f"the request's packed sequence has {rows} rows (video + text + audio), which does not split "
+                f"across --ulysses-degree x --ring-degree = {self.degree} ranks: the rows must be a multiple of "
+                f"{self.degree} (change the prompt, num_frames, height or width by a little)"
+            )
+
+    def context_parallel_config(self) -> Any:
+        """diffusers' ContextParallelConfig for this layout."""
+        from diffusers import ContextParallelConfig
+
+        return ContextParallelConfig(
+            ulysses_degree=self.ulysses_degree if self.ulysses_degree > 1 else None,
+            ring_degree=self.ring_degree if self.ring_degree > 1 else None,
+            ulysses_anything=self.ulysses_anything,
+        )
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the replica (torchrun's environment)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
+    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them (one rank of one when unset)."""
+    env = os.environ if environ is None else environ
+    try:
+        rank = int(env.get("RANK", "0"))
+        world = int(env.get("WORLD_SIZE", "1"))
+        local = int(env.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise ParallelError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {e}") from None
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise ParallelError(
+            f"RANK must lie in [0, WORLD_SIZE) and WORLD_SIZE >= 1; got RANK={rank}, WORLD_SIZE={world}"
+        )
+    return Ranks(rank=rank, world_size=world, local_rank=local)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """torch.distributed's backend string for ranks on `device`: gloo on the host, NCCL for CUDA tensors."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"
+
+
+def collective_backend(device: torch.device) -> str:
+    """The backend the attention's collectives run on ("nccl" or "gloo"), as ParallelSpec.check takes it."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device, environ: Mapping[str, str] | None = None) -> Ranks:
+    """Join the replica's process group from torchrun's environment (env:// rendezvous at MASTER_ADDR:MASTER_PORT),
+    binding CUDA ranks to `device`. Idempotent within a process."""
+    ranks = ranks_from_env(environ)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=process_group_backend(device),
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return ranks
+
+
+def _resolver(device: torch.device) -> Any:
+    """A `_resolve_parallel_config` for one model instance: diffusers' own steps, on `device`."""
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def resolve(model: Any, config: Any) -> Any:
+        if isinstance(config, ContextParallelConfig):
+            config = ParallelConfig(context_parallel_config=config)
+        cp = config.context_parallel_config
+        if cp is None:
+            raise ParallelError("enable_context_parallel takes a context-parallel config only")
+        mesh = cp.mesh or init_device_mesh(device.type, cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+        config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
+        model._parallel_config = config
+        return config
+
+    return resolve
+
+
+def enable_context_parallel(model: Any, spec: ParallelSpec, device: torch.device) -> None:
+    """diffusers' `enable_parallelism` with `spec`'s ContextParallelConfig on `model` (a MiniMaxH3Transformer3DModel,
+    resident or cached), its mesh and rank on `device`. A no-op for a degree of 1."""
+    if not spec.enabled:
+        return
+    if not dist.is_initialized():
+        raise ParallelError("context parallel needs the replica's process group (init_process_group) first")
+    model._resolve_parallel_config = types.MethodType(_resolver(torch.device(device)), model)
+    try:
+        model.enable_parallelism(config=spec.context_parallel_config())
+    finally:
+        del model._resolve_parallel_config  # the class's own again
+
+
+def split_guard(model: Any, spec: ParallelSpec) -> Any:
+    """A forward pre-hook on `model` that raises SplitError before a forward whose packed sequence (`position_ids`
+    rows) does not split across the ranks, so no rank enters a collective the others refuse. Returns the handle.
+    Every rank computes the same shapes, so every rank raises at the same forward."""
+
+    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        positions = kwargs.get("position_ids")
+        if positions is not None:
+            spec.check_rows(int(positions.shape[0]))
+
+    return model.register_forward_pre_hook(check, with_kwargs=True)
