@@ -9,6 +9,18 @@ Protocol:
 A key is one plan: the step's sorted distinct float32 timesteps, as a tensor or as their int32 bit patterns. Each
 key gets its own GEMM with M = its width, so its pages are bitwise `plans.build_pages` for that key alone (a GEMM
 row's bits depend on M). Only the time embedder's and the plan tensors' bytes are ever read from the shards.
+
+A rebuild shared by N devices gives each builder a `Shard`: in "rows" mode device r computes rows
+[numel·r/N, numel·(r+1)/N) of every projection's output features from the same rows of its weight and bias
+(safetensors `get_slice`: each device reads 1/N of the plan tensors' bytes), in "projections" mode whole
+projections round-robin (projection j on device j mod N, at full width). Either way the builder writes only its own
+page columns (`Shard.spans`); the caller copies each device's columns into every other device's pages. A row of
+`F.linear` is a dot product over E whatever N is, so row slices are bitwise the full GEMM's columns wherever the
+kernel's reduction over E does not depend on N. It can: on CPU the tiny preset's float32 norm_out (128 features)
+split 3 ways (42 / 43 / 43 columns) differs from the full GEMM, while 2, 4 and 8 ways, bfloat16, and the released
+shapes at 2, 3, 4, 8 ways are exact. So the mode is measured per device, dtype, layout and N (`row_split_is_exact`,
+`shard_mode`); "projections" is bit-exact by construction (the same GEMMs as unsharded), at the cost of an uneven
+split (N need not divide the L + 1 projections).
 """
 
 from __future__ import annotations
@@ -16,7 +28,8 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +42,9 @@ from .plans import PageLayout, PlanKey, is_plan_tensor, load_dtype, plan_inputs,
 TIME_EMBEDDER = "time_embedder"
 # safetensors header dtype names -> torch dtypes a projection may be stored in
 _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+SHARD_MODES = ("rows", "projections")
+"""How a rebuild is split across devices (Shard.mode)."""
 
 PlanKeyLike = PlanKey | torch.Tensor | tuple[int, ...]
 """A PlanKey, (T,) float32 timesteps, or their float32 bit patterns (signed or unsigned 32-bit)."""
@@ -57,6 +73,64 @@ def key_timesteps(key: PlanKeyLike, where: str = "key") -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Device `index` of `count`'s part of every rebuild (see the module docstring); Shard() is the whole."""
+
+    index: int = 0
+    count: int = 1
+    mode: str = "rows"
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"shard index must lie in [0, {self.count}) with count >= 1, got {self.index}")
+        if self.mode not in SHARD_MODES:
+            raise ValueError(f"shard mode must be one of {list(SHARD_MODES)}, got {self.mode!r}")
+
+    def spans(self, layout: PageLayout) -> Iterator[tuple[str, int, int, int]]:
+        """(projection prefix, page offset, first row, end row) of every output-feature range this shard computes:
+        page columns [offset + first, offset + end) from rows [first, end) of the projection."""
+        for j, (prefix, offset, numel) in enumerate(layout.projections()):
+            if self.mode == "rows":
+                first, end = numel * self.index // self.count, numel * (self.index + 1) // self.count
+                if end > first:
+                    yield prefix, offset, first, end
+            elif j % self.count == self.index:
+                yield prefix, offset, 0, numel
+
+    def columns(self, layout: PageLayout) -> list[tuple[int, int]]:
+        """The page columns [start, stop) this shard writes, in page order."""
+        return [(offset + first, offset + end) for _, offset, first, end in self.spans(layout)]
+
+
+def row_split_is_exact(
+    layout: PageLayout, dtype: torch.dtype, count: int, device: torch.device | str = "cpu", seed: int = 0
+) -> bool:
+    """Whether `count` row slices of a projection's GEMM are bitwise its full GEMM's columns on `device` in `dtype`,
+    at every plan width (1..MAX_PLAN_WIDTH) and both projection shapes of `layout` (random values: a kernel's
+    blocking follows the shapes, not the values). Decides Shard mode "rows" vs "projections" per device."""
+    from .plans import MAX_PLAN_WIDTH
+
+    generator = torch.Generator().manual_seed(seed)
+    for numel in sorted({layout.block_numel, layout.norm_out_numel}):
+        weight = torch.randn(numel, layout.time_embed_dim, generator=generator).to(dtype=dtype, device=device)
+        bias = torch.randn(numel, generator=generator).to(dtype=dtype, device=device)
+        for width in range(1, MAX_PLAN_WIDTH + 1):
+            act = torch.randn(width, layout.time_embed_dim, generator=generator).to(dtype=dtype, device=device)
+            full = F.linear(act, weight, bias)
+            for r in range(count):
+                first, end = numel * r // count, numel * (r + 1) // count
+                if not torch.equal(F.linear(act, weight[first:end], bias[first:end]), full[:, first:end]):
+                    return False
+    return True
+
+
+def shard_mode(layout: PageLayout, dtype: torch.dtype, count: int, device: torch.device | str = "cpu") -> str:
+    """The Shard mode a rebuild split `count` ways on `device` uses: "rows" where its slices are measured bitwise
+    the unsharded GEMM's (row_split_is_exact), else "projections"."""
+    return "rows" if count == 1 or row_split_is_exact(layout, dtype, count, device) else "projections"
+
+
 def _time_modules(config: dict[str, Any]) -> tuple[nn.Module, nn.Module, list[str]]:
     """The transformer's own `time_proj` and `time_embedder`, built by its constructor on meta (no bytes allocated for
     the rest), and its `_keep_in_fp32_modules`. time_embedder's parameters stay on meta until loaded."""
@@ -75,9 +149,13 @@ class PlanBuilder:
     a time during `build`. `tensor_reads` / `bytes_read` count every tensor read from the shards (tests, metrics).
     """
 
-    def __init__(self, transformer_dir: str | os.PathLike[str], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, transformer_dir: str | os.PathLike[str], device: torch.device | str = "cpu", shard: Shard | None = None
+    ) -> None:
         self.transformer_dir = os.fspath(transformer_dir)
         self.device = torch.device(device)
+        self.shard = shard if shard is not None else Shard()
+        """The part of every page this builder computes (Shard(): all of it)."""
         with open(os.path.join(self.transformer_dir, "config.json")) as f:
             config = json.load(f)
         self.layout = PageLayout.from_config(config)
@@ -87,16 +165,25 @@ class PlanBuilder:
         """tensor name -> times its data was read from the shards."""
         self.bytes_read = 0
         """bytes of tensor data read from the shards (as stored)."""
+        self.plan_bytes_read = 0
+        """of which plan tensors' (adaln_proj, norm_out.linear): 1/N of theirs per device of a sharded rebuild."""
         self.time_proj, self.time_embedder, self.keep_fp32 = _time_modules(config)
         self._load_time_embedder()
         self.projection_dtype = self._projection_dtype()
         """dtype of every projection and of the pages: as stored, under from_pretrained's keep-in-fp32 rule."""
 
-    def _read(self, name: str) -> torch.Tensor:
-        """One tensor's data, as stored, on the builder's device."""
-        t = read_tensor(self.transformer_dir, self.files, name)
+    def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor's data as stored (only its rows [first, end) when `rows` is given), on the builder's device."""
+        if rows is None:
+            t = read_tensor(self.transformer_dir, self.files, name)
+        else:
+            with safe_open(os.path.join(self.transformer_dir, self.files[name]), "pt") as f:
+                t = f.get_slice(name)[rows[0] : rows[1]]
+        nbytes = t.numel() * t.element_size()
         self.tensor_reads[name] += 1
-        self.bytes_read += t.numel() * t.element_size()
+        self.bytes_read += nbytes
+        if is_plan_tensor(name):
+            self.plan_bytes_read += nbytes
         return t.to(self.device)
 
     def _load_time_embedder(self) -> None:
@@ -153,21 +240,25 @@ class PlanBuilder:
 
     @torch.no_grad()
     def build(self, keys: Sequence[PlanKeyLike], outputs: Sequence[torch.Tensor]) -> None:
-        """One pass over the projections: each weight/bias read once, then one GEMM per key (M = its width).
+        """One pass over the shard's projection rows: each weight/bias slice read once, then one GEMM per key
+        (M = its width).
 
-        outputs[k]: (width_k, page_numel) in `projection_dtype` on the builder's device, written in place.
+        outputs[k]: (width_k, page_numel) in `projection_dtype` on the builder's device, written in place: all of it
+        for Shard(), else only `shard.columns(layout)`.
         """
         acts = [self.activations(t) for t in self._check(keys, outputs)]  # (T_k, E) each
-        for prefix, offset, numel in self.layout.projections():
-            weight = self._read(f"{prefix}.weight").to(self.projection_dtype)  # (numel, E)
-            bias = self._read(f"{prefix}.bias").to(self.projection_dtype)  # (numel,)
-            if weight.shape != (numel, self.layout.time_embed_dim) or bias.shape != (numel,):
+        whole = self.shard.count == 1
+        for prefix, offset, first, end in self.shard.spans(self.layout):
+            rows = None if whole else (first, end)
+            weight = self._read(f"{prefix}.weight", rows).to(self.projection_dtype)  # (end - first, E)
+            bias = self._read(f"{prefix}.bias", rows).to(self.projection_dtype)  # (end - first,)
+            if weight.shape != (end - first, self.layout.time_embed_dim) or bias.shape != (end - first,):
                 raise ValueError(
-                    f"{prefix}: weight {tuple(weight.shape)} / bias {tuple(bias.shape)}, "
-                    f"expected {(numel, self.layout.time_embed_dim)} / {(numel,)}"
+                    f"{prefix}: weight {tuple(weight.shape)} / bias {tuple(bias.shape)} (rows {first}:{end}), "
+                    f"expected {(end - first, self.layout.time_embed_dim)} / {(end - first,)}"
                 )
             for act, out in zip(acts, outputs, strict=True):
-                out[:, offset : offset + numel] = F.linear(act, weight, bias)  # (T_k, numel)
+                out[:, offset + first : offset + end] = F.linear(act, weight, bias)  # (T_k, end - first)
             del weight, bias  # one projection resident at a time
 
     def build_one(self, key: PlanKeyLike) -> torch.Tensor:
