@@ -49,18 +49,22 @@ def remove_stale_shm(manifest: Path) -> None:
 def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
     """The rebuild source and generation to serve: the state file's if there is one, else
     `--checkpoint` as generation 1 (generation 0 means "none yet")."""
-    device = torch.device(cfg.cache.device)
+    devices = [torch.device(d) for d in cfg.cache.slab_devices]
+    shard = cfg.cache.rebuild_shard
     state_dir = cfg.state_dir
     state = load_state(state_dir) if state_dir is not None else None
     if state_dir is None or state is None:
-        return RebuildSource(cfg.checkpoint, device), 1
+        return RebuildSource(cfg.checkpoint, devices, shard_mode=shard), 1
     if Path(state.weights_path) != cfg.checkpoint:
         log.warning(
             "state file %s names %s (generation %d); it wins over --checkpoint %s",
             state_dir / STATE_FILE, state.weights_path, state.generation, cfg.checkpoint,
         )  # fmt: skip
     try:
-        return RebuildSource(state.weights_path, device, committed_digests=state.digests), state.generation
+        return (
+            RebuildSource(state.weights_path, devices, committed_digests=state.digests, shard_mode=shard),
+            state.generation,
+        )
     except CheckpointError as e:
         raise CheckpointError(
             f"{e} (the state file {state_dir / STATE_FILE} names {state.weights_path} as generation "
@@ -80,7 +84,7 @@ def server_tls(cfg: SidecarConfig) -> grpc.ServerCredentials | None:
 
 
 def build_server(cfg: SidecarConfig) -> SidecarServer:
-    if cfg.cache.device.startswith("cuda"):  # fail fast: no generator could map a slab it cannot export
+    if cfg.cache.primary_device.startswith("cuda"):  # fail fast: no generator could map a slab it cannot export
         check_ipc_allocator()
     tls = server_tls(cfg)  # unreadable or non-PEM files are refused before anything is built
     if cfg.state_dir is not None:  # created 0700, or refused naming the flag, before anything reads it

@@ -104,14 +104,20 @@ class PlanCache:
     def __init__(self, config: CacheConfig, source: RebuildSource, generation: int = 0) -> None:
         self.config = config
         self.generation = generation
-        self.device = torch.device(config.device)
+        devices = config.slab_devices
+        if len(devices) != len(source.devices):
+            raise PlanCacheError(f"the slab has {len(devices)} device(s) {devices}, its rebuild source builds for "
+                                 f"{len(source.devices)}: build the source on the same --devices")  # fmt: skip
+        self.device = torch.device(config.primary_device)
         self.memory = SlabMemory(
-            config.gpu_plans, config.plan_width, source.page_numel, source.dtype, config.device, config.shm_dir
+            config.gpu_plans, config.plan_width, source.page_numel, source.dtype, devices, config.shm_dir
         )
-        self.slab = self.memory.slab  # (S, W, P)
+        self.slab = self.memory.slab  # (S, W, P): the first device's; `memory.slabs` holds every device's
         self.table = self.memory.table  # (S, ROW_WORDS + W) int64
         self.copier = Copier(self.device)
-        self._pages = SlabPages(self.slab, self.copier)
+        self._pages = SlabPages(
+            self.slab, self.copier, tuple(self.memory.slabs), tuple(Copier(s.device) for s in self.memory.slabs)
+        )
         self._host = HostMemoryTier.allocate(config, source.page_numel, source.dtype, self.device)
         self._rebuild = RebuildTier(source)
         # Asked in order for a group's missing plans; the last one holds every plan.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from ditcore.rebuild import SHARD_MODES
 from ditruntime.auth import (
     ADMIN_TOKEN_ENV,
     ADMIN_TOKEN_FILE_HELP,
@@ -47,13 +48,44 @@ class CacheConfig:
     in this many bytes (at least one page), so the pinned bytes are the tier's bytes, not a power of two."""
     device: str = flag("cpu", "cpu or cuda[:N] (default %(default)s)")
     """Where the slab lives: "cpu" (a /dev/shm file) or "cuda[:N]" (device memory)."""
+    devices: str = flag(
+        "", "slab devices of a replica, one per generator rank in rank order, comma-separated (e.g. "
+        "cuda:0,cuda:1; default: --device alone)",
+    )  # fmt: skip
+    """A replica of N generator ranks: one slab per device listed, all with the same
+    slot layout and one slot table, rank r reading `slabs[r]`. Overrides `--device`. The same device may repeat
+    (`cpu,cpu`: two CPU ranks, two shm slabs). A rebuild is sharded across them (`--rebuild-shard`)."""
+    rebuild_shard: str = flag(
+        "auto", "how a rebuild is split across --devices: auto, rows or projections (default %(default)s)",
+        choices=("auto", *SHARD_MODES),
+    )  # fmt: skip
+    """With N slab devices each computes 1/N of every page: "rows" (its slice of every projection's output
+    features, reading 1/N of the plan tensors), "projections" (whole projections round-robin, the unsharded GEMMs
+    themselves), or "auto": rows where measured bitwise the unsharded pages on that device and dtype
+    (ditcore.rebuild.row_split_is_exact), else projections. Its columns are then copied into every other slab."""
     shm_dir: str = "/dev/shm"
     """Directory of the CPU slab and of the slot table (falls back to the temp dir)."""
+
+    @property
+    def slab_devices(self) -> tuple[str, ...]:
+        """One device per slab, in rank order: `--devices` split, else (`--device`,)."""
+        listed = tuple(d.strip() for d in self.devices.split(",") if d.strip())
+        return listed if listed else (self.device,)
+
+    @property
+    def primary_device(self) -> str:
+        """The first slab's device (the host tier is pinned for it)."""
+        return self.slab_devices[0]
 
     def __post_init__(self) -> None:
         check_bounds(self)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device (--device) must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for d in self.slab_devices:
+            if not (d == "cpu" or d.startswith("cuda")):
+                raise ValueError(f"--devices must list 'cpu' or 'cuda[:N]' devices, got {d!r} in {self.devices!r}")
+        if len({d.split(":")[0] for d in self.slab_devices}) > 1:
+            raise ValueError(f"--devices must be all cpu or all cuda, got {self.devices!r}")
         if self.host_chunk_bytes < 1:
             raise ValueError(f"host_chunk_bytes must be positive, got {self.host_chunk_bytes}")
 

@@ -2,7 +2,8 @@
 
 This is the one module of the cache that touches device memory and `torch.cuda`.
 
-- Slab: `[num_slots, width, page_numel]` in the checkpoint's projection dtype, allocated once, never moved.
+- Slab: `[num_slots, width, page_numel]` in the checkpoint's projection dtype, allocated once, never moved; one per
+  device of a replica (`--devices`), all with the same layout and sharing the one slot table.
   `cpu`: a file in /dev/shm (mode 0600, random name `ditserve-slab-*`, unlinked on close) mapped shared;
   `cuda`: device memory, exported once per Attach session (`SlabMemory.export`, `export_ipc`: typed
   fields, no pickle). Closing a session's export is bookkeeping (`live_exports`): torch keeps what each
@@ -21,7 +22,7 @@ import logging
 import os
 import tempfile
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
@@ -65,10 +66,18 @@ def _unlink_all(paths: list[str]) -> None:
 
 
 class SlabMemory:
-    """Owner side: allocates the slab and slot table once; `close()` frees and unlinks."""
+    """Owner side: allocates one slab per device (all with the same layout) and the one slot table once; `close()`
+    frees and unlinks. A replica of N generator ranks gets N slabs, slab r on rank r's device, and every rank reads
+    the same slot index under one lease; `slab` / `descriptor` are the first's (the single-device case)."""
 
-    def __init__(self, num_slots: int, width: int, page_numel: int, dtype: torch.dtype, device: str, shm_dir: str):
-        self.device = torch.device(device)
+    def __init__(
+        self, num_slots: int, width: int, page_numel: int, dtype: torch.dtype, device: str | Sequence[str], shm_dir: str
+    ):
+        devices = [device] if isinstance(device, str) else list(device)
+        if not devices:
+            raise ValueError("a slab needs at least one device")
+        self.devices = [torch.device(d) for d in devices]
+        self.device = self.devices[0]
         self._paths: list[str] = []
         self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
         elem = torch.empty((), dtype=dtype).element_size()
@@ -79,29 +88,37 @@ class SlabMemory:
         self.table = torch.from_file(table_path, shared=True, size=table_numel, dtype=torch.int64)
         self.table = self.table.view(num_slots, ROW_WORDS + width)
         self.table.zero_()
-        slab_path = ""
-        if self.device.type == "cpu":
-            slab_path = _shm_file(shm_dir, SLAB_PREFIX, numel * elem)
-            self._paths.append(slab_path)
-            flat = torch.from_file(slab_path, shared=True, size=numel, dtype=dtype)
-            self.slab = flat.view(num_slots, width, page_numel)
-            transport = "shm"
-        else:
-            self.slab = torch.empty((num_slots, width, page_numel), dtype=dtype, device=self.device)
-            transport = "cuda_ipc"
-        self.descriptor = SlabDescriptor(
-            transport=transport,
-            slab_path=slab_path,
-            table_path=table_path,
-            slab_bytes=numel * elem,
-            table_bytes=table_numel * 8,
-            dtype=dtype_name(dtype),
-            num_slots=num_slots,
-            width=width,
-            page_numel=page_numel,
-            device=str(self.device),
-            device_uuid=device_uuid(self.device),
-        )
+        self.slabs: list[torch.Tensor] = []
+        self.descriptors: list[SlabDescriptor] = []
+        for target in self.devices:
+            slab_path = ""
+            if target.type == "cpu":
+                slab_path = _shm_file(shm_dir, SLAB_PREFIX, numel * elem)
+                self._paths.append(slab_path)
+                flat = torch.from_file(slab_path, shared=True, size=numel, dtype=dtype)
+                slab = flat.view(num_slots, width, page_numel)
+                transport = "shm"
+            else:
+                slab = torch.empty((num_slots, width, page_numel), dtype=dtype, device=target)
+                transport = "cuda_ipc"
+            self.slabs.append(slab)
+            self.descriptors.append(
+                SlabDescriptor(
+                    transport=transport,
+                    slab_path=slab_path,
+                    table_path=table_path,
+                    slab_bytes=numel * elem,
+                    table_bytes=table_numel * 8,
+                    dtype=dtype_name(dtype),
+                    num_slots=num_slots,
+                    width=width,
+                    page_numel=page_numel,
+                    device=str(target),
+                    device_uuid=device_uuid(target),
+                )
+            )
+        self.slab = self.slabs[0]
+        self.descriptor = self.descriptors[0]
         self._exports: set[SlabExport] = set()
 
     @property
@@ -122,11 +139,13 @@ class SlabMemory:
         small, bounded amount, released when the sidecar exits: a few hundred bytes of host memory, one
         counter slot and at most one event; never device memory.
         """
-        desc = self.descriptor
-        if desc.transport == "cuda_ipc":
-            desc = replace(desc, cuda_ipc=export_ipc(self.slab))
-        validate_descriptor(desc)  # what the generator will check, checked here first
-        export = SlabExport(self, desc)
+        descriptors = []
+        for desc, slab in zip(self.descriptors, self.slabs, strict=True):
+            if desc.transport == "cuda_ipc":
+                desc = replace(desc, cuda_ipc=export_ipc(slab))
+            validate_descriptor(desc)  # what the generator will check, checked here first
+            descriptors.append(desc)
+        export = SlabExport(self, descriptors)
         self._exports.add(export)
         return export
 
@@ -150,9 +169,15 @@ class SlabExport:
     """The slab as one Attach session sees it; `close()` (idempotent) ends that session's export in the
     sidecar's bookkeeping (`SlabMemory.live_exports`); torch's registration of it stays until the slab is freed."""
 
-    def __init__(self, memory: SlabMemory, descriptor: SlabDescriptor) -> None:
+    def __init__(self, memory: SlabMemory, descriptors: Sequence[SlabDescriptor]) -> None:
         self._memory: SlabMemory | None = memory
-        self.descriptor = descriptor
+        self.descriptors = list(descriptors)
+        """One per slab, in device (rank) order; on cuda each carries this session's own IPC export of it."""
+
+    @property
+    def descriptor(self) -> SlabDescriptor:
+        """The first slab's (the single-device case)."""
+        return self.descriptors[0]
 
     @property
     def closed(self) -> bool:

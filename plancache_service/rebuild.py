@@ -14,6 +14,7 @@ generation was committed with: a repository changed in place is refused (`Checkp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from ditcore.checkpoint import (
     validate_checkpoint,
 )
 from ditcore.plans import PageLayout, PlanKey
-from ditcore.rebuild import PlanBuilder
+from ditcore.rebuild import PlanBuilder, Shard, row_split_is_exact
 from ditruntime.faults import crash_point
 
 from .errors import CheckpointChangedError, PlanCacheError, RebuildError
@@ -63,32 +64,61 @@ def concrete_device(device: torch.device | str) -> torch.device:
 
 
 class RebuildSource:
-    """The repository plans are built from: its validation, committed digests and page builder.
+    """The repository plans are built from: its validation, committed digests and page builder(s).
 
     `committed_digests` are the per-file digests the serving generation was committed with (from the state file);
-    by default, the files as they are when the source is opened.
+    by default, the files as they are when the source is opened. With several `device`s (a replica's slabs) a
+    rebuild is sharded: one PlanBuilder per device computes its Shard of every page (`shard_mode`: "rows",
+    "projections", or "auto" = rows where ditcore.rebuild.row_split_is_exact holds on every device), reading only its
+    part of the plan tensors, and `build_all` copies each device's columns into every other device's pages.
     """
 
     def __init__(
         self,
         checkpoint: str | Path | CheckpointInfo,
-        device: torch.device,
+        device: torch.device | Sequence[torch.device],
         committed_digests: dict[str, str] | None = None,
+        shard_mode: str = "auto",
     ) -> None:
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else open_checkpoint(checkpoint)
         _require_adaln(info)
         self.info = info
-        self.device = concrete_device(device)
+        listed = [device] if isinstance(device, torch.device | str) else list(device)
+        self.devices = [concrete_device(d) for d in listed]
+        self.device = self.devices[0]
         self.digests = dict(committed_digests) if committed_digests else file_digests(info.path)
+        count = len(self.devices)
+        if shard_mode == "auto":
+            exact = all(row_split_is_exact(info.layout, info.projection_dtype, count, d) for d in set(self.devices))
+            shard_mode = "rows" if exact else "projections"
+        self.shard_mode = shard_mode
+        """How a rebuild is split across `devices` ("rows" or "projections"; one device: the whole)."""
         try:
-            self.builder = PlanBuilder(info.path / TRANSFORMER, self.device)
+            self.builders = [
+                PlanBuilder(info.path / TRANSFORMER, d, shard=Shard(r, count, shard_mode))
+                for r, d in enumerate(self.devices)
+            ]
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{info.path}: cannot open the transformer's plan tensors: {e}") from e
+        self.builder = self.builders[0]
         if self.builder.layout != info.layout or self.builder.projection_dtype != info.projection_dtype:
             raise CheckpointError(
                 f"{info.path}: the page builder reads {self.builder.layout} in {self.builder.projection_dtype}, "
                 f"validation found {info.layout} in {info.projection_dtype}"
             )
+        self._columns = [b.shard.columns(info.layout) for b in self.builders]
+        self._pool = ThreadPoolExecutor(count, thread_name_prefix="rebuild") if count > 1 else None
+
+    def like(
+        self, checkpoint: str | Path | CheckpointInfo, committed_digests: dict[str, str] | None = None
+    ) -> RebuildSource:
+        """A source on another checkpoint, on the same devices and split the same way (a weight update's)."""
+        return RebuildSource(checkpoint, self.devices, committed_digests, self.shard_mode)
+
+    @property
+    def bytes_read(self) -> list[int]:
+        """Plan-tensor bytes each device's builder has read from the checkpoint so far."""
+        return [b.plan_bytes_read for b in self.builders]
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -143,11 +173,33 @@ class RebuildSource:
 
     # ---------------------------------------------------------------- pages
     def build(self, keys: Sequence[PlanKey], outputs: Sequence[torch.Tensor]) -> None:
-        """One pass: every key's pages into `outputs[k]`, (width_k, page_numel) in `dtype` on the device."""
+        """One pass: every key's pages into `outputs[k]`, (width_k, page_numel) in `dtype` on the (one) device."""
+        if len(self.devices) != 1:
+            raise ValueError(f"this source builds for {len(self.devices)} devices: use build_all")
+        self.build_all(keys, [outputs])
+
+    def build_all(self, keys: Sequence[PlanKey], outputs: Sequence[Sequence[torch.Tensor]]) -> None:
+        """One sharded pass: `outputs[d][k]` is key k's (width_k, page_numel) pages on device d, every device's
+        written in full. Device d's builder computes its shard's columns into its own outputs (the devices in
+        parallel), then those columns are copied into every other device's outputs."""
+        if len(outputs) != len(self.devices):
+            raise ValueError(f"{len(outputs)} output lists for {len(self.devices)} devices")
         self.check_unchanged()
         crash_point("sidecar:during_rebuild")
         try:
-            self.builder.build(keys, outputs)
+            if self._pool is None:
+                self.builder.build(keys, outputs[0])
+                return
+            for done in [
+                self._pool.submit(b.build, keys, outs) for b, outs in zip(self.builders, outputs, strict=True)
+            ]:
+                done.result()
+            for d, columns in enumerate(self._columns):
+                for other, outs in enumerate(outputs):
+                    if other != d:
+                        for src, dst in zip(outputs[d], outs, strict=True):
+                            for start, stop in columns:
+                                dst[:, start:stop].copy_(src[:, start:stop])  # device to device; synchronous
         except PlanCacheError:
             raise
         except Exception as e:  # OSError, a safetensors error on a damaged shard, a shape the builder refuses

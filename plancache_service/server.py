@@ -144,6 +144,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
                 session=pb.Session(
                     session_id=session.session_id,
                     slab=descriptor_to_proto(session.slab),
+                    slabs=[descriptor_to_proto(d) for d in session.slabs],
                     generation=st.generation,
                     weights_path=st.weights_path,
                     fingerprint=st.fingerprint,

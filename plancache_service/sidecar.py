@@ -75,7 +75,12 @@ arriving late, hands out no lease (oldest forgotten first)."""
 class SessionInfo:
     session_id: str
     client_name: str
-    slab: SlabDescriptor  # this session's descriptor (on cuda: its own IPC export)
+    slabs: tuple[SlabDescriptor, ...]  # this session's descriptors, one per device (on cuda: its own IPC exports)
+
+    @property
+    def slab(self) -> SlabDescriptor:
+        """The first slab's descriptor (the single-device case)."""
+        return self.slabs[0]
 
 
 @dataclass
@@ -190,7 +195,7 @@ class Sidecar:
                     f"a generator session is already attached ({self._session.client_name}); one session at a time"
                 )
             export = self.cache.memory.export()
-            self._session = SessionInfo(uuid.uuid4().hex, client_name, export.descriptor)
+            self._session = SessionInfo(uuid.uuid4().hex, client_name, tuple(export.descriptors))
             self._export = export
             self._abandoned.clear()
             if peer_pid is not None:
@@ -427,7 +432,7 @@ class Sidecar:
                 reason = self.cache.source.info.incompatibility(info)
                 if reason is not None:
                     raise CheckpointError(f"{weights_path}: {reason}")
-                self._pending = RebuildSource(info, self.cache.source.device)
+                self._pending = self.cache.source.like(info)
             except CheckpointError as e:
                 self.update_outcomes.refused += 1
                 log.warning("refused weight update to %s: %s", weights_path, e)

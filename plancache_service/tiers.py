@@ -85,10 +85,27 @@ NOT_KEPT = TierStore(False)
 
 @dataclass(frozen=True)
 class SlabPages:
-    """The slab as the tiers see it: its pages and the copy engine that writes them."""
+    """The slab as the tiers see it: its pages and the copy engine that writes them; for a replica, every device's
+    slab (`slabs[0]` is `slab`) and copier, which a fill writes alike and a store reads the first of."""
 
     slab: torch.Tensor  # (S, W, P) in the checkpoint's projection dtype
     copier: Copier
+    slabs: tuple[torch.Tensor, ...] = ()
+    copiers: tuple[Copier, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.slabs:
+            object.__setattr__(self, "slabs", (self.slab,))
+            object.__setattr__(self, "copiers", (self.copier,))
+
+    def fence(self) -> None:
+        """Every device's copies have landed."""
+        for copier in self.copiers:
+            copier.fence()
+
+    def plans(self, slot: int, width: int) -> list[torch.Tensor]:
+        """(width, P) views of a slot's first `width` pages on every device."""
+        return [s[slot, :width] for s in self.slabs]
 
     @property
     def rows(self) -> torch.Tensor:
@@ -187,10 +204,13 @@ class HostMemoryTier(Tier):
             for j, page in enumerate(self.host.page_indices(k))
         ]
         chunks = self.host.buffer.chunks
-        nbytes = sum(
-            slab.copier.copy_rows(slab.rows, chunks[c], rows) for c, rows in self.host.buffer.by_chunk(pairs).items()
-        )
-        slab.copier.fence()
+        nbytes = 0
+        for dst, copier in zip(slab.slabs, slab.copiers, strict=True):  # one host copy, every device's slab
+            rows_of = dst.view(-1, dst.shape[-1])
+            nbytes += sum(
+                copier.copy_rows(rows_of, chunks[c], rows) for c, rows in self.host.buffer.by_chunk(pairs).items()
+            )
+        slab.fence()
         dt = time.perf_counter() - t0
         touched = list(keys)
         return TierFill(
@@ -231,8 +251,8 @@ class HostMemoryTier(Tier):
 
 # ---------------------------------------------------------------------------- rebuild
 class RebuildTier(Tier):
-    """The repository: holds every plan; one streamed pass builds a whole group (`RebuildSource.build`), one GEMM
-    per plan written straight into its slot."""
+    """The repository: holds every plan; one streamed pass builds a whole group (`RebuildSource.build_all`), one
+    GEMM per plan (and per shard, on a replica's slabs) written straight into its slot."""
 
     name = "rebuild"
 
@@ -244,8 +264,9 @@ class RebuildTier(Tier):
 
     def fill(self, keys: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierFill:
         t0 = time.perf_counter()
-        self.source.build(keys, [slab.plan(s, k.width) for k, s in zip(keys, slots, strict=True)])
-        slab.copier.fence()
+        per_key = [slab.plans(s, k.width) for k, s in zip(keys, slots, strict=True)]
+        self.source.build_all(keys, [list(views) for views in zip(*per_key, strict=True)])  # per device, per key
+        slab.fence()
         dt = time.perf_counter() - t0
         return TierFill(
             CacheReport(built_plans=len(keys), rebuild_s=round(dt, 6)),

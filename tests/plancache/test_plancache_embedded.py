@@ -138,10 +138,10 @@ def test_failed_rebuild_does_not_disturb_later_cached_generation(
         with monkeypatch.context() as m:
             real = PlanBuilder._read
 
-            def broken(self: PlanBuilder, name: str) -> torch.Tensor:
+            def broken(self: PlanBuilder, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
                 if is_plan_tensor(name):
                     raise OSError(5, "injected I/O error", name)
-                return real(self, name)
+                return real(self, name, rows)
 
             m.setattr(PlanBuilder, "_read", broken)
             with pytest.raises(RebuildError, match="injected I/O error"):

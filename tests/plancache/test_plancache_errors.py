@@ -54,12 +54,12 @@ def _fail_nth_plan_tensor_read(monkeypatch: pytest.MonkeyPatch, n: int) -> list[
     calls: list[str] = []
     real = PlanBuilder._read
 
-    def flaky(self: PlanBuilder, name: str) -> torch.Tensor:
+    def flaky(self: PlanBuilder, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         if is_plan_tensor(name):
             calls.append(name)
             if len(calls) == n:
                 raise OSError(5, "injected I/O error", name)
-        return real(self, name)
+        return real(self, name, rows)
 
     monkeypatch.setattr(PlanBuilder, "_read", flaky)
     return calls

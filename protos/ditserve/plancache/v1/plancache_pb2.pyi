@@ -71,18 +71,20 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, mem_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "slab", "generation", "weights_path", "fingerprint")
+    __slots__ = ("session_id", "slab", "generation", "weights_path", "fingerprint", "slabs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLAB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SLABS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slab: SlabDescriptor
     generation: int
     weights_path: str
     fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., slab: _Optional[_Union[SlabDescriptor, _Mapping]] = ..., generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    slabs: _containers.RepeatedCompositeFieldContainer[SlabDescriptor]
+    def __init__(self, session_id: _Optional[str] = ..., slab: _Optional[_Union[SlabDescriptor, _Mapping]] = ..., generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., slabs: _Optional[_Iterable[_Union[SlabDescriptor, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("generation",)
