@@ -132,13 +132,36 @@ def _attention_modules(transformer: Any) -> list[Any]:
     return [m for m in transformer.modules() if isinstance(m, AttentionModuleMixin)]
 
 
-def use_backend(transformer: Any, name: str) -> str:
+def context_parallel_capable(name: str) -> bool:
+    """Whether diffusers' backend `name` runs under context parallel (its registry's `supports_context_parallel`)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    return bool(_AttentionBackendRegistry._is_context_parallel_available(AttentionBackendName(name)))
+
+
+def use_backend(transformer: Any, name: str, context_parallel: bool = False) -> str:
     """Resolve `name` for `transformer`'s attention (its device, its projections' dtype, its heads) and set it on
-    every attention processor of the transformer alone; returns the backend set."""
+    every attention processor of the transformer alone; returns the backend set. With `context_parallel` (a replica
+    of several ranks) "auto" considers only the backends diffusers runs under context parallel, and a named one that
+    does not is refused."""
     from diffusers.models.attention_dispatch import attention_backend
 
     attn = _attention_modules(transformer)[0]
     weight = attn.to_q.weight
+    if context_parallel and name != AUTO and not context_parallel_capable(name):
+        usable = [b for b in backend_names() if context_parallel_capable(b)]
+        raise AttentionBackendError(
+            f"attention backend {name!r} does not run under context parallel (--ulysses-degree / --ring-degree); "
+            f"diffusers' context-parallel backends: {', '.join(usable)}"
+        )
+    if context_parallel and name == AUTO:
+        for candidate in preference(weight.device):
+            if (
+                context_parallel_capable(candidate)
+                and probe(candidate, weight.device, weight.dtype, attn.heads, attn.head_dim) is None
+            ):
+                name = candidate
+                break
     chosen = resolve(name, weight.device, weight.dtype, attn.heads, attn.head_dim)
     # diffusers makes it the process default too; the context puts the old default back on exit
     with attention_backend():

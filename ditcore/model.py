@@ -23,6 +23,7 @@ import torch
 from .attention import AUTO, backend_of, check_name, use_backend
 from .checkpoint import CheckpointInfo, validate_checkpoint
 from .media import DecodedMedia
+from .parallel import Replica, collective_backend, enable_context_parallel, split_guard
 from .pipeline import (
     DECODE_DTYPES,
     ScheduleKeys,
@@ -231,6 +232,7 @@ class H3Model:
         device: torch.device | str = "cpu",
         text_encoder: TextEncoderPlacement | None = None,
         decode_dtype: str | None = None,
+        replica: Replica | None = None,
     ) -> None:
         """Load `info` in `mode`: each component moved to `device` as it is loaded (pipeline.load_pipeline), the
         cached transformer built without its plan tensors, the text encoder trimmed and placed as `text_encoder`
@@ -250,7 +252,10 @@ class H3Model:
             device=self.device,
             text_encoder=text_encoder,
             vae_dtype=decode_dtype,
+            replica=replica,
         )
+        self.replica = replica
+        """The replica this rank's model runs in (None: one device); its transformer runs context parallel."""
         if mode == "cached":
             self.holder = plan_holder(self.pipe.transformer)
         self.decoder: Any = load_decoder(self.pipe, info.path)
@@ -318,9 +323,13 @@ def load_model(
     mode: str,
     device: torch.device | str = "cpu",
     options: RunOptions | None = None,
+    replica: Replica | None = None,
 ) -> H3Model:
     """Validate (unless given a CheckpointInfo) and load a checkpoint for serving in `mode`, run as `options` say
-    (default: RunOptions(), the released decode dtype and the device's best attention backend)."""
+    (default: RunOptions(), the released decode dtype and the device's best attention backend). On a `replica` of
+    several ranks (this process one of them, its group joined) the transformer runs context parallel
+    (ditcore.parallel: diffusers' enable_parallelism) on an attention backend that supports it, rank 0 encodes the
+    prompts, and a forward whose packed sequence does not split is refused on every rank (SplitError)."""
     info = (
         checkpoint
         if isinstance(checkpoint, CheckpointInfo)
@@ -328,9 +337,18 @@ def load_model(
     )
     options = options if options is not None else RunOptions()
     # the VAEs are loaded (once) at the options' decode dtype
-    model = H3Model(info, mode, device, options.text_encoder, options.decode_dtype_for(info.precision))
+    parallel = replica is not None and replica.spec.enabled
+    if parallel:
+        assert replica is not None
+        heads = int(info.transformer_config["num_attention_heads"])
+        replica.spec.check(replica.world_size, heads, collective_backend(replica.device))
+    model = H3Model(info, mode, device, options.text_encoder, options.decode_dtype_for(info.precision), replica)
     # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
-    use_backend(model.transformer, options.attention_backend)
+    use_backend(model.transformer, options.attention_backend, context_parallel=parallel)
+    if parallel:
+        assert replica is not None
+        enable_context_parallel(model.transformer, replica.spec, replica.device)
+        split_guard(model.transformer, replica.spec)
     return model
 
 

@@ -220,3 +220,155 @@ def split_guard(model: Any, spec: ParallelSpec) -> Any:
             spec.check_rows(int(positions.shape[0]))
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+# ---------------------------------------------------------------------------- one rank's replica
+class ReplicaLostError(RuntimeError):
+    """A collective of the replica failed: a rank is gone (its process died or the group broke)."""
+
+
+class Replica:
+    """One rank's view of its replica: the layout, its place, its device, and the typed exchanges rank 0 drives
+    (bytes and tensors broadcast from rank 0, a status gathered from every rank). Nothing is pickled: bytes travel
+    as uint8 tensors behind an int64 length, over gloo on the host (the group's CPU backend)."""
+
+    def __init__(self, spec: ParallelSpec, ranks: Ranks, device: torch.device) -> None:
+        self.spec = spec
+        self.ranks = ranks
+        self.device = torch.device(device)
+
+    @property
+    def leader(self) -> bool:
+        return self.ranks.leader
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    def _collective(self, what: str, op: Any) -> Any:
+        try:
+            return op()
+        except (RuntimeError, dist.DistBackendError) as e:  # gloo: "Connection closed by peer", a timeout
+            raise ReplicaLostError(f"replica rank {self.rank}: {what} failed (a rank is gone?): {e}") from e
+
+    def broadcast_bytes(self, data: bytes | None = None) -> bytes:
+        """Rank 0's `data` on every rank (the others pass None)."""
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._collective("broadcast", lambda: dist.broadcast(size, src=0))
+        if self.leader:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        if buf.numel():
+            self._collective("broadcast", lambda: dist.broadcast(buf, src=0))
+        return data if self.leader and data is not None else buf.numpy().tobytes()
+
+    def broadcast_tensor(self, tensor: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Rank 0's `tensor` (its shape travels first) on every rank, as `dtype` on `device`; bytes on the host."""
+        if self.leader:
+            assert tensor is not None
+            host = tensor.detach().to("cpu", dtype).contiguous()
+            shape = torch.tensor([host.ndim, *host.shape], dtype=torch.int64)
+        else:
+            shape = torch.empty(0, dtype=torch.int64)
+        ndim = torch.tensor([shape.numel()], dtype=torch.int64)
+        self._collective("broadcast", lambda: dist.broadcast(ndim, src=0))
+        if not self.leader:
+            shape = torch.empty(int(ndim.item()), dtype=torch.int64)
+        self._collective("broadcast", lambda: dist.broadcast(shape, src=0))
+        dims = [int(d) for d in shape[1:].tolist()]
+        if not self.leader:
+            host = torch.empty(dims, dtype=dtype)
+        flat = host.view(-1).view(torch.uint8) if host.numel() else torch.empty(0, dtype=torch.uint8)
+        if flat.numel():
+            self._collective("broadcast", lambda: dist.broadcast(flat, src=0))
+        return host.to(device)
+
+    def gather_status(self, status: str) -> list[str]:
+        """Every rank's `status` ("" = fine), in rank order, on every rank."""
+        data = status.encode()
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._collective("all_gather", lambda: dist.all_gather(sizes, size))
+        longest = max(int(s.item()) for s in sizes)
+        if longest == 0:
+            return [""] * self.world_size
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._collective("all_gather", lambda: dist.all_gather(parts, mine))
+        return [
+            p[: int(n.item())].numpy().tobytes().decode(errors="replace") for p, n in zip(parts, sizes, strict=True)
+        ]
+
+    def agree(self, stop: bool) -> bool:
+        """Whether rank 0 says stop (every rank learns it at the same step)."""
+        flag = torch.tensor([1 if stop and self.leader else 0], dtype=torch.int64)
+        self._collective("broadcast", lambda: dist.broadcast(flag, src=0))
+        return bool(flag.item())
+
+
+# ---------------------------------------------------------------------------- the text encoder, on rank 0
+def share_prompt_embeddings(text_encoder: Any, layer: int, replica: Replica) -> Any:
+    """On rank 0: after each forward of `text_encoder.model` (diffusers' MiniMax-H3 text blocks read its
+    `hidden_states[layer]`), broadcast that hidden state to the other ranks. Returns the hook's handle."""
+
+    def share(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        state = output.hidden_states[layer]
+        replica.broadcast_tensor(state, state.dtype, state.device)
+
+    return text_encoder.model.register_forward_hook(share, with_kwargs=True)
+
+
+class _Received:
+    """What diffusers reads of a Qwen3-VL forward's output: `hidden_states[layer]`, here the broadcast one."""
+
+    def __init__(self, layer: int, state: torch.Tensor) -> None:
+        self._layer, self._state = layer, state
+
+    @property
+    def hidden_states(self) -> Any:
+        layer, state = self._layer, self._state
+
+        class _States:
+            def __getitem__(self, index: int) -> torch.Tensor:
+                if index != layer:
+                    raise IndexError(f"rank 0 broadcast hidden_states[{layer}] only, not [{index}]")
+                return state
+
+        return _States()
+
+
+class ReceivedTextEncoder(torch.nn.Module):
+    """A rank's text encoder that is rank 0's: no weights; `model(...)` returns the hidden state rank 0 broadcast
+    for the same call (every rank runs diffusers' same blocks on the same request, so the calls pair up). `config`
+    is the trimmed Qwen3-VL config diffusers checks; `dtype` the encoder's."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, layer: int, replica: Replica) -> None:
+        super().__init__()
+        self.config = config
+        self._dtype = dtype
+        self._layer = layer
+        self._replica = replica
+        self.model = _ReceivedModel(self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def receive(self) -> _Received:
+        state = self._replica.broadcast_tensor(None, self._dtype, self._replica.device)
+        return _Received(self._layer, state)
+
+
+class _ReceivedModel:
+    def __init__(self, owner: ReceivedTextEncoder) -> None:
+        self._owner = owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Received:
+        return self._owner.receive()

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from .media import DecodedMedia
+from .parallel import Replica, share_prompt_embeddings
 from .plans import PlanKey, PlanLinear, PlanPages, SlotReads, load_transformer_without_adaln
 from .request import GenerationRequest
-from .text_encoder import TextEncoderPlacement, load_text_encoder
+from .text_encoder import TextEncoderPlacement, load_text_encoder, receive_text_encoder
 
 PagesForStep = Callable[[int, PlanKey], torch.Tensor]
 """(step index, plan key) -> that plan's pages, (len(key), page_numel) in the projections' dtype."""
@@ -90,6 +91,7 @@ def load_pipeline(
     device: torch.device | str = "cpu",
     text_encoder: TextEncoderPlacement | None = None,
     vae_dtype: str | None = None,
+    replica: Replica | None = None,
 ) -> Any:
     """diffusers' MiniMaxH3ModularPipeline on `repo`: MiniMaxH3Blocks without `decode` (see load_decoder), every
     from_pretrained component but `transformer_ref` at `dtype`'s precision, each moved to `device` as soon as it is
@@ -101,7 +103,8 @@ def load_pipeline(
     with `cached` built without its plan tensors (use_cached_transformer), so that no full transformer is ever built
     and no adaln_proj / norm_out.linear byte is read. The execution device is `device` wherever the text encoder
     runs. `vae_dtype` (DECODE_DTYPES; None: `dtype`'s) loads the two VAEs at the dtype they will decode in, as
-    load_decoder would load them again (so they are read once). The pipeline ends at `denoise.after_denoise`, with the
+    load_decoder would load them again (so they are read once). On a `replica` of several ranks, rank 0 loads the
+    text encoder and broadcasts each prompt embedding; the other ranks load none and receive it. The pipeline ends at `denoise.after_denoise`, with the
     final latents in its state.
     """
     from diffusers import MiniMaxH3Blocks
@@ -115,7 +118,13 @@ def load_pipeline(
     pipe = pipeline_class()(blocks=quiet(blocks), pretrained_model_name_or_path=os.fspath(repo))
     pipe.execution_device = target
     placement = text_encoder if text_encoder is not None else TextEncoderPlacement()
-    pipe.text_encoder_load = load_text_encoder(pipe, _component_dtype(dtype, "text_encoder"), placement, target)
+    text_dtype = _component_dtype(dtype, "text_encoder")
+    if replica is not None and not replica.leader:  # rank 0 encodes; this rank receives the embedding
+        pipe.text_encoder_load = receive_text_encoder(pipe, text_dtype, replica)
+    else:
+        pipe.text_encoder_load = load_text_encoder(pipe, text_dtype, placement, target)
+        if replica is not None and replica.world_size > 1:
+            share_prompt_embeddings(pipe.text_encoder, int(pipe.text_encoder_layer), replica)
     for name in pipe.pretrained_component_names:
         if name not in (*_UNLOADED, "text_encoder", "transformer"):
             at = DECODE_DTYPES[vae_dtype] if vae_dtype is not None and name in _VAES else _LOAD_DTYPES[dtype]

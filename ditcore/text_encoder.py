@@ -34,7 +34,8 @@ import torch
 AUTO = "auto"
 TEXT_ENCODER_DEVICES = (AUTO, "cuda", "cpu")
 """--text-encoder-device: "auto" (the model's device), "cuda" (the model's CUDA device, else the current one), "cpu"."""
-PLACEMENTS = ("device", "cpu", "offload")
+PLACEMENTS = ("device", "cpu", "offload", "rank0")
+""""rank0": a replica rank other than 0, which loads no text encoder and receives rank 0's prompt embedding."""
 """How an encoder is placed, as GetStatus reports it (ComponentPlacement.placement)."""
 _OFFLOADED_BLOCKS = ["visual", "language_model"]
 """The children of `Qwen3VLModel` group offloading descends into (offload_model)."""
@@ -116,6 +117,8 @@ class LoadedTextEncoder:
     """One of PLACEMENTS."""
 
     def note(self) -> str:
+        if self.placement == "rank0":
+            return "not loaded on this rank: rank 0 encodes each prompt and broadcasts its embedding"
         kept = f"text layers 0..{self.kept_layers - 1} of {self.stored_layers} kept"
         head = ", lm_head dropped" if self.head_dropped else ""
         out = f"{kept}{head} ({self.saved_bytes:,} bytes = {self.saved_bytes / 2**30:.2f} GiB not loaded)"
@@ -154,11 +157,9 @@ def conditioner_class() -> Any:
     return Qwen3VLConditioner
 
 
-def load_text_encoder(
-    pipe: Any, dtype: torch.dtype, placement: TextEncoderPlacement, model_device: torch.device
-) -> LoadedTextEncoder:
-    """Load `pipe`'s text encoder (its ComponentSpec: repository, subfolder, variant, revision) at `dtype`, trimmed
-    to `pipe.text_encoder_layer + 1` decoder layers without lm_head, place it, and install it in `pipe`."""
+def _trimmed_config(pipe: Any) -> tuple[Any, str, dict[str, Any], int, int]:
+    """`pipe`'s text encoder config (its ComponentSpec: repository, subfolder, variant, revision) trimmed to
+    `text_encoder_layer + 1` decoder layers; (config, root, where, stored layers, kept layers)."""
     spec = pipe.get_component_spec("text_encoder")
     where = {k: getattr(spec, k) for k in spec.loading_fields() if getattr(spec, k, None) is not None}
     root = where.pop("pretrained_model_name_or_path")
@@ -169,6 +170,27 @@ def load_text_encoder(
             f"{where.get('subfolder', '')}/config.json: MiniMax-H3 reads hidden_states[{keep - 1}] of its Qwen3-VL, "
             f"which needs {keep} decoder layers; text_config.num_hidden_layers is {stored}"
         )
+    return config, root, where, stored, keep
+
+
+def receive_text_encoder(pipe: Any, dtype: torch.dtype, replica: Any) -> LoadedTextEncoder:
+    """On a replica rank other than 0: install a text encoder that holds no weights and receives rank 0's prompt
+    embedding for each encode (ditcore.parallel.ReceivedTextEncoder); none of its bytes are read."""
+    from .parallel import ReceivedTextEncoder
+
+    config, _, _, stored, keep = _trimmed_config(pipe)
+    saved = dropped_bytes(config, 0, dtype)  # every layer and the head: nothing of it is loaded here
+    config.text_config.num_hidden_layers = keep
+    pipe.update_components(text_encoder=ReceivedTextEncoder(config, dtype, keep - 1, replica))
+    return LoadedTextEncoder(stored, 0, True, saved, replica.device, "rank0")
+
+
+def load_text_encoder(
+    pipe: Any, dtype: torch.dtype, placement: TextEncoderPlacement, model_device: torch.device
+) -> LoadedTextEncoder:
+    """Load `pipe`'s text encoder (its ComponentSpec: repository, subfolder, variant, revision) at `dtype`, trimmed
+    to `pipe.text_encoder_layer + 1` decoder layers without lm_head, place it, and install it in `pipe`."""
+    config, root, where, stored, keep = _trimmed_config(pipe)
     saved = dropped_bytes(config, keep, dtype)
     config.text_config.num_hidden_layers = keep
     device = placement.resolve(model_device)

@@ -3,7 +3,7 @@
 `cp_latents`: on every rank, diffusers' own MiniMax-H3 loop with `enable_parallelism(ContextParallelConfig(
 ulysses_degree=N))` (tests/oracle.py's pipeline; the only change is that diffusers' resolver is given a CPU device
 count of one, so it puts the rank on the CPU), then ditserve's cached transformer under ditcore.parallel with pages
-from the sidecar's PlanBuilder, both on the same request; each rank saves both pairs of latents.
+from the sidecar's PlanBuilder, both on the same request (ditcore.load_model on a Replica: rank 0 alone loads the text encoder); each rank saves both.
 """
 
 from __future__ import annotations
@@ -29,31 +29,51 @@ def diffusers_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torc
     return diffusers_request_latents(repo, request)
 
 
+class BuiltPages:
+    """A PlanProvider whose lease holds pages built here by the sidecar's PlanBuilder (no sidecar process)."""
+
+    def __init__(self, repo: Path) -> None:
+        from ditcore.rebuild import PlanBuilder
+
+        self.builder = PlanBuilder(repo / "transformer")
+
+    def acquire(self, keys: Any) -> Any:
+        from ditcore.report import CacheReport
+
+        pages = [self.builder.build_one(k) for k in keys]
+
+        class Lease:
+            report = CacheReport(built_plans=len(keys))
+
+            def pages(self, step: int) -> torch.Tensor:
+                return pages[step]
+
+            def release(self) -> None:
+                pass
+
+        return Lease()
+
+
 def ditserve_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ditserve's cached transformer (no adaln_proj) under ditcore.parallel, pages from PlanBuilder."""
-    from oracle import stored_precision
+    """ditserve's cached model (no adaln_proj) on this rank of a replica: ditcore.load_model with a Replica (context
+    parallel through diffusers, rank 0's text encoder broadcasting the prompt embedding), pages from PlanBuilder."""
+    from ditcore import GenerationRequest, generate, load_model
+    from ditcore.parallel import ParallelSpec, Replica, init_process_group
 
-    from ditcore.parallel import ParallelSpec, enable_context_parallel, split_guard
-    from ditcore.pipeline import generate_latents, load_pipeline, plan_keys
-    from ditcore.rebuild import PlanBuilder
-    from ditcore.request import GenerationRequest
-
-    precision = stored_precision(repo)
-    req = GenerationRequest(**request)
-    pipe = load_pipeline(repo, precision, cached=True)
-    spec = ParallelSpec(ulysses_degree=degree)
-    enable_context_parallel(pipe.transformer, spec, torch.device("cpu"))
-    split_guard(pipe.transformer, spec)
-    keys = plan_keys(pipe, req)
-    builder = PlanBuilder(repo / "transformer")
-    pages = [builder.build_one(k) for k in keys]
-    return generate_latents(pipe, req, lambda i, _key: pages[i], keys)
+    device = torch.device("cpu")
+    ranks = init_process_group(device)
+    replica = Replica(ParallelSpec(ulysses_degree=degree), ranks, device)
+    model = load_model(repo, "cached", device, replica=replica)
+    if not replica.leader:
+        assert model.pipe.text_encoder_load.placement == "rank0"  # no Qwen3-VL weights on this rank
+    result = generate(model, GenerationRequest(**request), BuiltPages(repo))
+    return result.video, result.audio
 
 
 def cp_latents(rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int) -> None:
-    import torch.distributed as dist
+    from ditcore.parallel import init_process_group
 
-    dist.init_process_group("cpu:gloo")
+    init_process_group(torch.device("cpu"))
     video, audio = diffusers_cp(repo, request, degree)
     mine_video, mine_audio = ditserve_cp(repo, request, degree)
     save_file({"diffusers_video": video.contiguous(), "diffusers_audio": audio.contiguous(),
@@ -63,9 +83,8 @@ def cp_latents(rank: int, out: Path, repo: Path, request: dict[str, Any], degree
 
 def split_refused(rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int) -> None:
     """ditserve's cached CP run of a request whose rows do not split: the SplitError each rank raised."""
-    from ditcore.parallel import SplitError, init_process_group
+    from ditcore.parallel import SplitError
 
-    init_process_group(torch.device("cpu"))
     try:
         ditserve_cp(repo, request, degree)
         outcome = {"raised": None}

@@ -1,0 +1,108 @@
+from protos.ditserve.plancache.v1 import plancache_pb2 as _plancache_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SwapAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWAP_ACTION_UNSPECIFIED: _ClassVar[SwapAction]
+    SWAP_ACTION_INSTALL: _ClassVar[SwapAction]
+    SWAP_ACTION_ROLLBACK: _ClassVar[SwapAction]
+    SWAP_ACTION_DROP: _ClassVar[SwapAction]
+    SWAP_ACTION_RETIRE: _ClassVar[SwapAction]
+SWAP_ACTION_UNSPECIFIED: SwapAction
+SWAP_ACTION_INSTALL: SwapAction
+SWAP_ACTION_ROLLBACK: SwapAction
+SWAP_ACTION_DROP: SwapAction
+SWAP_ACTION_RETIRE: SwapAction
+
+class RankWork(_message.Message):
+    __slots__ = ("attach", "run", "stage", "swap", "stop")
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    attach: Attach
+    run: Run
+    stage: Stage
+    swap: Swap
+    stop: Stop
+    def __init__(self, attach: _Optional[_Union[Attach, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., stage: _Optional[_Union[Stage, _Mapping]] = ..., swap: _Optional[_Union[Swap, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+
+class Attach(_message.Message):
+    __slots__ = ("epoch", "session", "weights_path", "fingerprint")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    session: _plancache_pb2.Session
+    weights_path: str
+    fingerprint: str
+    def __init__(self, epoch: _Optional[int] = ..., session: _Optional[_Union[_plancache_pb2.Session, _Mapping]] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class Request(_message.Message):
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "height", "width", "num_frames", "first_frame", "last_frame")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    task: str
+    prompt: str
+    num_inference_steps: int
+    flow_shift: float
+    audio_flow_shift: float
+    seed: int
+    height: int
+    width: int
+    num_frames: int
+    first_frame: bytes
+    last_frame: bytes
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("request", "epoch", "generation", "plan_keys", "slots")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    request: Request
+    epoch: int
+    generation: int
+    plan_keys: _containers.RepeatedCompositeFieldContainer[_plancache_pb2.PlanKey]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[_plancache_pb2.PlanKey, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Stage(_message.Message):
+    __slots__ = ("weights_path", "fingerprint")
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    weights_path: str
+    fingerprint: str
+    def __init__(self, weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class Swap(_message.Message):
+    __slots__ = ("action",)
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    action: SwapAction
+    def __init__(self, action: _Optional[_Union[SwapAction, str]] = ...) -> None: ...
+
+class Stop(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
