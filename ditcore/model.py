@@ -347,7 +347,7 @@ def load_model(
     use_backend(model.transformer, options.attention_backend, context_parallel=parallel)
     if parallel:
         assert replica is not None
-        enable_context_parallel(model.transformer, replica.spec, replica.device)
+        enable_context_parallel(model.transformer, replica.spec, replica.device, replica.mesh)
         split_guard(model.transformer, replica.spec)
     return model
 

@@ -109,15 +109,27 @@ class ParallelSpec:
                 f"{self.degree} (change the prompt, num_frames, height or width by a little)"
             )
 
-    def context_parallel_config(self) -> Any:
-        """diffusers' ContextParallelConfig for this layout."""
+    def context_parallel_config(self, mesh: Any = None) -> Any:
+        """diffusers' ContextParallelConfig for this layout (on `mesh`, else one diffusers builds)."""
         from diffusers import ContextParallelConfig
 
         return ContextParallelConfig(
             ulysses_degree=self.ulysses_degree if self.ulysses_degree > 1 else None,
             ring_degree=self.ring_degree if self.ring_degree > 1 else None,
             ulysses_anything=self.ulysses_anything,
+            mesh=mesh,
         )
+
+    def device_mesh(self, device: torch.device) -> Any:
+        """The ("ring", "ulysses") device mesh of this layout, built collectively (every rank calls it together),
+        with diffusers' flattened view made now too: every model loaded later reuses it, so a load on one rank
+        alone (a weight update staged on rank 0 first) runs no collective."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        config = self.context_parallel_config()
+        mesh = init_device_mesh(device.type, config.mesh_shape, mesh_dim_names=config.mesh_dim_names)
+        mesh["ring", "ulysses"]._flatten()  # what ContextParallelConfig.setup flattens; cached on the mesh
+        return mesh
 
 
 @dataclass(frozen=True)
@@ -195,16 +207,17 @@ def _resolver(device: torch.device) -> Any:
     return resolve
 
 
-def enable_context_parallel(model: Any, spec: ParallelSpec, device: torch.device) -> None:
+def enable_context_parallel(model: Any, spec: ParallelSpec, device: torch.device, mesh: Any = None) -> None:
     """diffusers' `enable_parallelism` with `spec`'s ContextParallelConfig on `model` (a MiniMaxH3Transformer3DModel,
-    resident or cached), its mesh and rank on `device`. A no-op for a degree of 1."""
+    resident or cached), its rank on `device`, on `mesh` (ParallelSpec.device_mesh; None: diffusers builds one,
+    collectively). A no-op for a degree of 1."""
     if not spec.enabled:
         return
     if not dist.is_initialized():
         raise ParallelError("context parallel needs the replica's process group (init_process_group) first")
     model._resolve_parallel_config = types.MethodType(_resolver(torch.device(device)), model)
     try:
-        model.enable_parallelism(config=spec.context_parallel_config())
+        model.enable_parallelism(config=spec.context_parallel_config(mesh))
     finally:
         del model._resolve_parallel_config  # the class's own again
 
@@ -233,9 +246,12 @@ class Replica:
     as uint8 tensors behind an int64 length, over gloo on the host (the group's CPU backend)."""
 
     def __init__(self, spec: ParallelSpec, ranks: Ranks, device: torch.device) -> None:
+        """Collective: every rank of the replica constructs its Replica together (the device mesh is built here)."""
         self.spec = spec
         self.ranks = ranks
         self.device = torch.device(device)
+        self.mesh = spec.device_mesh(self.device) if spec.enabled else None
+        """The context-parallel mesh every model of this rank runs on (enable_context_parallel)."""
 
     @property
     def leader(self) -> bool:
