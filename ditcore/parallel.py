@@ -73,6 +73,15 @@ class ParallelSpec:
     def check(self, world_size: int, heads: int, backend: str) -> None:
         """ParallelError unless this layout runs on `world_size` ranks of a model with `heads` attention heads over
         the process group `backend` ("gloo" or "nccl")."""
+        self.check_layout(world_size, backend)
+        if not self.ulysses_anything and heads % self.ulysses_degree:
+            raise ParallelError(
+                f"--ulysses-degree must divide the transformer's {heads} attention heads, got {self.ulysses_degree}"
+                f" (allowed: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})"
+            )
+
+    def check_layout(self, world_size: int, backend: str) -> None:
+        """`check` without the model: the degrees, the ranks and the backend (a replica's start)."""
         for flag, value in (("--ulysses-degree", self.ulysses_degree), ("--ring-degree", self.ring_degree)):
             if value < 1:
                 raise ParallelError(f"{flag} must be at least 1, got {value}")
@@ -89,11 +98,6 @@ class ParallelSpec:
                 )
             if self.ring_degree > 1:
                 raise ParallelError("--ulysses-anything cannot be combined with --ring-degree > 1 (diffusers' rule)")
-        elif heads % self.ulysses_degree:
-            raise ParallelError(
-                f"--ulysses-degree must divide the transformer's {heads} attention heads, got {self.ulysses_degree}"
-                f" (allowed: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})"
-            )
         if self.ring_degree > 1 and backend == "gloo":
             raise ParallelError(
                 f"--ring-degree {self.ring_degree} needs an attention backend that returns its log-sum-exp "
@@ -171,18 +175,31 @@ def collective_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(device: torch.device, environ: Mapping[str, str] | None = None) -> Ranks:
+def init_process_group(
+    device: torch.device, environ: Mapping[str, str] | None = None, timeout_s: float | None = None
+) -> Ranks:
     """Join the replica's process group from torchrun's environment (env:// rendezvous at MASTER_ADDR:MASTER_PORT),
-    binding CUDA ranks to `device`. Idempotent within a process."""
+    binding CUDA ranks to `device`; `timeout_s` bounds one collective (None: torch's default). Idempotent within a
+    process."""
+    import datetime
+
     ranks = ranks_from_env(environ)
+    env = os.environ if environ is None else environ
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        # torchrun's agent keeps one store across the restarts of its workers: the keys of every attempt are
+        # prefixed by its restart count, or a restarted rank would read its dead peers' addresses
+        store, _, _ = next(dist.rendezvous("env://", ranks.rank, ranks.world_size))
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend=process_group_backend(device),
+            store=dist.PrefixStore(f"ditserve/attempt-{attempt}", store),
             rank=ranks.rank,
             world_size=ranks.world_size,
             device_id=device if device.type == "cuda" else None,
+            timeout=timeout,
         )
     return ranks
 

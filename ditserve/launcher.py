@@ -190,8 +190,10 @@ SERVE_GENERATOR_EXCLUDE = (
 """GeneratorConfig fields that are not `serve` flags: derived from serve's own options, or left at
 default (serve's sidecar is always on the run dir's unix socket, so no sidecar TLS; serve's one --state-dir holds
 the sidecar's state file and the generator's jobs)."""
-SERVE_CACHE_EXCLUDE = ("device",)
-"""One --device (GeneratorConfig's) places both the transformer and the slab."""
+SERVE_CACHE_EXCLUDE = ("device", "devices")
+"""One --device / --devices (GeneratorConfig's) places both the transformer and the slab(s)."""
+REPLICA_MAX_RESTARTS = 3
+"""How often torchrun's agent restarts a replica's ranks as a unit before it gives up (then serve restarts it)."""
 SERVE_SIDECAR_ONLY = ("state_dir",)
 """The SidecarConfig flags of `serve` besides the cache's (the rest derive from serve's options)."""
 SERVE_LAUNCH_EXCLUDE = ("threads",)
@@ -199,10 +201,20 @@ FORWARDED_LAUNCH = ("log_level", "log_format")
 """Launch options both children get from `serve`."""
 
 
+def replica_devices(gen: GeneratorConfig, nproc: int) -> list[str]:
+    """Each rank's device, in rank order: --devices (as many as --nproc), else --device for every rank."""
+    listed = [d.strip() for d in gen.devices.split(",") if d.strip()]
+    if listed and len(listed) != nproc:
+        raise ValueError(f"--devices lists {len(listed)} device(s) but --nproc is {nproc}: one device per rank")
+    return listed or [gen.device] * nproc
+
+
 def child_configs(
     args: argparse.Namespace, run_dir: Path, checkpoint: Path
 ) -> tuple[GeneratorConfig, SidecarConfig | None]:
     """The generator's config and, in cached mode, the sidecar's, from `serve`'s flags."""
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     cached = args.adaln_mode == "cached"
     address = f"unix:{run_dir / SOCKET_NAME}"
     gen = from_args(
@@ -218,12 +230,13 @@ def child_configs(
     gen = replace(gen, jobs=replace(gen.jobs, state_dir=state_dir))  # the jobs store beside the sidecar's state file
     if not cached:
         return gen, None
+    slab_devices = ",".join(replica_devices(gen, args.nproc)) if args.nproc > 1 else ""
     side = from_args(
         SidecarConfig,
         args,
         only=SERVE_SIDECAR_ONLY,
         checkpoint=checkpoint,
-        cache=from_args(CacheConfig, args, exclude=SERVE_CACHE_EXCLUDE, device=gen.device),
+        cache=from_args(CacheConfig, args, exclude=SERVE_CACHE_EXCLUDE, device=gen.device, devices=slab_devices),
         address=address,
         metrics_port=None if args.metrics_port is None else args.metrics_port + 1,
         metrics_host=gen.metrics_bind_host,  # both services' /metrics where serve's --metrics-host / --host says
@@ -251,7 +264,11 @@ def build_children(
         )
     host = args.host
     health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-    gen_argv = [py, "-m", "generator_service", *to_argv(gen, exclude=("admin_token",)), *common]
+    launcher = [py, "-m", "generator_service"]
+    if args.nproc > 1:  # one rank per device, restarted as a unit by torchrun's elastic agent
+        launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.nproc}",
+                    f"--max-restarts={REPLICA_MAX_RESTARTS}", "-m", "generator_service"]  # fmt: skip
+    gen_argv = [*launcher, *to_argv(gen, exclude=("admin_token",)), *common]
     health = f"{health_host}:{args.port}"
     gen_log, creds = run_dir / "generator.log", health_credentials(gen)
     children.append(Child("generator", gen_argv, health, gen_log, creds, child_env(gen.admin_token), gen))
@@ -409,6 +426,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--checkpoint", default=None, help="MiniMax-H3 repository (default: a generated tiny demo repository)"
     )
     p.add_argument("--port", type=int, default=50051, help="generator port (default %(default)s)")
+    p.add_argument(
+        "--nproc", type=int, default=1,
+        help="generator ranks of one replica, one per device (--devices, else --device for each), started by "
+        "torchrun's elastic agent; the sidecar gets one slab per rank (default %(default)s)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="generator bind address (default %(default)s)")
     p.add_argument(
         "--metrics-port", type=int, default=9400, help="generator /metrics on P, sidecar on P+1 (default %(default)s)"

@@ -5,8 +5,11 @@ passes each its collaborators; nothing is wired after construction."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -15,6 +18,7 @@ import grpc
 import torch
 
 from ditcore.attention import AttentionBackendError, check_runs
+from ditcore.parallel import Ranks, Replica, collective_backend, init_process_group, ranks_from_env
 from ditruntime.paths import hold_lock, prepare_dir, require_dir
 from ditruntime.tls import mutual_tls_channel_credentials
 
@@ -29,6 +33,7 @@ from .job_store import JobStore
 from .job_types import JobsPolicy
 from .metrics import GeneratorMetrics, register_job_gauges, register_state_gauges
 from .registry import JobRegistry
+from .replica import EXIT_REPLICA_LOST, Follower, ReplicaLink, follow
 from .resident import ResidentBackend
 from .results import ResultStore
 from .server import GeneratorServer, HealthPublisher
@@ -48,24 +53,64 @@ def sidecar_credentials(cfg: GeneratorConfig) -> grpc.ChannelCredentials | None:
     )
 
 
+def join_replica(cfg: GeneratorConfig, ranks: Ranks) -> Replica:
+    """This rank's place in its replica: its device (--devices by LOCAL_RANK), the process group joined (torchrun's
+    environment), the layout checked (--ulysses-degree x --ring-degree = ranks, the backend) and its mesh built.
+    Every rank calls it at its start."""
+    device = torch.device(cfg.rank_device(ranks.local_rank))
+    spec = cfg.parallel_spec(ranks.world_size)
+    spec.check_layout(ranks.world_size, collective_backend(device))
+    init_process_group(device, timeout_s=cfg.replica_timeout_s)
+    replica = Replica(spec, ranks, device)
+    log.info("replica rank %d of %d on %s (ulysses %d x ring %d)", ranks.rank, ranks.world_size, device,
+             spec.ulysses_degree, spec.ring_degree)  # fmt: skip
+    return replica
+
+
+def exit_for_restart(state: ServingState, delay_s: float = 2.0) -> Callable[[str], None]:
+    """What rank 0 does when a rank is gone: NOT_SERVING at once, then (after the failed request's answer had time
+    to leave) exit EXIT_REPLICA_LOST, so the elastic launcher restarts every rank as a unit."""
+
+    def lost(message: str) -> None:
+        state.set_rank_lost()
+
+        def exit_now() -> None:
+            logging.shutdown()
+            os._exit(EXIT_REPLICA_LOST)
+
+        timer = threading.Timer(delay_s, exit_now)
+        timer.daemon = True
+        timer.start()
+
+    return lost
+
+
+def run_follower(cfg: GeneratorConfig) -> int:
+    """A replica rank other than 0: no server; it runs every request's loop with rank 0 (generator_service.replica)."""
+    replica = join_replica(cfg, ranks_from_env())
+    checkpoint = cfg.checkpoint if cfg.adaln_mode == "resident" else None
+    return follow(Follower(replica, cfg.adaln_mode, cfg.run_options, cfg.limits, checkpoint))
+
+
 def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     if cfg.weights_root is not None:  # read, never created: it must exist
         require_dir(cfg.weights_root, "--weights-root")
-    device = torch.device(cfg.device)
+    ranks = ranks_from_env()
+    device = torch.device(cfg.rank_device(ranks.local_rank))
     try:  # a named backend that cannot run on the device is refused now, not at the first load or attach
         check_runs(cfg.attention_backend, device)
     except AttentionBackendError as e:
         raise AttentionBackendError(f"--attention-backend: {e}") from e
     publisher = HealthPublisher()
     backend: Backend
+    state = ServingState(attached=cfg.adaln_mode == "resident", listener=publisher.publish)  # resident: no sidecar
+    replica = ReplicaLink(join_replica(cfg, ranks), exit_for_restart(state)) if ranks.world_size > 1 else None
     if cfg.adaln_mode == "resident":
         assert cfg.checkpoint is not None  # GeneratorConfig checks it
-        state = ServingState(attached=True, listener=publisher.publish)  # no sidecar to attach to
-        backend = ResidentBackend(cfg.checkpoint, device, options=cfg.run_options)
+        backend = ResidentBackend(cfg.checkpoint, device, options=cfg.run_options, replica=replica)
         prefetch = False  # nothing to lease ahead
     else:
-        state = ServingState(attached=False, listener=publisher.publish)
-        weights = CachedWeights(device, cfg.run_options)
+        weights = CachedWeights(device, cfg.run_options, replica)
         link = SidecarClient(
             cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state,
             credentials=sidecar_credentials(cfg), admin_token=cfg.admin_secret, device=device,
@@ -74,8 +119,9 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
         prefetch = cfg.prefetch
     metrics = GeneratorMetrics()
     executor = Executor(
-        backend, cfg.max_queue_depth, prefetch, on_finish=metrics.on_finish, limits=cfg.limits, sizing=cfg.sizing
-    )
+        backend, cfg.max_queue_depth, prefetch, on_finish=metrics.on_finish, limits=cfg.limits, sizing=cfg.sizing,
+        denoise=replica.run if replica is not None else None,
+    )  # fmt: skip
     register_state_gauges(metrics.registry, backend, executor)
     updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
     registry = JobRegistry(executor)

@@ -11,18 +11,36 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from ditcore import CheckpointError, CheckpointInfo, GenerationRequest, H3Model, PlanKey, PlanLease, validate_checkpoint
+from ditcore import (
+    CheckpointError,
+    CheckpointInfo,
+    GenerationRequest,
+    H3Model,
+    PlanKey,
+    PlanLease,
+    load_model,
+    validate_checkpoint,
+)
+from ditcore.model import RunOptions
 from ditcore.request import RequestError, RequestLimits, prompt_tokens
 from ditcore.sizing import ModelShapes, RequestSizer, device_class
 from ditruntime import memory
 from ditruntime.memory import MemoryBudget
 from ditruntime.slab import SlabDescriptor
+from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
 from .errors import RequestTooLargeForDeviceError
+
+if TYPE_CHECKING:
+    from .replica import ReplicaLink
+
+SWAP_INSTALL, SWAP_ROLLBACK, SWAP_DROP, SWAP_RETIRE = (
+    rpb.SWAP_ACTION_INSTALL, rpb.SWAP_ACTION_ROLLBACK, rpb.SWAP_ACTION_DROP, rpb.SWAP_ACTION_RETIRE,
+)  # fmt: skip
 
 MemoryReader = Callable[[], MemoryBudget]
 """What the model's device has free now (ditruntime.memory.free_memory; tests inject their own)."""
@@ -81,12 +99,62 @@ class Backend(ABC):
     mode: ClassVar[str]  # "resident" or "cached" (ditcore's adaln modes)
 
     def __init__(
-        self, device: torch.device, model_lock: threading.RLock, free_memory: MemoryReader | None = None
+        self,
+        device: torch.device,
+        model_lock: threading.RLock,
+        free_memory: MemoryReader | None = None,
+        replica: ReplicaLink | None = None,
     ) -> None:
         self.device = device
         self.model_lock = model_lock
         self._free_memory = free_memory
         self._sizer: tuple[H3Model, RequestSizer] | None = None
+        self.replica = replica
+        """Rank 0's link to the other ranks of its replica (None: one device): every model it loads runs on every
+        rank, and every weight change is made on every rank or none (generator_service.replica)."""
+
+    def load(self, info: CheckpointInfo, options: RunOptions) -> H3Model:
+        """Load `info` in this backend's mode on its device (on a replica: as rank 0 of it)."""
+        return load_model(info, self.mode, self.device, options, self.replica.replica if self.replica else None)
+
+    def stage_everywhere(self, info: CheckpointInfo, options: RunOptions) -> StagedWeights:
+        """`info` loaded here beside the served weights, and on every other rank of a replica at the same time."""
+        if self.replica is None:
+            return StagedWeights(self.load(info, options), info, info.fingerprint)
+        model = self.replica.stage(str(info.path), info.fingerprint, lambda: self.load(info, options))
+        return StagedWeights(model, info, info.fingerprint)
+
+    def swap_everywhere(self, install: Callable[[], Rollback]) -> Rollback:
+        """Every other rank installs its staged weights, then `install()` does here; the rollback puts the old
+        weights back on every rank."""
+        if self.replica is None:
+            return install()
+        link = self.replica
+        link.swap(SWAP_INSTALL)
+        local = install()
+
+        def rollback() -> None:
+            local()
+            link.swap(SWAP_ROLLBACK)
+
+        return rollback
+
+    def committed_everywhere(self) -> None:
+        """The update committed: the other ranks forget the weights they kept for a rollback."""
+        if self.replica is not None:
+            self.replica.settle(SWAP_RETIRE)
+
+    def aborted_everywhere(self) -> None:
+        """The update will not commit: the other ranks forget what they staged."""
+        if self.replica is not None:
+            self.replica.settle(SWAP_DROP)
+
+    def check_split(self, request: GenerationRequest, prompt_tokens: int | None) -> None:
+        """Admission on a replica: RequestError unless the request's packed sequence splits across the ranks
+        (exact for t2va from the prompt's tokens; fl2va's vision rows are checked by every rank before the
+        transformer's first forward instead)."""
+        if self.replica is not None:
+            self.replica.check_split(request, self.sizer(), prompt_tokens)
 
     # ---------------------------------------------------------------- lifecycle
     @abstractmethod

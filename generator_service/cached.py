@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,21 +28,35 @@ from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease
 from .errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
 from .sidecar_port import Attachment, SidecarSession
 
+if TYPE_CHECKING:
+    from .replica import ReplicaLink
+
 log = logging.getLogger(__name__)
 
 
 class CachedWeights:
     """The cached-mode model and which checkpoint it came from; `on_attach` vets each session."""
 
-    def __init__(self, device: torch.device, options: RunOptions | None = None) -> None:
+    def __init__(
+        self, device: torch.device, options: RunOptions | None = None, replica: ReplicaLink | None = None
+    ) -> None:
         self.device = device
         self.options = options if options is not None else RunOptions()  # every model loaded here runs so
+        self.replica = replica
+        """Rank 0's link to a replica's other ranks: each attachment maps and loads on every rank."""
         self.lock = threading.RLock()  # the backend's model_lock
         self.model: H3Model | None = None
         self.loaded: tuple[str, str] | None = None  # (weights_path, fingerprint)
 
     def on_attach(self, att: Attachment) -> None:
-        """Load the sidecar's weights if ours differ; check slab geometry against the model."""
+        """Load the sidecar's weights if ours differ; check slab geometry against the model. On a replica every
+        other rank maps its own slab of the session and loads the same weights meanwhile."""
+        if self.replica is not None:
+            self.replica.attach(att, lambda: self._attach_here(att))
+        else:
+            self._attach_here(att)
+
+    def _attach_here(self, att: Attachment) -> None:
         with self.lock:
             if self.loaded != (att.weights_path, att.fingerprint):
                 info = validate_checkpoint(att.weights_path, require_adaln=False)
@@ -51,7 +66,9 @@ class CachedWeights:
                         f"{att.fingerprint[:16]}; the files changed"
                     )
                 log.info("loading MiniMax-H3 (cached mode) from %s", att.weights_path)
-                self.model = load_model(info, "cached", self.device, self.options)
+                self.model = load_model(
+                    info, "cached", self.device, self.options, self.replica.replica if self.replica else None
+                )
                 self.loaded = (att.weights_path, att.fingerprint)
             assert self.model is not None
             check_slab(self.model, att)
@@ -82,7 +99,7 @@ class CachedBackend(Backend):
     mode = "cached"
 
     def __init__(self, link: SidecarSession, weights: CachedWeights, free_memory: MemoryReader | None = None) -> None:
-        super().__init__(weights.device, weights.lock, free_memory)
+        super().__init__(weights.device, weights.lock, free_memory, weights.replica)
         self.link = link
         self._weights = weights
 
@@ -155,20 +172,24 @@ class CachedBackend(Backend):
         crash_point("update:after_prepare")
 
     def stage(self, info: CheckpointInfo) -> StagedWeights:
-        return StagedWeights(load_model(info, self.mode, self.device, self._weights.options), info, info.fingerprint)
+        return self.stage_everywhere(info, self._weights.options)
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
         raise tensor_updates_refused()
 
     def swap(self, staged: StagedWeights) -> Rollback:
         w = self._weights
-        old = (w.model, w.loaded)
-        w.model, w.loaded = staged.model, (str(staged.info.path), staged.fingerprint)
 
-        def rollback() -> None:
-            w.model, w.loaded = old
+        def install() -> Rollback:
+            old = (w.model, w.loaded)
+            w.model, w.loaded = staged.model, (str(staged.info.path), staged.fingerprint)
 
-        return rollback
+            def rollback() -> None:
+                w.model, w.loaded = old
+
+            return rollback
+
+        return self.swap_everywhere(install)
 
     def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> tuple[int, str]:
         """The sidecar's CommitWeightUpdate; if its outcome is unknown, drop the session and serve
@@ -181,7 +202,9 @@ class CachedBackend(Backend):
             raise
         crash_point("update:after_commit")
         self.link.adopt(generation, path, fp)
+        self.committed_everywhere()
         return generation, fp
 
     def abort_update(self, path: str) -> None:
         self.link.abort_update(path)
+        self.aborted_everywhere()

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 
+import torch
+
 from ditcore import CheckpointError
+from ditcore.parallel import ranks_from_env
 from ditruntime.flags import LaunchOptions, add_flags, from_args
 from ditruntime.obs import setup_logging
 from ditruntime.paths import default_socket, grpc_target
 from ditruntime.service_main import run_service
 
-from .app import build_server
+from .app import build_server, run_follower
 from .config import GeneratorConfig
 
 log = logging.getLogger("generator_service")
@@ -43,6 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     launch = from_args(LaunchOptions, args)
     setup_logging(launch.log_level, launch.log_format)
+    if ranks_from_env().rank > 0:  # a replica rank other than 0 (torchrun): no server, it follows rank 0
+        if launch.threads is not None:
+            torch.set_num_threads(launch.threads)
+        try:
+            cfg = config_from_args(args)
+        except (ValueError, CheckpointError, OSError) as e:
+            print(f"ditserve generator: error: {e}", file=sys.stderr)
+            return 2
+        return run_follower(cfg)
     return run_service(
         "ditserve generator",
         launch.threads,

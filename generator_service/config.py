@@ -11,6 +11,7 @@ import torch
 
 from ditcore.attention import AUTO, check_name
 from ditcore.model import RunOptions
+from ditcore.parallel import ParallelSpec
 from ditcore.pipeline import DECODE_DTYPES
 from ditcore.request import (
     CANVAS_MULTIPLE,
@@ -80,7 +81,31 @@ class GeneratorConfig:
     listen: str = flag("127.0.0.1:50051", "public address host:port (default %(default)s)")
     """Public address (host:port; port 0 picks a free one)."""
     device: str = flag("cpu", "cpu or cuda[:N] (default %(default)s)")
-    """Device the DiT runs on."""
+    """Device the DiT runs on (every rank of a replica, unless --devices)."""
+    devices: str = flag(
+        "", "a replica's devices, one per rank in rank order, comma-separated (e.g. cuda:0,cuda:1; default: "
+        "--device for every rank)",
+    )  # fmt: skip
+    """A replica of N ranks (started by torchrun or `ditserve serve --nproc N`: RANK, WORLD_SIZE, LOCAL_RANK):
+    rank r runs on the r-th device listed (by its LOCAL_RANK). The sidecar's --devices must list the same devices
+    in the same order (its slab r is rank r's)."""
+    ulysses_degree: int = flag(
+        0, "a replica's Ulysses (all-to-all) sequence-parallel degree; 0: every rank (default %(default)s)",
+        low=0, high=1024,
+    )  # fmt: skip
+    """Ulysses degree x ring degree must equal the replica's ranks; the Ulysses degree must divide the
+    transformer's attention heads (56 released: 1, 2, 4, 7, 8, 14, 28, 56). 0 picks the ranks / ring degree."""
+    ring_degree: int = flag(1, "a replica's ring-attention degree (default %(default)s)", low=1, high=1024)
+    """Ring attention passes key/value blocks around the ranks; it needs a backend returning its log-sum-exp
+    (flash, _native_cudnn on CUDA), so CPU replicas use Ulysses."""
+    ulysses_anything: bool = flag(False, "Ulysses for any sequence length and head count (NCCL only)")
+    """diffusers' `ulysses_anything`: uneven all-gathers, so a packed sequence need not split evenly across the
+    ranks; refused on gloo (CPU), whose allgather needs equal sizes."""
+    replica_timeout_s: float = flag(
+        1800.0, "a replica's collective timeout in seconds (default %(default)s)", low=10, high=86400
+    )
+    """torch.distributed's timeout for one collective of the replica's group: the longest one rank may wait for the
+    others (rank 0 decoding, every rank loading an update's weights)."""
     attention_backend: str = flag(
         AUTO,
         "the transformer's diffusers attention backend (an AttentionBackendName, e.g. native, _native_cudnn, flash); "
@@ -321,6 +346,20 @@ class GeneratorConfig:
         te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
         return RunOptions(self.attention_backend, self.decode_dtype, te)
 
+    def rank_device(self, local_rank: int) -> str:
+        """The device of the replica rank with this LOCAL_RANK (--devices, else --device)."""
+        listed = [d.strip() for d in self.devices.split(",") if d.strip()]
+        if not listed:
+            return self.device
+        if not 0 <= local_rank < len(listed):
+            raise ValueError(f"--devices lists {len(listed)} device(s); LOCAL_RANK {local_rank} has none")
+        return listed[local_rank]
+
+    def parallel_spec(self, world_size: int) -> ParallelSpec:
+        """The replica's layout on `world_size` ranks (--ulysses-degree 0: the ranks over the ring degree)."""
+        ulysses = self.ulysses_degree or max(1, world_size // self.ring_degree)
+        return ParallelSpec(ulysses, self.ring_degree, self.ulysses_anything)
+
     @property
     def request_handlers(self) -> int:
         """Threads Generate and GenerateStream may hold at once."""
@@ -345,6 +384,9 @@ class GeneratorConfig:
         text_encoder = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)  # checks the choice
         if self.text_encoder_offload:  # where it resolves to (CUDA availability is checked at load)
             text_encoder.check(torch.device(self.device))
+        for d in (x.strip() for x in self.devices.split(",") if x.strip()):
+            if not (d == "cpu" or d.startswith("cuda")):
+                raise ValueError(f"--devices must list 'cpu' or 'cuda[:N]' devices, got {d!r} in {self.devices!r}")
         if self.adaln_mode not in ("cached", "resident"):
             raise ValueError(f"--adaln-mode must be cached or resident, got {self.adaln_mode!r}")
         if self.adaln_mode == "resident" and self.checkpoint is None:

@@ -125,6 +125,14 @@ class LeaseCheckError(GeneratorError):
     grpc_code = "UNAVAILABLE"
 
 
+class ReplicaUnavailableError(GeneratorError):
+    """A rank of this replica is gone (its process died or the group broke): the request fails, the replica goes
+    NOT_SERVING and restarts as a unit (generator_service.replica)."""
+
+    reason = "REPLICA_RANK_LOST"
+    grpc_code = "UNAVAILABLE"
+
+
 class SidecarError(GeneratorError):
     """The sidecar refused a call; carries the sidecar's status code name, reason and metadata."""
 

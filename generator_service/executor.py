@@ -43,9 +43,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ditcore import GenerationRequest, GenerationResult, PlanKey, RequestError, RequestLimits, generate
+from ditcore import GenerationRequest, GenerationResult, H3Model, PlanKey, RequestError, RequestLimits, generate
 from ditcore.keyframes import MediaError
 from ditcore.media import EncodedMedia, encode
+from ditcore.model import StepCallback
 from ditcore.request import KEYFRAME_FIELDS, forget_decoded_keyframes
 from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.errors import GenerationMismatchError
@@ -76,6 +77,27 @@ DRAIN_RATE_WINDOW = 16
 """Queue slots freed (jobs done) the drain rate is measured over."""
 RETRY_AFTER_S = (1.0, 600.0)
 """The bounds of the retry delay a full queue suggests (RetryInfo)."""
+
+
+Denoise = Callable[
+    [H3Model, GenerationRequest, "ServedLease | None", StepCallback, RequestLimits, Callable[[], None]],
+    GenerationResult,
+]
+"""The executor's denoise step: (model, request, lease, on_step, limits, check) -> result, the lease released in
+every outcome. One device: `denoise_here` (ditcore.generate); a replica of N ranks: ReplicaLink.run."""
+
+
+def denoise_here(
+    model: H3Model,
+    request: GenerationRequest,
+    lease: ServedLease | None,
+    on_step: StepCallback,
+    limits: RequestLimits,
+    check: Callable[[], None],
+) -> GenerationResult:
+    """One device's denoise step: ditcore.generate (it releases the lease in every outcome once acquired)."""
+    provider = _Prefetched(lease) if lease is not None else None
+    return generate(model, request, provider, on_step=on_step, limits=limits, check=check)
 
 
 def check_request(request: GenerationRequest, limits: RequestLimits) -> None:
@@ -161,8 +183,10 @@ class Executor:
         limits: RequestLimits | None = None,
         sizing: SizingPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        denoise: Denoise | None = None,
     ) -> None:
         self.backend = backend
+        self._run_request: Denoise = denoise if denoise is not None else denoise_here
         self.limits = limits if limits is not None else RequestLimits()
         self.sizing = sizing if sizing is not None else SizingPolicy()
         self._clock = clock
@@ -274,8 +298,9 @@ class Executor:
         """Admission's checks but the queue's capacity: H3's rules and the operator's limits, the prompt's tokens,
         the slab, the modeled memory, the expected generation. Raises what `submit` would."""
         check_request(job.request, self.limits)
-        check_prompt_tokens(self.backend, job.request, self.limits)  # the served tokenizer: ~8 ms for 16 KB
+        tokens = check_prompt_tokens(self.backend, job.request, self.limits)  # the served tokenizer: ~8 ms for 16 KB
         self.backend.check_fits(job.request)
+        self.backend.check_split(job.request, tokens)
         if self.sizing.memory_check:
             with self._lock:
                 running = self._running.request if self._running is not None else None
@@ -578,12 +603,9 @@ class Executor:
 
         with self.backend.model_lock:
             generation = lease.generation if lease is not None else self.backend.generation()
-            provider = _Prefetched(lease) if lease is not None else None
-            # generate() releases the lease in every outcome once it has acquired it
+            # the denoise step releases the lease in every outcome
             model = self.backend.model()
-            result = generate(
-                model, job.request, provider, on_step=on_step, limits=self.limits, check=lambda: self._check_live(job)
-            )
+            result = self._run_request(model, job.request, lease, on_step, self.limits, lambda: self._check_live(job))
         if lease is not None and not self.backend.alive(lease):
             # The session ended between the last step's check and the end of its reads (generate() waits for
             # them before releasing): the slots may have been retired and refilled, so the result is not trusted.

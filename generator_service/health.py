@@ -1,5 +1,5 @@
 """The generator's serving state, derived in one place: SERVING unless detached from the
-sidecar, updating weights, or stopping. The sidecar link, the update coordinator and the
+sidecar, updating weights, stopping, or a rank of its replica is gone. The sidecar link, the update coordinator and the
 server write into it; one listener (the gRPC health adapter) hears every change. No grpc here.
 """
 
@@ -21,13 +21,16 @@ class Serving:
     attached: bool
     updating: bool
     stopping: bool
+    rank_lost: bool = False
 
     @property
     def serving(self) -> bool:
-        return self.attached and not self.updating and not self.stopping
+        return self.attached and not self.updating and not self.stopping and not self.rank_lost
 
     @property
     def reason(self) -> str:
+        if self.rank_lost:
+            return "a rank of this replica is gone; the replica restarts as a unit"
         if self.stopping:
             return "stopping"
         if self.updating:
@@ -58,6 +61,10 @@ class ServingState:
 
     def set_stopping(self) -> None:
         self._set(stopping=True)
+
+    def set_rank_lost(self) -> None:
+        """For good: the process exits for a restart of the whole replica."""
+        self._set(rank_lost=True)
 
     def _set(self, **change: bool) -> None:
         with self._lock:  # the listener hears changes in the order they were made

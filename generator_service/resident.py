@@ -9,13 +9,18 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ditcore import CheckpointInfo, GenerationRequest, H3Model, RequestError, load_model, validate_checkpoint
+from ditcore import CheckpointInfo, GenerationRequest, H3Model, RequestError, validate_checkpoint
 from ditcore.model import RunOptions
 
 from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
+from .errors import UpdateError
+
+if TYPE_CHECKING:
+    from .replica import ReplicaLink
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -37,11 +42,12 @@ class ResidentBackend(Backend):
         device: torch.device,
         free_memory: MemoryReader | None = None,
         options: RunOptions | None = None,
+        replica: ReplicaLink | None = None,
     ) -> None:
-        super().__init__(device, threading.RLock(), free_memory)
+        super().__init__(device, threading.RLock(), free_memory, replica)
         info = validate_checkpoint(checkpoint, require_adaln=True)
         self._options = options if options is not None else RunOptions()  # every model this backend loads runs so
-        self._model = load_model(info, self.mode, device, self._options)
+        self._model = self.load(info, self._options)  # a replica's other ranks load it at their start too
         self._generation = 1  # local to this process: resident mode has no sidecar to persist it
         self._fingerprint = info.fingerprint
 
@@ -94,11 +100,17 @@ class ResidentBackend(Backend):
         pass  # nothing outside this process to prepare
 
     def stage(self, info: CheckpointInfo) -> StagedWeights:
-        return StagedWeights(load_model(info, self.mode, self.device, self._options), info, info.fingerprint)
+        return self.stage_everywhere(info, self._options)
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
         """Check every tensor against the same-named transformer tensor (its state-dict name, e.g.
         "proj_out.bias"; shape and dtype must match), then replace them in a copy of the model."""
+        if self.replica is not None:
+            raise UpdateError(
+                "FAILED_PRECONDITION", "TENSOR_UPDATE_REFUSED",
+                f"tensor-pushed updates are refused on a replica of {self.replica.world_size} ranks (the tensors would "
+                "have to reach every rank); write a checkpoint under --weights-root and pass weights_path",
+            )  # fmt: skip
         if not tensors:
             raise RequestError("tensors", "no tensors given")
         state = self._model.transformer.state_dict()
@@ -119,18 +131,22 @@ class ResidentBackend(Backend):
         return StagedWeights(model, self.info, f"tensors:{tensors_digest(tensors)}")
 
     def swap(self, staged: StagedWeights) -> Rollback:
-        old = self._model
-        self._model = staged.model
+        def install() -> Rollback:
+            old = self._model
+            self._model = staged.model
 
-        def rollback() -> None:
-            self._model = old
+            def rollback() -> None:
+                self._model = old
 
-        return rollback
+            return rollback
+
+        return self.swap_everywhere(install)
 
     def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> tuple[int, str]:
         self._generation = previous + 1
         self._fingerprint = fingerprint
+        self.committed_everywhere()
         return self._generation, fingerprint
 
     def abort_update(self, path: str) -> None:
-        pass
+        self.aborted_everywhere()

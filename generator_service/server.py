@@ -458,6 +458,8 @@ class GeneratorServer:
         self.server.stop(grace_s).wait()
         self.watchdog.stop()
         self.executor.stop()
+        if self.backend.replica is not None:  # the replica's other ranks exit with this one
+            self.backend.replica.stop()
         self.jobs.stop()
         self.backend.close()
         self._release_jobs_dir()

@@ -195,6 +195,7 @@ class SidecarClient(SidecarSession):
             att = Attachment(
                 self._epoch, session.session_id, self._mapping,
                 session.generation, session.weights_path, session.fingerprint,
+                tuple(descriptor_from_proto(d) for d in session.slabs) or (self._mapping.descriptor,),
             )  # fmt: skip
         self._on_attach(att)  # may load weights; raising keeps us detached
         self._att = att

@@ -41,6 +41,9 @@ class Attachment:
     generation: int
     weights_path: str
     fingerprint: str
+    slabs: tuple[SlabDescriptor, ...] = ()
+    """Every device's slab of the session, in rank order (a replica's other ranks map slabs[r]; this mapping is
+    slabs[0]'s)."""
 
     @property
     def descriptor(self) -> SlabDescriptor:
@@ -59,6 +62,25 @@ class Attachment:
         if self.mapping.closed:
             raise SidecarUnavailableError(f"the sidecar session {self.session_id} ended; its slab is unmapped")
         return self.mapping.table
+
+
+def check_rows(table: torch.Tensor, keys: Sequence[PlanKey], slots: Sequence[int], generation: int, what: str) -> None:
+    """LeaseCheckError naming `what` unless every slot's row of the slot table is READY, of `generation`, holding
+    its key (the lease check every rank of a replica runs on the one table)."""
+    for key, slot in zip(keys, slots, strict=True):
+        if not 0 <= slot < int(table.shape[0]):
+            raise LeaseCheckError(f"{what}: slot {slot} is outside the slab")
+        row = table[slot].tolist()
+        words = row[ROW_WORDS : ROW_WORDS + key.width]
+        if (
+            row[COL_STATE] != READY
+            or row[COL_GENERATION] != generation
+            or row[COL_LENGTH] != key.width
+            or tuple(words) != key.bits
+        ):
+            raise LeaseCheckError(
+                f"{what}: slot {slot} row {row[:ROW_WORDS]} does not hold plan {key} of generation {generation}"
+            )
 
 
 class RemoteLease:
@@ -94,21 +116,7 @@ class RemoteLease:
 
     def check_rows(self) -> None:
         """Every leased row must be READY, of this lease's generation, holding its key."""
-        for key, slot in zip(self.keys, self.slots, strict=True):
-            if not 0 <= slot < self.att.descriptor.num_slots:
-                raise LeaseCheckError(f"lease {self.lease_id}: slot {slot} is outside the slab")
-            row = self.att.table[slot].tolist()
-            words = row[ROW_WORDS : ROW_WORDS + key.width]
-            if (
-                row[COL_STATE] != READY
-                or row[COL_GENERATION] != self.generation
-                or row[COL_LENGTH] != key.width
-                or tuple(words) != key.bits
-            ):
-                raise LeaseCheckError(
-                    f"lease {self.lease_id}: slot {slot} row {row[:ROW_WORDS]} does not hold plan {key} "
-                    f"of generation {self.generation}"
-                )
+        check_rows(self.att.table, self.keys, self.slots, self.generation, f"lease {self.lease_id}")
 
     def pages(self, step: int) -> torch.Tensor:
         """(width, page_numel) pages of step `step`: a view into the slab, no copy (on the slab's device)."""

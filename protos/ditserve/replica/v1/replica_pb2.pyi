@@ -76,18 +76,20 @@ class Request(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("request", "epoch", "generation", "plan_keys", "slots")
+    __slots__ = ("request", "epoch", "generation", "plan_keys", "slots", "fingerprint")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_KEYS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request: Request
     epoch: int
     generation: int
     plan_keys: _containers.RepeatedCompositeFieldContainer[_plancache_pb2.PlanKey]
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[_plancache_pb2.PlanKey, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[_plancache_pb2.PlanKey, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class Stage(_message.Message):
     __slots__ = ("weights_path", "fingerprint")
