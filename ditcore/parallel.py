@@ -191,11 +191,14 @@ def init_process_group(
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         # torchrun's agent keeps one store across the restarts of its workers: the keys of every attempt are
         # prefixed by its restart count, or a restarted rank would read its dead peers' addresses
-        store, _, _ = next(dist.rendezvous("env://", ranks.rank, ranks.world_size))
+        from torch.distributed.distributed_c10d import PrefixStore
+        from torch.distributed.rendezvous import rendezvous
+
+        store, _, _ = next(rendezvous("env://", ranks.rank, ranks.world_size))
         attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend=process_group_backend(device),
-            store=dist.PrefixStore(f"ditserve/attempt-{attempt}", store),
+            store=PrefixStore(f"ditserve/attempt-{attempt}", store),
             rank=ranks.rank,
             world_size=ranks.world_size,
             device_id=device if device.type == "cuda" else None,
