@@ -91,3 +91,14 @@ def split_refused(rank: int, out: Path, repo: Path, request: dict[str, Any], deg
     except SplitError as e:
         outcome = {"raised": str(e)}
     (out / f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def diffusers_only(rank: int, out: Path, repos: list[Path], request: dict[str, Any], degree: int) -> None:
+    """diffusers' own Ulysses loop on `degree` ranks for each repository; rank 0 saves the latents."""
+    from ditcore.parallel import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    for i, repo in enumerate(repos):
+        video, audio = diffusers_cp(repo, request, degree)
+        if rank == 0:
+            save_file({"video": video.contiguous(), "audio": audio.contiguous()}, str(out / f"repo{i}.safetensors"))
