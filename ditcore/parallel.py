@@ -327,20 +327,21 @@ class Replica:
 
     def gather_status(self, status: str) -> list[str]:
         """Every rank's `status` ("" = fine), in rank order, on every rank."""
-        data = status.encode()
+        return [b.decode(errors="replace") for b in self.gather_bytes(status.encode())]
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order, on every rank."""
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._collective("all_gather", lambda: dist.all_gather(sizes, size))
         longest = max(int(s.item()) for s in sizes)
         if longest == 0:
-            return [""] * self.world_size
+            return [b""] * self.world_size
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
         parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         self._collective("all_gather", lambda: dist.all_gather(parts, mine))
-        return [
-            p[: int(n.item())].numpy().tobytes().decode(errors="replace") for p, n in zip(parts, sizes, strict=True)
-        ]
+        return [p[: int(n.item())].numpy().tobytes() for p, n in zip(parts, sizes, strict=True)]
 
     def agree(self, stop: bool) -> bool:
         """Whether rank 0 says stop (every rank learns it at the same step)."""

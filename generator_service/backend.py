@@ -132,10 +132,12 @@ class Backend(ABC):
         link = self.replica
         link.swap(SWAP_INSTALL)
         local = install()
+        link.describe(self.loaded())
 
         def rollback() -> None:
             local()
             link.swap(SWAP_ROLLBACK)
+            link.describe(self.loaded())
 
         return rollback
 

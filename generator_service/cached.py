@@ -53,6 +53,7 @@ class CachedWeights:
         other rank maps its own slab of the session and loads the same weights meanwhile."""
         if self.replica is not None:
             self.replica.attach(att, lambda: self._attach_here(att))
+            self.replica.describe(self.model)
         else:
             self._attach_here(att)
 

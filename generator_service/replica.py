@@ -169,7 +169,8 @@ class ReplicaLink:
         self._on_lost = on_lost
         self._lock = threading.Lock()
         self.lost = ""
-        self._epoch = 0
+        self.reports: list[rpb.RankReport] = []
+        """What each rank held at the last `describe`, in rank order."""
         self._stop = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, args=(keepalive_s,), daemon=True)
         self._keepalive.start()
@@ -259,6 +260,18 @@ class ReplicaLink:
     def swap(self, action: rpb.SwapAction) -> None:
         self.call(rpb.RankWork(swap=rpb.Swap(action=action)))
 
+    def describe(self, model: H3Model | None) -> None:
+        """Ask every rank what it holds (after an attach or a swap); GetStatus reports the last answer."""
+        with self._lock:
+            self._check_alive()
+            self._send(rpb.RankWork(describe=rpb.Describe()))
+            try:
+                mine = rank_report(self.replica, model).SerializeToString()
+                answers = self.replica.gather_bytes(mine)
+            except ReplicaLostError as e:
+                raise self._lose(e) from e
+        self.reports = [rpb.RankReport.FromString(a) for a in answers]
+
     def settle(self, action: rpb.SwapAction) -> None:
         """A swap after the outcome is decided (retire, drop): a failure here has already taken the replica
         NOT_SERVING for a restart, which loads the sidecar's truth; it is logged, not raised."""
@@ -328,6 +341,12 @@ class ReplicaLink:
         return result
 
 
+def rank_report(replica: Replica, model: H3Model | None) -> rpb.RankReport:
+    """This rank's device and its model's components."""
+    components = [rpb.Component(**dataclasses.asdict(c)) for c in model.components()] if model is not None else []
+    return rpb.RankReport(rank=replica.rank, device=str(replica.device), components=components)
+
+
 def _raise_first(statuses: Sequence[str], kind: type[GeneratorError] = GeneratorError) -> None:
     for rank, status in enumerate(statuses):
         if status:
@@ -377,6 +396,9 @@ class Follower:
                 return 0
             if kind == "run":
                 self._run(work.run)
+                continue
+            if kind == "describe":
+                self.replica.gather_bytes(rank_report(self.replica, self.served.model).SerializeToString())
                 continue
             status = ""
             try:

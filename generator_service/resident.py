@@ -56,7 +56,8 @@ class ResidentBackend(Backend):
         return self._model.info
 
     def start(self) -> None:
-        pass  # loaded in the constructor; nothing runs in the background
+        if self.replica is not None:  # loaded in the constructor, on every rank; what each holds, for GetStatus
+            self.replica.describe(self._model)
 
     def close(self) -> None:
         pass

@@ -351,6 +351,16 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             resp.attention_backend, resp.decode_dtype = model.attention_backend, model.decode_dtype
             resp.memory.CopyFrom(pb.ModelMemory(**model.memory().to_dict()))
             resp.components.extend(component_placement(c) for c in model.components())
+        link = self.backend.replica
+        if link is not None:
+            spec = link.replica.spec
+            resp.replica.CopyFrom(pb.ReplicaStatus(
+                ranks=link.world_size, ulysses_degree=spec.ulysses_degree, ring_degree=spec.ring_degree,
+                rank_placements=[pb.RankPlacement(rank=r.rank, device=r.device, components=[
+                    pb.ComponentPlacement(name=c.name, device=c.device, placement=c.placement, dtype=c.dtype,
+                                          bytes=c.bytes, device_bytes=c.device_bytes, note=c.note)
+                    for c in r.components]) for r in link.reports],
+            ))  # fmt: skip
         slab = st.slab
         if slab is not None:
             page_bytes = slab.slab_bytes // max(1, slab.num_slots * slab.width)

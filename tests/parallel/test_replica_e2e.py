@@ -199,3 +199,16 @@ def test_kill_rank_1_mid_request_fails_it_unavailable_and_the_replica_restarts(
         result = client.generate({**REQUEST, "request_id": "after"}, timeout=120)
     assert result.sha256 == (expected["b"] if result.generation == 2 else expected["a"])
     assert "replica rank lost" in replica.log()
+
+
+def test_get_status_reports_every_rank_and_its_components(replica: Replica) -> None:
+    with GeneratorClient(replica.target) as client:
+        status = client.status()
+    assert status.replica.ranks == 2 and status.replica.ulysses_degree == 2 and status.replica.ring_degree == 1
+    ranks = {r.rank: r for r in status.replica.rank_placements}
+    assert sorted(ranks) == [0, 1] and all(r.device == "cpu" for r in ranks.values())
+    parts = {r: {c.name: c for c in ranks[r].components} for r in ranks}
+    assert set(parts[0]) == set(parts[1]) == {"transformer", "text_encoder", "vae", "audio_vae"}
+    assert parts[0]["text_encoder"].bytes > 0 and parts[0]["text_encoder"].placement == "device"
+    assert parts[1]["text_encoder"].bytes == 0 and parts[1]["text_encoder"].placement == "rank0"
+    assert parts[0]["transformer"].bytes == parts[1]["transformer"].bytes > 0  # each rank: the whole transformer

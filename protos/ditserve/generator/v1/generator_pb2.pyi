@@ -309,7 +309,7 @@ class SlabGeometry(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype")
+    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype", "replica")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,7 @@ class GetStatusResponse(_message.Message):
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DECODE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     generation: int
     weights_path: str
     fingerprint: str
@@ -342,7 +343,30 @@ class GetStatusResponse(_message.Message):
     components: _containers.RepeatedCompositeFieldContainer[ComponentPlacement]
     attention_backend: str
     decode_dtype: str
-    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ...) -> None: ...
+    replica: ReplicaStatus
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("ranks", "ulysses_degree", "ring_degree", "rank_placements")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ULYSSES_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    RING_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    RANK_PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    ranks: int
+    ulysses_degree: int
+    ring_degree: int
+    rank_placements: _containers.RepeatedCompositeFieldContainer[RankPlacement]
+    def __init__(self, ranks: _Optional[int] = ..., ulysses_degree: _Optional[int] = ..., ring_degree: _Optional[int] = ..., rank_placements: _Optional[_Iterable[_Union[RankPlacement, _Mapping]]] = ...) -> None: ...
+
+class RankPlacement(_message.Message):
+    __slots__ = ("rank", "device", "components")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    device: str
+    components: _containers.RepeatedCompositeFieldContainer[ComponentPlacement]
+    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ...) -> None: ...
 
 class ComponentPlacement(_message.Message):
     __slots__ = ("name", "device", "placement", "dtype", "bytes", "device_bytes", "note")

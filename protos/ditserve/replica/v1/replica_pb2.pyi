@@ -22,18 +22,52 @@ SWAP_ACTION_DROP: SwapAction
 SWAP_ACTION_RETIRE: SwapAction
 
 class RankWork(_message.Message):
-    __slots__ = ("attach", "run", "stage", "swap", "stop")
+    __slots__ = ("attach", "run", "stage", "swap", "stop", "describe")
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SWAP_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     attach: Attach
     run: Run
     stage: Stage
     swap: Swap
     stop: Stop
-    def __init__(self, attach: _Optional[_Union[Attach, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., stage: _Optional[_Union[Stage, _Mapping]] = ..., swap: _Optional[_Union[Swap, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    describe: Describe
+    def __init__(self, attach: _Optional[_Union[Attach, _Mapping]] = ..., run: _Optional[_Union[Run, _Mapping]] = ..., stage: _Optional[_Union[Stage, _Mapping]] = ..., swap: _Optional[_Union[Swap, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., describe: _Optional[_Union[Describe, _Mapping]] = ...) -> None: ...
+
+class Describe(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankReport(_message.Message):
+    __slots__ = ("rank", "device", "components")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    device: str
+    components: _containers.RepeatedCompositeFieldContainer[Component]
+    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., components: _Optional[_Iterable[_Union[Component, _Mapping]]] = ...) -> None: ...
+
+class Component(_message.Message):
+    __slots__ = ("name", "device", "placement", "dtype", "bytes", "device_bytes", "note")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    device: str
+    placement: str
+    dtype: str
+    bytes: int
+    device_bytes: int
+    note: str
+    def __init__(self, name: _Optional[str] = ..., device: _Optional[str] = ..., placement: _Optional[str] = ..., dtype: _Optional[str] = ..., bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
 
 class Attach(_message.Message):
     __slots__ = ("epoch", "session", "weights_path", "fingerprint")
