@@ -15,11 +15,14 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
                    sha256; the generator logs that it closed the old slab mapping (its storage freed), and device
                    memory did not grow by half a slab (a leaked slab would add all of it)
   resident-abab    the same requests on `--adaln-mode resident`: sha256 equal to cached
+  multi-device     with 2+ GPUs visible: `ditserve serve --nproc D` (D = 4 with 4+ GPUs, else 2; Ulysses D,
+                   --ulysses-anything on NCCL) cached and resident on request A: sha256 equal, and the per-step time
+                   against cached-abab's one device; skipped with one line otherwise
 
 `--out DIR` keeps what the checks measure there: the gpu tests' JUnit XML (gpu-tests.xml) and, when a service check
-failed, the tails of the serve logs (serve-logs.txt). DITSERVE_GPU_CHECK_SERVICES (default cached,kill,resident)
-picks the service checks: cached-abab and swap-in always run (the others compare with their sha256); leaving out
-kill or resident skips sidecar-kill or resident-abab. Every service runs as `python -m ditserve` (no console
+failed, the tails of the serve logs (serve-logs.txt). DITSERVE_GPU_CHECK_SERVICES (default
+cached,kill,resident,replica) picks the service checks: cached-abab and swap-in always run (the others compare with
+their sha256); leaving out kill, resident or replica skips sidecar-kill, resident-abab or multi-device. Every service runs as `python -m ditserve` (no console
 scripts), so the offline layout (scripts/gpu_check.sh --offline: the repository root and the carried wheels on
 PYTHONPATH, no venv) runs them as the venv does.
 
@@ -53,7 +56,7 @@ NAMED_TESTS = {  # summary line -> test-name substring in the gpu test run
     "syncs-per-step": "sync",
     "pinned-bytes": "pins_less_than",
 }
-CHECKS = ("gpu-tests", *NAMED_TESTS, "cached-abab", "swap-in", "sidecar-kill", "resident-abab")
+CHECKS = ("gpu-tests", *NAMED_TESTS, "cached-abab", "swap-in", "sidecar-kill", "resident-abab", "multi-device")
 PROMPT = "a red fox runs through the snow"
 STEPS = int(os.environ.get("DITSERVE_GPU_CHECK_STEPS", "50"))
 PRESET = os.environ.get("DITSERVE_GPU_CHECK_PRESET", "bench")
@@ -67,7 +70,7 @@ REQUESTS = [
 ]
 CLOSED_LINE = re.compile(r"closed the slab mapping of session (\S+): its storage is freed")
 STILL_REFERENCED = "is still referenced after close"
-SERVICES = ("cached", "kill", "resident")
+SERVICES = ("cached", "kill", "resident", "replica")
 SELECTED = tuple(s for s in os.environ.get("DITSERVE_GPU_CHECK_SERVICES", ",".join(SERVICES)).split(",") if s)
 failures: list[str] = []
 deadline = time.monotonic() + BUDGET_S
@@ -171,14 +174,15 @@ class Serve:
     """`ditserve serve` as a subprocess, on free ports, in its own run dir."""
 
     def __init__(
-        self, work: Path, checkpoint: Path, name: str, mode: str, device: str, port: int, gpu_plans: int
-    ) -> None:
+        self, work: Path, checkpoint: Path, name: str, mode: str, device: str, port: int, gpu_plans: int,
+        extra: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         self.run_dir = work / f"run-{name}"
         self.port, self.name = port, name
         self.log = open(work / f"serve-{name}.log", "w")  # noqa: SIM115 (closed in stop)
         argv = [*DITSERVE, "serve", "--checkpoint", str(checkpoint), "--adaln-mode", mode, "--device", device,
                 "--port", str(port), "--run-dir", str(self.run_dir), "--no-metrics", "--gpu-plans", str(gpu_plans),
-                "--host-cache-gb", "1"]  # fmt: skip
+                "--host-cache-gb", "1", *extra]  # fmt: skip
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.target = f"127.0.0.1:{port}"
 
@@ -279,16 +283,55 @@ def services(work: Path, device: str) -> None:
             big.stop()
     if "resident" not in SELECTED:
         line("SKIP", "resident-abab", skipped)
+    else:
+        resident = Serve(work, ckpt, "resident", "resident", device, base_port + 2, STEPS)
+        try:
+            resident.wait_serving()
+            rc, res_out, err = generate(resident.target, REQUESTS, work)
+            same = rc == 0 and [r["sha256"] for r in res_out] == [r["sha256"] for r in out]
+            check("resident-abab", same, f"sha256 {'equal to' if same else 'DIFFERENT from'} cached for A, B, A, B"
+                  + ("" if rc == 0 else f"; {err.strip()[-300:]}"))  # fmt: skip
+        finally:
+            resident.stop()
+    if "replica" not in SELECTED:
+        line("SKIP", "multi-device", skipped)
+    else:
+        multi_device(work, ckpt, device, base_port + 3, out[0] if out else None)
+
+
+def step_ms(result: dict[str, Any]) -> float:
+    return float(result["timings_ms"]["denoise_ms"]) / max(1, STEPS - 1)
+
+
+def multi_device(work: Path, ckpt: Path, device: str, port: int, one: dict[str, Any] | None) -> None:
+    """One replica across D GPUs, cached and resident, on request A (see the module docstring)."""
+    import torch
+
+    count = torch.cuda.device_count() if device.startswith("cuda") else 0
+    if count < 2:
+        line("SKIP", "multi-device", f"needs 2+ GPUs ({count} visible on {device})")
         return
-    resident = Serve(work, ckpt, "resident", "resident", device, base_port + 2, STEPS)
-    try:
-        resident.wait_serving()
-        rc, res_out, err = generate(resident.target, REQUESTS, work)
-        same = rc == 0 and [r["sha256"] for r in res_out] == [r["sha256"] for r in out]
-        check("resident-abab", same, f"sha256 {'equal to' if same else 'DIFFERENT from'} cached for A, B, A, B"
-              + ("" if rc == 0 else f"; {err.strip()[-300:]}"))  # fmt: skip
-    finally:
-        resident.stop()
+    degree = 4 if count >= 4 else 2
+    devices = ",".join(f"cuda:{i}" for i in range(degree))
+    extra = ("--nproc", str(degree), "--devices", devices, "--ulysses-anything")
+    results: dict[str, Any] = {}
+    for i, mode in enumerate(("cached", "resident")):
+        srv = Serve(work, ckpt, f"replica-{mode}", mode, device, port + 10 * i, STEPS, extra)
+        try:
+            srv.wait_serving()
+            rc, out, err = generate(srv.target, REQUESTS[:1], work)
+            if rc != 0 or not out:
+                line("FAIL", "multi-device", f"{mode} on {devices}: {err.strip()[-300:]}")
+                return
+            results[mode] = out[0]
+        finally:
+            srv.stop()
+    same = results["cached"]["sha256"] == results["resident"]["sha256"]
+    timing = f"per step {step_ms(results['cached']):.1f} ms on {degree} GPUs"
+    if one is not None:
+        timing += f" vs {step_ms(one):.1f} ms on one ({step_ms(results['cached']) / step_ms(one):.2f}x)"
+    check("multi-device", same, f"Ulysses {degree} on {devices}: cached sha256 {'equal to' if same else 'DIFFERENT from'}"
+          f" resident; {timing}")  # fmt: skip
 
 
 def _cached_abab(work: Path, ckpt: Path, device: str, port: int) -> tuple[list[Any], int, int]:

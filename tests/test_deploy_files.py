@@ -184,6 +184,29 @@ def test_kustomization_lists_every_resource_file() -> None:
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
 
 
+def test_k8s_replica_overlay_is_one_rank_per_gpu_with_a_slab_each(tmp_path: Path) -> None:
+    """docker/k8s-replica: torchrun starts as many generator ranks as the pod has GPUs, rank r on cuda:r, and the
+    sidecar's --devices lists the same devices in the same order (its slab r is rank r's)."""
+    overlay = DOCKER / "k8s-replica"
+    assert _load(overlay / "kustomization.yaml")["resources"] == ["../k8s"]
+    pod = _load(overlay / "replica-4gpu.yaml")["spec"]["template"]["spec"]
+    [sidecar], [generator] = pod["initContainers"], pod["containers"]
+    command = generator["command"]
+    assert command[:3] == ["python", "-m", "torch.distributed.run"] and command[-2:] == ["-m", "generator_service"]
+    nproc = int(_flag(command, "--nproc-per-node"))
+    token = tmp_path / "token"
+    token.write_text("k8s-manifest-test-token\n")
+    token.chmod(0o440)
+    args = [a.replace("/etc/ditserve/admin/token", str(token)) for a in generator["args"]]
+    cfg = generator_cli.config_from_args(generator_cli.build_parser().parse_args(args))
+    devices = [cfg.rank_device(r) for r in range(nproc)]
+    assert devices == [f"cuda:{r}" for r in range(nproc)]
+    cfg.parallel_spec(nproc).check(nproc, 56, "nccl")  # the released transformer's 56 heads
+    side = config_from_args(build_parser().parse_args(sidecar["args"][1:]))
+    assert list(side.cache.slab_devices) == devices
+    assert generator["resources"]["limits"]["nvidia.com/gpu"] == nproc
+
+
 # ----------------------------------------------------------------------------- compose
 def test_compose_shares_ipc_and_pid_and_waits_for_a_healthy_sidecar(compose: dict[str, Any]) -> None:
     side, gen = compose["services"]["plancache"], compose["services"]["generator"]

@@ -303,7 +303,7 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
             own | {"--state-dir"},
             {"--max-num-frames", "--max-prompt-bytes", "--admin-token", "--device", "--log-format", "--run-dir"},
         ),
-        # serve's --device is the generator's declaration (one device for both processes); the
+        # serve's --device / --devices are the generator's declarations (the same devices for both processes); the
         # sidecar's TLS and admin-token flags are for `plancache --listen` (TCP), which serve never
         # starts: serve's --tls-* / --admin-token are the generator's.
         (
@@ -311,6 +311,7 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
             own
             | {
                 "--device",
+                "--devices",
                 "--tls-cert",
                 "--tls-key",
                 "--tls-client-ca",

@@ -30,7 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
-CHECKS = ("gpu-tests", "syncs-per-step", "pinned-bytes", "cached-abab", "swap-in", "sidecar-kill", "resident-abab")
+CHECKS = ("gpu-tests", "syncs-per-step", "pinned-bytes", "cached-abab", "swap-in", "sidecar-kill", "resident-abab",
+          "multi-device")  # fmt: skip
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the script runs every check (scripts/gpu_check.sh)"
@@ -204,7 +205,7 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     assert re.search(r"protos/ generated code imports: protobuf 7\.\d+\.\d+ .*grpcio 1\.\d+", log), log
     status = {ln.split()[1]: ln.split()[0] for ln in log.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}
     assert status["cached-abab"] == status["swap-in"] == "PASS", log
-    assert status["sidecar-kill"] == status["resident-abab"] == "SKIP"
+    assert status["sidecar-kill"] == status["resident-abab"] == status["multi-device"] == "SKIP"
     records = [json.loads(ln) for ln in (out / "probe.jsonl").read_text().splitlines()]
     assert [r["part"] for r in records] == ["slab", "swap", "block", "vae", "rebuild"]
     assert all(r["status"] == "ok" and r["device"] == "cpu" and r["scaled"] is True for r in records), records

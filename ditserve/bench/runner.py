@@ -99,6 +99,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["fl2va_cache"] = scenarios.fl2va_cache(ctx, _keyframe_png())
     ctx.log("12. a job against a synchronous Generate")
     results["job_overhead"] = job_overhead(ctx)
+    ctx.log("13. one replica across 2 ranks")
+    results["replica"] = scenarios.replica_two_ranks(ctx)
     meta = {
         "checkpoint": str(ckpt), "preset": info.preset, "precision": info.precision,
         "num_inference_steps": steps, "forwards": ctx.forwards, "device": args.device, "threads": threads,
