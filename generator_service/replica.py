@@ -99,8 +99,8 @@ def _keys(msg: rpb.Run) -> list[PlanKey]:
     return [PlanKey(tuple(int(b) for b in k.timestep_bits)) for k in msg.plan_keys]
 
 
-def _key_proto(key: PlanKey) -> cpb.PlanKey:
-    return cpb.PlanKey(timestep_bits=list(key.bits))
+def _key_proto(key: PlanKey) -> rpb.PlanKey:
+    return rpb.PlanKey(timestep_bits=list(key.bits))
 
 
 # ---------------------------------------------------------------------------- the loop in lockstep
@@ -251,7 +251,8 @@ class ReplicaLink:
             slabs=[descriptor_to_proto(d) for d in att.slabs], generation=att.generation,
             weights_path=att.weights_path, fingerprint=att.fingerprint,
         )  # fmt: skip
-        work = rpb.Attach(epoch=att.epoch, session=session, weights_path=att.weights_path, fingerprint=att.fingerprint)
+        work = rpb.Attach(epoch=att.epoch, session=session.SerializeToString(), weights_path=att.weights_path,
+                          fingerprint=att.fingerprint)  # fmt: skip
         self.call(rpb.RankWork(attach=work), local)
 
     def stage(self, weights_path: str, fingerprint: str, local: Callable[[], Any]) -> Any:
@@ -414,7 +415,8 @@ class Follower:
             self.replica.gather_status(status)
 
     def _attach(self, msg: rpb.Attach) -> None:
-        desc = descriptor_from_proto(msg.session.slabs[self.replica.rank])
+        session = cpb.Session.FromString(msg.session)
+        desc = descriptor_from_proto(session.slabs[self.replica.rank])
         old, self.mapping = self.mapping, None
         if old is not None:
             old.close()

@@ -1,4 +1,3 @@
-from protos.ditserve.plancache.v1 import plancache_pb2 as _plancache_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -76,10 +75,10 @@ class Attach(_message.Message):
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    session: _plancache_pb2.Session
+    session: bytes
     weights_path: str
     fingerprint: str
-    def __init__(self, epoch: _Optional[int] = ..., session: _Optional[_Union[_plancache_pb2.Session, _Mapping]] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., session: _Optional[bytes] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
     __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "height", "width", "num_frames", "first_frame", "last_frame")
@@ -120,10 +119,16 @@ class Run(_message.Message):
     request: Request
     epoch: int
     generation: int
-    plan_keys: _containers.RepeatedCompositeFieldContainer[_plancache_pb2.PlanKey]
+    plan_keys: _containers.RepeatedCompositeFieldContainer[PlanKey]
     slots: _containers.RepeatedScalarFieldContainer[int]
     fingerprint: str
-    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[_plancache_pb2.PlanKey, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class PlanKey(_message.Message):
+    __slots__ = ("timestep_bits",)
+    TIMESTEP_BITS_FIELD_NUMBER: _ClassVar[int]
+    timestep_bits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stage(_message.Message):
     __slots__ = ("weights_path", "fingerprint")
