@@ -240,7 +240,10 @@ OTHER_TOOLS_FLAGS = {
 
 def test_every_flag_the_docs_mention_exists() -> None:
     """Prose and tables too: a `--flag` the docs name is some ditserve parser's, or another tool's listed above."""
+    from torch.distributed.run import get_args_parser  # torchrun's own parser: a replica's launcher
+
     known = {opt for c in flag_tables.commands() for opt in c.parser._option_string_actions} | set(OTHER_TOOLS_FLAGS)
+    known |= set(get_args_parser()._option_string_actions)
     unknown: dict[str, list[str]] = {}
     for doc in DOCS:
         for name, glob in set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)(\*?)", doc.read_text())):
