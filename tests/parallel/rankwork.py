@@ -32,10 +32,10 @@ def diffusers_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torc
 class BuiltPages:
     """A PlanProvider whose lease holds pages built here by the sidecar's PlanBuilder (no sidecar process)."""
 
-    def __init__(self, repo: Path) -> None:
+    def __init__(self, repo: Path, device: torch.device | None = None) -> None:
         from ditcore.rebuild import PlanBuilder
 
-        self.builder = PlanBuilder(repo / "transformer")
+        self.builder = PlanBuilder(repo / "transformer", device if device is not None else "cpu")
 
     def acquire(self, keys: Any) -> Any:
         from ditcore.report import CacheReport
@@ -102,3 +102,18 @@ def diffusers_only(rank: int, out: Path, repos: list[Path], request: dict[str, A
         video, audio = diffusers_cp(repo, request, degree)
         if rank == 0:
             save_file({"video": video.contiguous(), "audio": audio.contiguous()}, str(out / f"repo{i}.safetensors"))
+
+
+def cuda_cached_vs_resident(rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int) -> None:
+    """On cuda:rank with NCCL: ditserve's cached model (pages from PlanBuilder) and its resident model, both on the
+    replica; each rank saves both latents."""
+    from ditcore import GenerationRequest, generate, load_model
+    from ditcore.parallel import ParallelSpec, Replica, init_process_group
+
+    device = torch.device("cuda", rank)
+    replica = Replica(ParallelSpec(ulysses_degree=degree), init_process_group(device), device)
+    req = GenerationRequest(**request)
+    cached = generate(load_model(repo, "cached", device, replica=replica), req, BuiltPages(repo, device))
+    resident = generate(load_model(repo, "resident", device, replica=replica), req)
+    save_file({"cached_video": cached.video, "cached_audio": cached.audio, "resident_video": resident.video,
+               "resident_audio": resident.audio}, str(out / f"rank{rank}.safetensors"))  # fmt: skip
