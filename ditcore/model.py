@@ -337,18 +337,16 @@ def load_model(
     )
     options = options if options is not None else RunOptions()
     # the VAEs are loaded (once) at the options' decode dtype
-    parallel = replica is not None and replica.spec.enabled
-    if parallel:
-        assert replica is not None
+    parallel = replica if replica is not None and replica.spec.enabled else None
+    if parallel is not None:
         heads = int(info.transformer_config["num_attention_heads"])
-        replica.spec.check(replica.world_size, heads, collective_backend(replica.device))
+        parallel.spec.check(parallel.world_size, heads, collective_backend(parallel.device))
     model = H3Model(info, mode, device, options.text_encoder, options.decode_dtype_for(info.precision), replica)
     # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
-    use_backend(model.transformer, options.attention_backend, context_parallel=parallel)
-    if parallel:
-        assert replica is not None
-        enable_context_parallel(model.transformer, replica.spec, replica.device, replica.mesh)
-        split_guard(model.transformer, replica.spec)
+    use_backend(model.transformer, options.attention_backend, context_parallel=parallel is not None)
+    if parallel is not None:
+        enable_context_parallel(model.transformer, parallel.spec, parallel.device, parallel.mesh)
+        split_guard(model.transformer, parallel.spec)
     return model
 
 

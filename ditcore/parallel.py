@@ -34,12 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-CP_BACKENDS_CPU = ("native",)
-"""The one CPU attention backend diffusers has; it runs Ulysses (all-to-all), not ring (ring needs the attention's
-log-sum-exp, which diffusers' native backend refuses to return)."""
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-"""The torchrun environment a rank reads (torch.distributed's env:// rendezvous)."""
-
 
 class ParallelError(ValueError):
     """A parallel layout that cannot run: names the flag and the rule it breaks."""
@@ -369,16 +363,13 @@ class _Received:
         self._layer, self._state = layer, state
 
     @property
-    def hidden_states(self) -> Any:
-        layer, state = self._layer, self._state
+    def hidden_states(self) -> _Received:
+        return self
 
-        class _States:
-            def __getitem__(self, index: int) -> torch.Tensor:
-                if index != layer:
-                    raise IndexError(f"rank 0 broadcast hidden_states[{layer}] only, not [{index}]")
-                return state
-
-        return _States()
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index != self._layer:
+            raise IndexError(f"rank 0 broadcast hidden_states[{self._layer}] only, not [{index}]")
+        return self._state
 
 
 class ReceivedTextEncoder(torch.nn.Module):

@@ -76,7 +76,7 @@ class RankStoppedError(GeneratorError):
 
 
 # ---------------------------------------------------------------------------- request on the wire
-def request_to_proto(request: GenerationRequest) -> rpb.Request:
+def request_to_work(request: GenerationRequest) -> rpb.Request:
     return rpb.Request(
         request_id=request.request_id, task=request.task, prompt=request.prompt,
         num_inference_steps=request.num_inference_steps, flow_shift=request.flow_shift,
@@ -85,7 +85,7 @@ def request_to_proto(request: GenerationRequest) -> rpb.Request:
     )  # fmt: skip
 
 
-def request_from_proto(msg: rpb.Request) -> GenerationRequest:
+def request_from_work(msg: rpb.Request) -> GenerationRequest:
     """The request as a rank other than 0 runs it: its loop only (rank 0 decodes)."""
     return GenerationRequest(
         request_id=msg.request_id, task=msg.task, prompt=msg.prompt, num_inference_steps=msg.num_inference_steps,
@@ -302,7 +302,7 @@ class ReplicaLink:
         check: Callable[[], None] | None,
     ) -> GenerationResult:
         """One request on every rank (the executor's denoise step for N ranks)."""
-        work = rpb.Run(request=request_to_proto(request), fingerprint=model.info.fingerprint)
+        work = rpb.Run(request=request_to_work(request), fingerprint=model.info.fingerprint)
         if lease is not None:
             work.epoch = lease.epoch
             work.generation = lease.generation
@@ -461,7 +461,7 @@ class Follower:
         return model, lease
 
     def _run(self, msg: rpb.Run) -> None:
-        request = request_from_proto(msg.request)
+        request = request_from_work(msg.request)
         try:
             model, lease = self._ready(msg)
             status = ""

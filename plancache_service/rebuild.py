@@ -29,7 +29,8 @@ from ditcore.checkpoint import (
     validate_checkpoint,
 )
 from ditcore.plans import PageLayout, PlanKey
-from ditcore.rebuild import PlanBuilder, Shard, row_split_is_exact
+from ditcore.rebuild import PlanBuilder, Shard
+from ditcore.rebuild import shard_mode as ditcore_shard_mode
 from ditruntime.faults import crash_point
 
 from .errors import CheckpointChangedError, PlanCacheError, RebuildError
@@ -88,9 +89,9 @@ class RebuildSource:
         self.device = self.devices[0]
         self.digests = dict(committed_digests) if committed_digests else file_digests(info.path)
         count = len(self.devices)
-        if shard_mode == "auto":
-            exact = all(row_split_is_exact(info.layout, info.projection_dtype, count, d) for d in set(self.devices))
-            shard_mode = "rows" if exact else "projections"
+        if shard_mode == "auto":  # measured per distinct device; one device splits nothing (no measurement)
+            modes = {ditcore_shard_mode(info.layout, info.projection_dtype, count, d) for d in set(self.devices)}
+            shard_mode = "rows" if modes == {"rows"} else "projections"
         self.shard_mode = shard_mode
         """How a rebuild is split across `devices` ("rows" or "projections"; one device: the whole)."""
         try:
@@ -107,7 +108,6 @@ class RebuildSource:
                 f"validation found {info.layout} in {info.projection_dtype}"
             )
         self._columns = [b.shard.columns(info.layout) for b in self.builders]
-        self._pool = ThreadPoolExecutor(count, thread_name_prefix="rebuild") if count > 1 else None
 
     def like(
         self, checkpoint: str | Path | CheckpointInfo, committed_digests: dict[str, str] | None = None
@@ -187,13 +187,13 @@ class RebuildSource:
         self.check_unchanged()
         crash_point("sidecar:during_rebuild")
         try:
-            if self._pool is None:
+            if len(self.builders) == 1:
                 self.builder.build(keys, outputs[0])
                 return
-            for done in [
-                self._pool.submit(b.build, keys, outs) for b, outs in zip(self.builders, outputs, strict=True)
-            ]:
-                done.result()
+            with ThreadPoolExecutor(len(self.builders), thread_name_prefix="rebuild") as pool:  # the devices at once
+                builds = [pool.submit(b.build, keys, outs) for b, outs in zip(self.builders, outputs, strict=True)]
+                for done in builds:
+                    done.result()
             for d, columns in enumerate(self._columns):
                 for other, outs in enumerate(outputs):
                     if other != d:
