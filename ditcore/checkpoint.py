@@ -5,6 +5,12 @@ per component (`transformer/` with its config, sharded `diffusion_pytorch_model-
 `scheduler/`, `audio_scheduler/`, `text_encoder/`, `tokenizer/`, `processor/`, `vae/`, `audio_vae/`). Every error is
 a `CheckpointError` whose message starts with the file's path relative to the repository
 (`transformer/diffusion_pytorch_model-00001-of-00002.safetensors: tensor '...': ...`).
+
+MiniMax-H3 ships two transformer *partitions* in one repository (PARTITIONS): "base" (`transformer/`, the t2va and
+fl2va workflows) and "ref" (`transformer_ref/`, ref2va), each a whole MiniMaxH3Transformer3DModel with its own
+`adaln_proj`. "base" is required; "ref" is validated the same way when model_index.json names it, and must have the
+base partition's page layout and stored dtype (both partitions' plans share one slab). Each partition has its own
+digest (`PartitionInfo.fingerprint`): a weight update that leaves a partition's files as they were leaves its plans.
 """
 
 from __future__ import annotations
@@ -140,11 +146,35 @@ def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
 # ---------------------------------------------------------------------------- repositories
 MODEL_INDEX = "model_index.json"
 TRANSFORMER = "transformer"
+TRANSFORMER_REF = "transformer_ref"
 TRANSFORMER_CLASS = "MiniMaxH3Transformer3DModel"
+BASE, REF = "base", "ref"
+PARTITIONS: dict[str, str] = {BASE: TRANSFORMER, REF: TRANSFORMER_REF}
+"""Partition name -> its folder (and diffusers component name): "base" serves t2va / fl2va, "ref" serves ref2va."""
+PARTITION_TASKS: dict[str, tuple[str, ...]] = {BASE: ("t2va", "fl2va"), REF: ("ref2va",)}
+"""The tasks each partition's transformer runs (diffusers' workflows)."""
+
+
+def partition_of_task(task: str) -> str:
+    """The partition whose transformer runs `task`; ValueError for an unknown task."""
+    for name, tasks in PARTITION_TASKS.items():
+        if task in tasks:
+            return name
+    raise ValueError(f"unknown task {task!r}; tasks: {[t for ts in PARTITION_TASKS.values() for t in ts]}")
+
+
+def check_partition(name: str) -> str:
+    """`name` if it is a partition name; ValueError listing them otherwise."""
+    if name not in PARTITIONS:
+        raise ValueError(f"unknown partition {name!r}; partitions: {list(PARTITIONS)}")
+    return name
+
+
 # component -> the file diffusers / transformers read first from its folder; the first six are what the t2va path
 # needs, processor and audio_scheduler are checked when model_index.json names them (the writer lays both out)
 COMPONENT_FILES: dict[str, str] = {
     "transformer": "config.json",
+    "transformer_ref": "config.json",
     "scheduler": "scheduler_config.json",
     "text_encoder": "config.json",
     "tokenizer": "tokenizer_config.json",
@@ -157,6 +187,32 @@ REQUIRED_COMPONENTS: tuple[str, ...] = ("transformer", "scheduler", "text_encode
 # stored dtype of everything outside `_keep_in_fp32_modules`: the released bfloat16, or float32 throughout
 _PROJECTION_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
 _ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16"}
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """One validated transformer partition of a repository."""
+
+    name: str
+    """"base" or "ref" (PARTITIONS)."""
+    folder: str
+    """Its folder: "transformer" or "transformer_ref"."""
+    transformer_config: dict[str, Any]
+    layout: PageLayout
+    projection_dtype: torch.dtype
+    has_adaln: bool
+    fingerprint: str
+    """Digest of the partition's own files (config, index, shards): what its plans' pages depend on."""
+
+    def incompatibility(self, other: PartitionInfo) -> str | None:
+        """Why `other`'s pages cannot replace this partition's (layout, shapes or stored dtype differ), or None."""
+        a, b = _shape_config(self.transformer_config), _shape_config(other.transformer_config)
+        diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        if self.projection_dtype != other.projection_dtype:
+            diff.append(f"stored dtype: {self.projection_dtype} -> {other.projection_dtype}")
+        if not diff:
+            return None
+        return f"{other.folder}/config.json: incompatible with the served {self.folder}/ ({', '.join(diff)})"
 
 
 @dataclass(frozen=True)
@@ -180,6 +236,24 @@ class CheckpointInfo:
     digests: dict[str, str]
     """relative path -> digest (whole bytes for JSON/text; size, header, first/last 4 KiB per tensor for safetensors)."""
     fingerprint: str
+    partitions: dict[str, PartitionInfo]
+    """The repository's transformer partitions by name ("base" always; "ref" when model_index.json names it). The
+    fields above (transformer_config, layout, projection_dtype, has_adaln) are the base partition's."""
+
+    def partition(self, name: str) -> PartitionInfo:
+        """The partition `name`; CheckpointError naming the missing folder when the repository has none."""
+        check_partition(name)
+        if name not in self.partitions:
+            raise CheckpointError(
+                f"{PARTITIONS[name]}/: the repository has no '{name}' partition (model_index.json names no "
+                f"'{PARTITIONS[name]}' component); it serves {', '.join(self.tasks)}"
+            )
+        return self.partitions[name]
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks this repository's partitions can run."""
+        return tuple(t for name in self.partitions for t in PARTITION_TASKS[name])
 
     @property
     def precision(self) -> str:
@@ -194,15 +268,19 @@ class CheckpointInfo:
         return preset_of(self.transformer_config)
 
     def incompatibility(self, other: CheckpointInfo) -> str | None:
-        """Why `other` cannot replace this checkpoint under a running server (plan layout, shapes or precision
-        differ), or None when it can. Names the file and the differing keys."""
-        a, b = _shape_config(self.transformer_config), _shape_config(other.transformer_config)
-        diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        if self.projection_dtype != other.projection_dtype:
-            diff.append(f"stored dtype: {self.projection_dtype} -> {other.projection_dtype}")
-        if not diff:
-            return None
-        return f"{TRANSFORMER}/config.json: incompatible with the served model ({', '.join(diff)})"
+        """Why `other` cannot replace this checkpoint under a running server, or None when it can: its partitions
+        must be the served ones (none added, none dropped) and each must keep its plan layout, shapes and stored
+        dtype. Names the folder (file) and the differing keys."""
+        if set(other.partitions) != set(self.partitions):
+            return (
+                f"{MODEL_INDEX}: the candidate's transformer partitions are {sorted(other.partitions)}, the served "
+                f"ones {sorted(self.partitions)}; an update replaces every partition together and keeps the set"
+            )
+        for name, served in self.partitions.items():
+            why = served.incompatibility(other.partitions[name])
+            if why is not None:
+                return why
+        return None
 
 
 def _shape_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -283,11 +361,11 @@ def _digest(root: Path, rel: str, hdr: ShardHeader | None) -> str:
     return h.hexdigest()
 
 
-def _transformer_config(root: Path) -> tuple[dict[str, Any], Any]:
-    """Parsed transformer/config.json and diffusers' model built from it on meta (shapes, no memory)."""
+def _transformer_config(root: Path, folder: str = TRANSFORMER) -> tuple[dict[str, Any], Any]:
+    """Parsed `folder`/config.json and diffusers' model built from it on meta (shapes, no memory)."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    rel = f"{TRANSFORMER}/config.json"
+    rel = f"{folder}/config.json"
     config = _read_json(root, rel)
     if not isinstance(config, dict):
         raise CheckpointError(f"{rel}: expected a JSON object")
@@ -301,13 +379,13 @@ def _transformer_config(root: Path) -> tuple[dict[str, Any], Any]:
     return config, model
 
 
-def _weight_map(root: Path) -> dict[str, str]:
-    """Tensor -> shard file (bare name) of transformer/, from its index or its single file."""
-    rel_index = f"{TRANSFORMER}/{INDEX_FILE}"
+def _weight_map(root: Path, folder: str = TRANSFORMER) -> dict[str, str]:
+    """Tensor -> shard file (bare name) of `folder`/, from its index or its single file."""
+    rel_index = f"{folder}/{INDEX_FILE}"
     if not (root / rel_index).is_file():
-        if not (root / TRANSFORMER / SINGLE_FILE).is_file():
-            raise CheckpointError(f"{TRANSFORMER}/: holds neither {INDEX_FILE} nor {SINGLE_FILE}")
-        hdr = _header(root, f"{TRANSFORMER}/{SINGLE_FILE}")
+        if not (root / folder / SINGLE_FILE).is_file():
+            raise CheckpointError(f"{folder}/: holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        hdr = _header(root, f"{folder}/{SINGLE_FILE}")
         return dict.fromkeys(hdr.tensors, SINGLE_FILE)
     data = _read_json(root, rel_index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -321,18 +399,20 @@ def _weight_map(root: Path) -> dict[str, str]:
     return weight_map
 
 
-def _transformer_headers(root: Path, weight_map: Mapping[str, str]) -> dict[str, ShardHeader]:
+def _transformer_headers(
+    root: Path, weight_map: Mapping[str, str], folder: str = TRANSFORMER
+) -> dict[str, ShardHeader]:
     """Relative shard path -> parsed header; index <-> shard files checked both ways."""
-    rel_index = f"{TRANSFORMER}/{INDEX_FILE}"
+    rel_index = f"{folder}/{INDEX_FILE}"
     headers: dict[str, ShardHeader] = {}
     for fname in sorted(set(weight_map.values())):
-        rel = f"{TRANSFORMER}/{fname}"
+        rel = f"{folder}/{fname}"
         first = next(t for t, f in weight_map.items() if f == fname)
         if not (root / rel).is_file():
             raise CheckpointError(f"{rel_index}: tensor '{first}' points to missing shard {rel}")
         headers[rel] = _header(root, rel, first)
-    for path in sorted((root / TRANSFORMER).glob("*.safetensors")):
-        rel = f"{TRANSFORMER}/{path.name}"
+    for path in sorted((root / folder).glob("*.safetensors")):
+        rel = f"{folder}/{path.name}"
         if rel not in headers:
             hdr = _header(root, rel)
             some = next(iter(sorted(hdr.tensors)), "<none>")
@@ -340,13 +420,15 @@ def _transformer_headers(root: Path, weight_map: Mapping[str, str]) -> dict[str,
     return headers
 
 
-def _stored_dtype(expected: Iterable[str], entries: Mapping[str, tuple[str, str]], keep: list[str]) -> str:
+def _stored_dtype(
+    expected: Iterable[str], entries: Mapping[str, tuple[str, str]], keep: list[str], folder: str = TRANSFORMER
+) -> str:
     """The repository's dtype outside `_keep_in_fp32_modules`: the most common one among those tensors."""
     votes = Counter(
         entries[n][1] for n in expected if n in entries and load_dtype(n, torch.bfloat16, keep) != torch.float32
     )
     if not votes:
-        raise CheckpointError(f"{TRANSFORMER}/: no tensor outside _keep_in_fp32_modules to read the stored dtype from")
+        raise CheckpointError(f"{folder}/: no tensor outside _keep_in_fp32_modules to read the stored dtype from")
     dtype = votes.most_common(1)[0][0]
     if dtype not in _PROJECTION_DTYPES:
         name = next(n for n in sorted(expected) if n in entries and entries[n][1] == dtype)
@@ -357,7 +439,12 @@ def _stored_dtype(expected: Iterable[str], entries: Mapping[str, tuple[str, str]
 
 
 def _check_tensors(
-    model: Any, weight_map: Mapping[str, str], headers: Mapping[str, ShardHeader], require_adaln: bool, listing: str
+    model: Any,
+    weight_map: Mapping[str, str],
+    headers: Mapping[str, ShardHeader],
+    require_adaln: bool,
+    listing: str,
+    folder: str = TRANSFORMER,
 ) -> tuple[torch.dtype, bool]:
     """Every state-dict tensor present with its shape and dtype; none unexpected. Returns (stored dtype, has_adaln).
 
@@ -367,7 +454,7 @@ def _check_tensors(
     keep = list(model._keep_in_fp32_modules or [])
     entries: dict[str, tuple[str, str]] = {}  # tensor -> (relative shard, safetensors dtype)
     for tname, fname in weight_map.items():
-        rel = f"{TRANSFORMER}/{fname}"
+        rel = f"{folder}/{fname}"
         if tname not in shapes:
             raise CheckpointError(f"{rel}: unexpected tensor '{tname}' for this transformer config")
         entry = headers[rel].tensors.get(tname)
@@ -378,7 +465,7 @@ def _check_tensors(
                 f"{rel}: tensor '{tname}': wrong shape {list(entry.shape)}, expected {list(shapes[tname])}"
             )
         entries[tname] = (rel, entry.dtype)
-    stored = _stored_dtype(shapes, entries, keep)
+    stored = _stored_dtype(shapes, entries, keep, folder)
     has_adaln = all(n in entries for n in shapes if is_plan_tensor(n))
     for tname, shape in shapes.items():
         want = _ST_NAMES[load_dtype(tname, _PROJECTION_DTYPES[stored], keep)]
@@ -413,18 +500,53 @@ def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> Checkpo
     """
     root = Path(path)
     components = _components(root)
-    config, model = _transformer_config(root)
-    weight_map = _weight_map(root)
-    headers = _transformer_headers(root, weight_map)
-    indexed = (root / TRANSFORMER / INDEX_FILE).is_file()
-    listing = f"{TRANSFORMER}/{INDEX_FILE if indexed else SINGLE_FILE}"
-    dtype, has_adaln = _check_tensors(model, weight_map, headers, require_adaln, listing)
+    found: dict[str, tuple[dict[str, Any], PageLayout, torch.dtype, bool]] = {}
+    headers: dict[str, ShardHeader] = {}
+    for name, folder in PARTITIONS.items():
+        if folder not in components:
+            continue
+        config, model = _transformer_config(root, folder)
+        weight_map = _weight_map(root, folder)
+        shards = _transformer_headers(root, weight_map, folder)
+        indexed = (root / folder / INDEX_FILE).is_file()
+        listing = f"{folder}/{INDEX_FILE if indexed else SINGLE_FILE}"
+        dtype, has_adaln = _check_tensors(model, weight_map, shards, require_adaln, listing, folder)
+        found[name] = (config, PageLayout.from_config(config), dtype, has_adaln)
+        headers.update(shards)
     files = _model_files(root, components)
     _check_json(root, files)
     headers = {**headers, **_other_headers(root, files, headers)}
     digests = {rel: _digest(root, rel, headers.get(rel)) for rel in files}
-    layout = PageLayout.from_config(config)
-    return CheckpointInfo(root, config, layout, dtype, has_adaln, digests, combine_digests(digests))
+    partitions = {
+        name: PartitionInfo(
+            name, PARTITIONS[name], config, layout, dtype, has_adaln, partition_fingerprint(digests, name)
+        )
+        for name, (config, layout, dtype, has_adaln) in found.items()
+    }
+    base = partitions[BASE]
+    for other in partitions.values():
+        if other.name != BASE and (other.layout, other.projection_dtype) != (base.layout, base.projection_dtype):
+            raise CheckpointError(
+                f"{other.folder}/config.json: its plan pages ({other.layout.page_numel} elements in "
+                f"{other.projection_dtype}) differ from {base.folder}/'s ({base.layout.page_numel} in "
+                f"{base.projection_dtype}); both partitions' plans share one slab, so their layouts must match"
+            )
+    return CheckpointInfo(
+        root,
+        base.transformer_config,
+        base.layout,
+        base.projection_dtype,
+        base.has_adaln,
+        digests,
+        combine_digests(digests),
+        partitions,
+    )
+
+
+def partition_fingerprint(digests: Mapping[str, str], name: str) -> str:
+    """The digest of partition `name`'s own files among a repository's per-file `digests`."""
+    prefix = PARTITIONS[check_partition(name)] + "/"
+    return combine_digests({rel: d for rel, d in digests.items() if rel.startswith(prefix)})
 
 
 def file_digests(path: str | Path) -> dict[str, str]:

@@ -12,14 +12,17 @@ Protocol for one request on one pipeline (the pipeline's schedulers are stateful
     decoder = load_decoder(pipe, repo, "bfloat16")          # diffusers' MiniMaxH3DecodeStep; the VAEs at that dtype
     media = decode(decoder, video, audio, check)            # uint8 frames (chunked), stereo waveform, sampling rate
 
-The task follows the inputs as in diffusers: a request with keyframes (`image` / `last_image`) runs every
-conditional block's fl2va branch, one without runs t2va. (The ref2va branch is never selected: ditserve passes no
-`references`, and `transformer_ref/` is not loaded.)
+The task follows the inputs as in diffusers: a request with references runs every conditional block's ref2va
+branch (its denoise loop calls `transformer_ref`), one with keyframes (`image` / `last_image`) the fl2va branch,
+one with neither t2va (both on `transformer`). One pipeline holds both partitions' transformers when the repository
+has both (`partitions`): resident, each as diffusers loads it; cached, each without its plan tensors and with its
+own PlanPages holder (`plan_holder(transformer_for(pipe, partition))`), whose pages are that partition's plans.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checkpoint import PARTITIONS
 from .media import DecodedMedia
 from .parallel import Replica, share_prompt_embeddings
 from .plans import PlanKey, PlanLinear, PlanPages, SlotReads, load_transformer_without_adaln
@@ -42,28 +46,37 @@ PRECISIONS = ("float32", "mixed")
 # keeps the transformer's `_keep_in_fp32_modules` in float32); schedulers and the rest stay float32.
 _LOAD_DTYPES: dict[str, Any] = {
     "float32": torch.float32,
-    "mixed": {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "default": torch.float32},
+    "mixed": {
+        "transformer": torch.bfloat16,
+        "transformer_ref": torch.bfloat16,
+        "text_encoder": torch.bfloat16,
+        "default": torch.float32,
+    },
 }
 # the projection dtype load_transformer_without_adaln gives the cached transformer, per precision
 _TRANSFORMER_DTYPES = {"float32": torch.float32, "mixed": torch.bfloat16}
 _PLANNING_STOP = "denoise.set_timesteps"  # the last block plan_keys runs; the denoise loop follows it
-# What the timesteps do not depend on: the keyframes' VAE encoding and every noise draw (and the packing of its rows)
-_PLANNING_SKIP = (
-    "vae_encoder",
+# What the timesteps do not depend on: every noise draw (and the packing of its rows), and in fl2va the keyframes'
+# VAE encoding (ref2va's layout is built from the encoded references' shapes, so its encoder runs)
+_NOISE_BLOCKS = (
     "denoise.prepare_condition_latents",
     "denoise.prepare_latents",
     "denoise.prepare_latents_fl2va",
+    "denoise.prepare_latents_ref2va",
 )
+_PLANNING_SKIP = {"t2va": _NOISE_BLOCKS, "fl2va": ("vae_encoder", *_NOISE_BLOCKS), "ref2va": _NOISE_BLOCKS}
 DECODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 """The dtypes the VAEs may decode in (load_decoder)."""
 DECODE_CHUNK_BYTES = 64 * 1024 * 1024
 """decode turns this much float32 video (whole frames, at least one) into uint8 frames at a time: about 5 frames at
 768 x 1344, so the host holds the uint8 frames plus a few chunks' temporaries, never a float copy of the video."""
 _VAES = ("vae", "audio_vae")
-_UNLOADED = ("transformer_ref",)  # ref2va's partition: never selected, never loaded
+_TRANSFORMERS = tuple(PARTITIONS.values())  # loaded last, per the `partitions` asked for
 KEYFRAME_NOISE_AUG = 0.999
-"""The timestep an fl2va keyframe's rows are held at (diffusers' `MiniMaxH3ModularPipeline.keyframe_noise_aug`;
-pinned to it by a test): a step's keyframe rows sit at max(video t, 0.999)."""
+"""The timestep an fl2va keyframe's (and a ref2va image or video reference's) rows are held at (diffusers'
+`MiniMaxH3ModularPipeline.keyframe_noise_aug`; pinned to it by a test): max(video t, 0.999)."""
+REFERENCE_AUDIO_T = 1.0
+"""The timestep ref2va's audio reference rows are held at (diffusers' set_timesteps: `condition_audio_timestep`)."""
 
 
 class H3PipelineError(Exception):
@@ -76,6 +89,36 @@ class PlanKeyMismatchError(H3PipelineError):
 
 class NotCachedError(H3PipelineError):
     """Cached generation was asked of a pipeline whose transformer still holds its own projections."""
+
+
+class PartitionNotLoadedError(H3PipelineError):
+    """A request's task runs on a transformer partition the pipeline did not load (or the repository lacks)."""
+
+
+def repository_partitions(repo: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The transformer partitions `repo`'s model_index.json names (in PARTITIONS order)."""
+    with open(os.path.join(os.fspath(repo), "model_index.json")) as f:
+        names = set(json.load(f))
+    return tuple(name for name, folder in PARTITIONS.items() if folder in names)
+
+
+def loaded_partitions(pipe: Any) -> tuple[str, ...]:
+    """The partitions whose transformer `pipe` holds."""
+    return tuple(name for name, folder in PARTITIONS.items() if getattr(pipe, folder, None) is not None)
+
+
+def transformer_for(pipe: Any, partition: str) -> Any:
+    """`pipe`'s transformer of `partition` ("base": `transformer`, "ref": `transformer_ref`);
+    PartitionNotLoadedError naming the component when it holds none."""
+    folder = PARTITIONS[partition]
+    transformer = getattr(pipe, folder, None)
+    if transformer is None:
+        raise PartitionNotLoadedError(
+            f"{folder}: the '{partition}' transformer partition is not loaded (this pipeline holds "
+            f"{list(loaded_partitions(pipe))}; a repository serves ref2va when its model_index.json names "
+            f"'{PARTITIONS['ref']}')"
+        )
+    return transformer
 
 
 def _check_dtype(dtype: str) -> None:
@@ -92,16 +135,18 @@ def load_pipeline(
     text_encoder: TextEncoderPlacement | None = None,
     vae_dtype: str | None = None,
     replica: Replica | None = None,
+    partitions: Sequence[str] | None = None,
 ) -> Any:
     """diffusers' MiniMaxH3ModularPipeline on `repo`: MiniMaxH3Blocks without `decode` (see load_decoder), every
-    from_pretrained component but `transformer_ref` at `dtype`'s precision, each moved to `device` as soon as it is
-    loaded, so the host holds about one component at a time.
+    from_pretrained component at `dtype`'s precision, each moved to `device` as soon as it is loaded, so the host
+    holds about one component at a time. `partitions` (None: every one the repository has) are the transformers
+    loaded: "base" (`transformer`), "ref" (`transformer_ref`); PartitionNotLoadedError for one it lacks.
 
     In order: the text encoder (trimmed to the layers diffusers reads, placed as `text_encoder` says:
     ditcore.text_encoder); the tokenizer, the Qwen3-VL processor (fl2va's text encoder runs the keyframes through its
     image processor), the schedulers and the VAEs; the transformer last: diffusers' from_pretrained (resident), or
     with `cached` built without its plan tensors (use_cached_transformer), so that no full transformer is ever built
-    and no adaln_proj / norm_out.linear byte is read. The execution device is `device` wherever the text encoder
+    and no adaln_proj / norm_out.linear byte is read (each partition's holder: plan_holder). The execution device is `device` wherever the text encoder
     runs. `vae_dtype` (DECODE_DTYPES; None: `dtype`'s) loads the two VAEs at the dtype they will decode in, as
     load_decoder would load them again (so they are read once). On a `replica` of several ranks, rank 0 loads the
     text encoder and broadcasts each prompt embedding; the other ranks load none and receive it. The pipeline ends at `denoise.after_denoise`, with the
@@ -125,16 +170,26 @@ def load_pipeline(
         pipe.text_encoder_load = load_text_encoder(pipe, text_dtype, placement, target)
         if replica is not None and replica.world_size > 1:
             share_prompt_embeddings(pipe.text_encoder, int(pipe.text_encoder_layer), replica)
+    available = repository_partitions(repo)
+    chosen = available if partitions is None else tuple(partitions)
+    missing = [p for p in chosen if p not in available]
+    if missing or "base" not in chosen:
+        raise PartitionNotLoadedError(
+            f"{PARTITIONS[missing[0]] if missing else PARTITIONS['base']}: partitions {list(chosen)} asked for; the "
+            f"repository has {list(available)} (and 'base' is always served)"
+        )
     for name in pipe.pretrained_component_names:
-        if name not in (*_UNLOADED, "text_encoder", "transformer"):
+        if name not in (*_TRANSFORMERS, "text_encoder"):
             at = DECODE_DTYPES[vae_dtype] if vae_dtype is not None and name in _VAES else _LOAD_DTYPES[dtype]
             pipe.load_components(names=[name], dtype=at)
             _move(getattr(pipe, name), target)
-    if cached:
-        use_cached_transformer(pipe, repo, dtype, target)
-    else:
-        pipe.load_components(names=["transformer"], dtype=_LOAD_DTYPES[dtype])
-        _move(pipe.transformer, target)
+    for partition in chosen:
+        if cached:
+            use_cached_transformer(pipe, repo, dtype, target, partition)
+        else:
+            folder = PARTITIONS[partition]
+            pipe.load_components(names=[folder], dtype=_LOAD_DTYPES[dtype])
+            _move(getattr(pipe, folder), target)
     return pipe
 
 
@@ -300,26 +355,32 @@ def to_uint8_frames(
 
 
 def use_cached_transformer(
-    pipe: Any, repo: str | os.PathLike[str], dtype: str = "float32", device: torch.device | str | None = None
+    pipe: Any,
+    repo: str | os.PathLike[str],
+    dtype: str = "float32",
+    device: torch.device | str | None = None,
+    partition: str = "base",
 ) -> PlanPages:
-    """Install the repository's transformer loaded without its plan tensors (never read, never allocated; no full
-    transformer is built: plans.load_transformer_without_adaln) and moved to `device` (default: the pipeline's
-    execution device); returns the holder its PlanLinears read. Replaces a transformer `pipe` already holds.
+    """Install the repository's transformer of `partition` loaded without its plan tensors (never read, never
+    allocated; no full transformer is built: plans.load_transformer_without_adaln) and moved to `device` (default:
+    the pipeline's execution device); returns the holder its PlanLinears read. Replaces a transformer of that
+    partition `pipe` already holds.
 
     `dtype` must be the precision `pipe` was loaded with, so the transformer shares the released precision.
     """
     _check_dtype(dtype)
     holder = PlanPages()
-    transformer_dir = os.path.join(os.fspath(repo), "transformer")
+    folder = PARTITIONS[partition]
+    transformer_dir = os.path.join(os.fspath(repo), folder)
     target = torch.device(device) if device is not None else pipe._execution_device
     transformer, _, _ = load_transformer_without_adaln(transformer_dir, holder, _TRANSFORMER_DTYPES[dtype], target)
-    pipe.update_components(transformer=transformer)
+    pipe.update_components(**{folder: transformer})
     return holder
 
 
-def plan_key(timestep: torch.Tensor) -> PlanKey:
-    """The key of the (T,) float32 distinct timesteps a forward receives."""
-    return PlanKey.from_tensor(timestep)
+def plan_key(timestep: torch.Tensor, partition: str = "base") -> PlanKey:
+    """The key of the (T,) float32 distinct timesteps a forward of `partition`'s transformer receives."""
+    return PlanKey.from_tensor(timestep, partition)
 
 
 def _set_shifts(pipe: Any, request: GenerationRequest) -> None:
@@ -329,14 +390,14 @@ def _set_shifts(pipe: Any, request: GenerationRequest) -> None:
 
 
 def _planning_blocks(task: str) -> Any:
-    """The task's workflow up to and including set_timesteps, less the keyframe encoding and the noise draws: no
-    transformer, no VAE, no generator."""
+    """The task's workflow up to and including set_timesteps, less the noise draws and fl2va's keyframe encoding:
+    no transformer, no generator (ref2va's reference encoder runs: the layout is built from its latents' shapes)."""
     from diffusers import MiniMaxH3Blocks
     from diffusers.modular_pipelines import SequentialPipelineBlocks
 
     chosen = {}
     for name, block in MiniMaxH3Blocks().get_workflow(task).sub_blocks.items():
-        if name not in _PLANNING_SKIP:
+        if name not in _PLANNING_SKIP[task]:
             chosen[name] = block
         if name == _PLANNING_STOP:
             return SequentialPipelineBlocks.from_blocks_dict(chosen)
@@ -349,8 +410,9 @@ def plan_keys(pipe: Any, request: GenerationRequest) -> list[PlanKey]:
 
     The inputs are staged into the state as ModularPipeline.__call__ does (given value, else the input's default);
     the keys come from set_timesteps' `row_timestep_plan`, exactly the `timestep` each forward will receive.
-    Costs one text encoding (with the keyframes' vision blocks in fl2va). Sets the pipeline's scheduler shifts and
-    timesteps to the request's.
+    Costs one text encoding (with the keyframes' vision blocks in fl2va, the references' in ref2va, plus ref2va's
+    reference encoding). Sets the pipeline's scheduler shifts and timesteps to the request's. The keys are of the
+    request's partition.
     """
     from diffusers.modular_pipelines import PipelineState
 
@@ -362,7 +424,7 @@ def plan_keys(pipe: Any, request: GenerationRequest) -> list[PlanKey]:
         if param.name is not None:
             state.set(param.name, inputs.get(param.name, param.default), param.kwargs_type)
     _, state = blocks(pipe, state)
-    return [plan_key(timestep) for timestep, _ in state.get("row_timestep_plan")]
+    return [plan_key(timestep, request.partition) for timestep, _ in state.get("row_timestep_plan")]
 
 
 class ScheduleKeys:
@@ -370,10 +432,11 @@ class ScheduleKeys:
     pipeline state, safe to call while another request denoises (admission, prefetch, capacity checks).
 
     Mirrors MiniMaxH3SetTimestepsStep: each step's rows sit at the video timestep (generated video and text rows),
-    the audio timestep, and in fl2va the keyframe rows at max(video t, KEYFRAME_NOISE_AUG); reduced by
-    `torch.unique(sorted=True)`, so an fl2va step is up to 3 wide and keyed apart from any t2va step whose width
-    differs. Pinned to the block by tests against `plan_keys`, which runs diffusers' own blocks. Memoised per
-    (steps, shifts, task).
+    the audio timestep, in fl2va the keyframe rows and in ref2va the image and video reference rows at max(video t,
+    KEYFRAME_NOISE_AUG), and in ref2va the audio reference rows (an audio clip's, a video's soundtrack's) at
+    REFERENCE_AUDIO_T; reduced by `torch.unique(sorted=True)`, so an fl2va step is up to 3 wide, a ref2va step up
+    to 4. ref2va keys are of the "ref" partition. Pinned to the block by tests against `plan_keys`, which runs
+    diffusers' own blocks. Memoised per (steps, shifts, task, reference audio).
     """
 
     def __init__(self, repo: str | os.PathLike[str]) -> None:
@@ -383,12 +446,14 @@ class ScheduleKeys:
         self._video = MiniMaxH3Scheduler.from_pretrained(root, subfolder="scheduler")
         self._audio = MiniMaxH3Scheduler.from_pretrained(root, subfolder="audio_scheduler")
         self._lock = threading.Lock()
-        self._memo: dict[tuple[int, float, float, str], list[PlanKey]] = {}
+        self._memo: dict[tuple[int, float, float, str, bool], list[PlanKey]] = {}
 
     def keys(self, request: GenerationRequest) -> list[PlanKey]:
         """One key per transformer forward (num_inference_steps - 1 of them)."""
         task = request.task
-        memo_key = (request.num_inference_steps, float(request.flow_shift), float(request.audio_flow_shift), task)
+        audio_rows = task == "ref2va" and request.has_reference_audio()
+        steps, partition = request.num_inference_steps, request.partition
+        memo_key = (steps, float(request.flow_shift), float(request.audio_flow_shift), task, audio_rows)
         with self._lock:
             if memo_key not in self._memo:
                 self._video.set_shift(request.flow_shift)
@@ -396,15 +461,21 @@ class ScheduleKeys:
                 self._video.set_timesteps(request.num_inference_steps)
                 self._audio.set_timesteps(request.num_inference_steps)
                 self._memo[memo_key] = [
-                    PlanKey.from_timesteps(float(tv), float(ta), *_condition_timesteps(task, float(tv)))
+                    PlanKey.from_timesteps(
+                        float(tv), float(ta), *_condition_timesteps(task, float(tv), audio_rows), partition=partition
+                    )
                     for tv, ta in zip(self._video.timesteps, self._audio.timesteps, strict=True)
                 ]
             return list(self._memo[memo_key])
 
 
-def _condition_timesteps(task: str, video_t: float) -> tuple[float, ...]:
-    """The timesteps of a step's conditioning rows: fl2va's keyframe rows, none in t2va."""
-    return (max(video_t, KEYFRAME_NOISE_AUG),) if task == "fl2va" else ()
+def _condition_timesteps(task: str, video_t: float, audio_rows: bool = False) -> tuple[float, ...]:
+    """The timesteps of a step's conditioning rows: fl2va's keyframe rows; ref2va's image / video reference rows
+    (a ref2va request always has one) and, with `audio_rows`, its audio reference rows; none in t2va."""
+    if task == "t2va":
+        return ()
+    video = (max(video_t, KEYFRAME_NOISE_AUG),)
+    return (*video, REFERENCE_AUDIO_T) if task == "ref2va" and audio_rows else video
 
 
 def plan_holder(transformer: Any) -> PlanPages:
@@ -470,7 +541,7 @@ class StepPlans:
         got = torch.cat([t.detach() for t in self.seen]).cpu()  # the request's one read of timestep values
         offset = 0
         for i, want in enumerate(self.expected):
-            key = plan_key(got[offset : offset + want.width])
+            key = plan_key(got[offset : offset + want.width], want.partition)
             offset += want.width
             if key != want:
                 raise PlanKeyMismatchError(f"step {i}: the transformer got plan key {key}, the plan has {want}")
@@ -487,18 +558,27 @@ def generate_latents(
     pages_for_step: PlanReads | None = None,
     keys: Sequence[PlanKey] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the t2va loop; returns the final (video latents (1, C, F, h, w), audio latents (2, C_a, N)).
+    """Run the request's loop (t2va, fl2va or ref2va, as its inputs select); returns the final (video latents
+    (1, C, F, h, w), audio latents (2, C_a, N)).
 
-    Resident when `pages_for_step` is None. Otherwise `pipe.transformer` must be cached (use_cached_transformer) and
-    a forward pre-hook sets its pages before step i's forward: `pages_for_step.read(i)` for SlotReads, else
+    Resident when `pages_for_step` is None. Otherwise the request's partition's transformer (transformer_for) must be
+    cached (use_cached_transformer), every key of `keys` must be of that partition, and a forward pre-hook sets its
+    pages before step i's forward: `pages_for_step.read(i)` for SlotReads, else
     `pages_for_step(i, keys[i])`. The forward's timesteps are checked against `keys` (computed with plan_keys when
     not given) as StepPlans describes: shape per step, values once after the loop. Not reentrant: the schedulers and
     the holder are the pipeline's, so a pipeline serves one request at a time. The holder is cleared on return.
     """
+    transformer = transformer_for(pipe, request.partition)
     if pages_for_step is None:
         return _run(pipe, request)
-    holder = _plan_holder(pipe.transformer)
+    holder = _plan_holder(transformer)
     expected = list(keys) if keys is not None else plan_keys(pipe, request)
+    wrong = next((i for i, k in enumerate(expected) if k.partition != request.partition), None)
+    if wrong is not None:
+        raise PlanKeyMismatchError(
+            f"step {wrong}: plan {expected[wrong]} is of the '{expected[wrong].partition}' partition; this "
+            f"{request.task} request runs on '{request.partition}'"
+        )
     source = pages_for_step
     if isinstance(source, SlotReads):
         if source.steps != len(expected):
@@ -511,7 +591,7 @@ def generate_latents(
     def set_pages(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         holder.set(plans.before_forward(kwargs["timestep"]))
 
-    handle = pipe.transformer.register_forward_pre_hook(set_pages, with_kwargs=True)
+    handle = transformer.register_forward_pre_hook(set_pages, with_kwargs=True)
     try:
         latents = _run(pipe, request)
     finally:

@@ -58,15 +58,37 @@ def bits_f32(bits: int) -> float:
     return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
+PARTITION_CODES: dict[str, int] = {"base": 0, "ref": 1}
+"""The transformer partitions (ditcore.checkpoint.PARTITIONS) by the code a slot-table row records."""
+
+
 @dataclass(frozen=True, order=True)
 class PlanKey:
-    """One step's plan: the float32 bit patterns (unsigned) of the distinct timesteps the transformer receives.
+    """One step's plan: the transformer partition it belongs to and the float32 bit patterns (unsigned) of the
+    distinct timesteps that partition's transformer receives.
 
     Exactly diffusers' `timestep` argument for that step: `torch.unique(row_timesteps, sorted=True)`, so ascending
-    (H3's t = 1 - sigma lies in [0, 1], where the bit patterns sort as the values do). Width 1 to 4.
+    (H3's t = 1 - sigma lies in [0, 1], where the bit patterns sort as the values do). Width 1 to 4. Two partitions'
+    pages of the same timesteps differ (each has its own adaln_proj), so the partition is part of the identity: a
+    key of one never matches, and its slot never serves, the other.
     """
 
     bits: tuple[int, ...]
+    partition: str = "base"
+    """"base" (transformer/: t2va, fl2va) or "ref" (transformer_ref/: ref2va)."""
+
+    def __post_init__(self) -> None:
+        if self.partition not in PARTITION_CODES:
+            raise ValueError(f"unknown partition {self.partition!r}; partitions: {list(PARTITION_CODES)}")
+
+    @property
+    def partition_code(self) -> int:
+        """The partition's PARTITION_CODES value (what a slot-table row records)."""
+        return PARTITION_CODES[self.partition]
+
+    def in_partition(self, partition: str) -> PlanKey:
+        """The same timesteps keyed for `partition`."""
+        return PlanKey(self.bits, partition)
 
     @property
     def width(self) -> int:
@@ -78,23 +100,24 @@ class PlanKey:
         return torch.frombuffer(bytearray(raw), dtype=torch.float32).clone()
 
     @classmethod
-    def from_tensor(cls, timestep: torch.Tensor) -> PlanKey:
-        """The key of the (T,) float32 `timestep` a forward receives, in its order."""
+    def from_tensor(cls, timestep: torch.Tensor, partition: str = "base") -> PlanKey:
+        """The key of the (T,) float32 `timestep` a forward of `partition`'s transformer receives, in its order."""
         if timestep.dtype != torch.float32 or timestep.ndim != 1:
             raise ValueError(f"timestep must be 1-D float32, got {timestep.dtype} of shape {tuple(timestep.shape)}")
-        return cls(tuple(int(b) & 0xFFFFFFFF for b in timestep.detach().cpu().view(torch.int32).tolist()))
+        return cls(tuple(int(b) & 0xFFFFFFFF for b in timestep.detach().cpu().view(torch.int32).tolist()), partition)
 
     @classmethod
-    def from_timesteps(cls, *timesteps: float) -> PlanKey:
+    def from_timesteps(cls, *timesteps: float, partition: str = "base") -> PlanKey:
         """The distinct values (rounded to float32), sorted ascending as torch.unique sorts them."""
         values = torch.tensor([float(t) for t in timesteps], dtype=torch.float32)
-        return cls.from_tensor(torch.unique(values, sorted=True))
+        return cls.from_tensor(torch.unique(values, sorted=True), partition)
 
     def is_finite(self) -> bool:
         return all((b >> 23) & 0xFF != 0xFF for b in self.bits)  # exponent all ones = inf or nan
 
     def __str__(self) -> str:
-        return "(" + ", ".join(f"{bits_f32(b):.4f}" for b in self.bits) + ")"
+        values = "(" + ", ".join(f"{bits_f32(b):.4f}" for b in self.bits) + ")"
+        return values if self.partition == "base" else f"{self.partition}:{values}"
 
 
 def distinct_keys(keys: Iterable[PlanKey]) -> list[PlanKey]:

@@ -74,6 +74,20 @@ class H3Preset:
     """BPE merges trained on CORPUS; Qwen's special and added tokens come on top."""
     writable: bool = True
     """False for the released shapes: 33B parameters are for arithmetic, never for this machine's memory."""
+    canvas_short_edge: int = 768
+    """diffusers' `canvas_short_edge` config: the canvas a video reference (and a request without a size) is put
+    on. The released 768; the written presets shrink it with the model (modular_model_index.json carries it)."""
+    reference_image_short_edge: int = 2048
+    """diffusers' `reference_image_short_edge` config: the short edge an image reference is encoded at."""
+
+    def pipeline_configs(self) -> dict[str, int]:
+        """The ref2va geometry configs diffusers' blocks read (`ConfigSpec`s) that a written repository records in
+        modular_model_index.json; the released values are the blocks' defaults."""
+        return {
+            "canvas_short_edge": self.canvas_short_edge,
+            "canvas_max_pixels": self.canvas_short_edge * (self.canvas_short_edge * 7 // 4),
+            "reference_image_short_edge": self.reference_image_short_edge,
+        }
 
     def transformer_kwargs(self) -> dict[str, Any]:
         """Arguments of MiniMaxH3Transformer3DModel (the channel counts and patch are H3's fixed ones)."""
@@ -98,13 +112,30 @@ def _preset(name: str, heads: int, layers: int, ffn: int, temb: int, text_dim: i
     )  # fmt: skip
 
 
+# The written presets' ref2va geometry: a video reference on a 32-pixel short edge (32 x 64 at 16:9) and an image
+# reference at a 64-pixel one, so a CPU request with references takes seconds; the released repository uses
+# diffusers' defaults (768 and 2048).
+_SMALL_REFERENCES: dict[str, Any] = {"canvas_short_edge": 32, "reference_image_short_edge": 64}
+
 PRESETS: dict[str, H3Preset] = {
     # the test-suite size: hidden 64, 3 blocks; a forward takes milliseconds on CPU
-    "tiny": _preset("tiny", heads=2, layers=3, ffn=128, temb=48, text_dim=32),
+    "tiny": _preset("tiny", heads=2, layers=3, ffn=128, temb=48, text_dim=32, **_SMALL_REFERENCES),
     # a few more blocks and a wider model for tests that want non-trivial plans
-    "small": _preset("small", heads=4, layers=6, ffn=256, temb=96, text_dim=64, text_intermediate=128),
+    "small": _preset(
+        "small", heads=4, layers=6, ffn=256, temb=96, text_dim=64, text_intermediate=128, **_SMALL_REFERENCES
+    ),
     # benchmark size: hidden 256, 8 blocks; sized by the timing measured below the registry
-    "bench": _preset("bench", heads=8, layers=8, ffn=1024, temb=192, text_dim=64, freq_dim=64, text_intermediate=128),
+    "bench": _preset(
+        "bench",
+        heads=8,
+        layers=8,
+        ffn=1024,
+        temb=192,
+        text_dim=64,
+        freq_dim=64,
+        text_intermediate=128,
+        **_SMALL_REFERENCES,
+    ),
     # the released MiniMax-H3 transformer (33B); shapes only, writing it raises
     "h3": _preset(
         "h3",
@@ -356,6 +387,7 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
     "processor": ("transformers", "Qwen3VLProcessor"),
     "transformer": ("diffusers", "MiniMaxH3Transformer3DModel"),
+    "transformer_ref": ("diffusers", "MiniMaxH3Transformer3DModel"),
     "scheduler": ("diffusers", "MiniMaxH3Scheduler"),
     "audio_scheduler": ("diffusers", "MiniMaxH3Scheduler"),
     "vae": ("diffusers", "AutoencoderKLMiniMaxH3"),
@@ -363,15 +395,17 @@ COMPONENTS: dict[str, tuple[str, str]] = {
 }
 
 
-def _write_indexes(out: Path) -> None:
+def _write_indexes(out: Path, p: H3Preset, partitions: tuple[str, ...]) -> None:
     """model_index.json, and modular_model_index.json so `ModularPipeline.from_pretrained(out)` resolves
-    MiniMaxH3ModularPipeline / MiniMaxH3Blocks (it records `out`'s absolute path, as diffusers does)."""
+    MiniMaxH3ModularPipeline / MiniMaxH3Blocks (it records `out`'s absolute path, as diffusers does) and reads the
+    preset's ref2va geometry configs."""
     import diffusers
 
+    written = {k: v for k, v in COMPONENTS.items() if k not in PARTITION_FOLDERS.values() or k in partitions}
     head = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": diffusers.__version__}
-    _write_json(out / "model_index.json", {**head, **{k: list(v) for k, v in COMPONENTS.items()}})
-    modular: dict[str, Any] = {**head, "_blocks_class_name": "MiniMaxH3Blocks"}
-    for name, (lib, cls) in COMPONENTS.items():
+    _write_json(out / "model_index.json", {**head, **{k: list(v) for k, v in written.items()}})
+    modular: dict[str, Any] = {**head, "_blocks_class_name": "MiniMaxH3Blocks", **p.pipeline_configs()}
+    for name, (lib, cls) in written.items():
         spec = {"pretrained_model_name_or_path": str(out.resolve()), "subfolder": name, "type_hint": [lib, cls],
                 "revision": None, "variant": None}  # fmt: skip
         modular[name] = [lib, cls, spec]
@@ -384,14 +418,40 @@ def _shard_bytes(model: torch.nn.Module, shards: int) -> int:
     return max(1, math.ceil(total / shards))
 
 
-def write_repository(out: Path, preset: str = "tiny", seed: int = 0, dtype: str = "float32", shards: int = 2) -> Path:
+PARTITION_FOLDERS: dict[str, str] = {"base": "transformer", "ref": "transformer_ref"}
+"""The transformer partitions a repository may hold (ditcore.checkpoint.PARTITIONS) and their folders."""
+REF_SEED_OFFSET = 5
+"""transformer_ref/ is initialised from `seed + REF_SEED_OFFSET`: other weights than transformer/'s, so a plan of one
+partition used for the other shows in the output."""
+
+
+def check_partitions(partitions: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`partitions` (a subset of PARTITION_FOLDERS holding "base"), in PARTITION_FOLDERS' order; ValueError else."""
+    unknown = [p for p in partitions if p not in PARTITION_FOLDERS]
+    if unknown or "base" not in partitions or len(set(partitions)) != len(partitions):
+        raise ValueError(
+            f"partitions must be distinct names among {list(PARTITION_FOLDERS)} including 'base', got {list(partitions)}"
+        )
+    return tuple(p for p in PARTITION_FOLDERS if p in partitions)
+
+
+def write_repository(
+    out: Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    shards: int = 2,
+    partitions: tuple[str, ...] = ("base", "ref"),
+) -> Path:
     """Write a MiniMax-H3 diffusers repository at `out` with random weights of the real classes.
 
-    Deterministic for (`preset`, `seed`, `dtype`): files are byte-identical across writes, except that
+    Deterministic for (`preset`, `seed`, `dtype`, `partitions`): files are byte-identical across writes, except that
     modular_model_index.json records `out`'s absolute path. `dtype="mixed"` is the released precision:
     bfloat16 except the transformer's `_keep_in_fp32_modules`, VAEs in float32. `shards` is the target
-    number of transformer safetensors files. Offline: nothing is downloaded.
+    number of safetensors files per transformer partition. `partitions`: "base" (`transformer/`, t2va / fl2va) and
+    optionally "ref" (`transformer_ref/`, ref2va: same shapes, its own weights). Offline: nothing is downloaded.
     """
+    chosen = check_partitions(partitions)
     p = get_preset(preset)
     if not p.writable:
         raise PresetError(f"preset {preset!r} is the released shapes, for arithmetic only; "
@@ -402,8 +462,8 @@ def write_repository(out: Path, preset: str = "tiny", seed: int = 0, dtype: str 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _write_text_side(p, out, seed, dtype)
-    _write_diffusers_side(p, out, seed, dtype, shards)
-    _write_indexes(out)
+    _write_diffusers_side(p, out, seed, dtype, shards, chosen)
+    _write_indexes(out, p, tuple(PARTITION_FOLDERS[name] for name in chosen))
     return out
 
 
@@ -417,13 +477,18 @@ def _write_text_side(p: H3Preset, out: Path, seed: int, dtype: str) -> None:
     _write_processor(tokenizer, out / "processor")
 
 
-def _write_diffusers_side(p: H3Preset, out: Path, seed: int, dtype: str, shards: int) -> None:
+def _write_diffusers_side(
+    p: H3Preset, out: Path, seed: int, dtype: str, shards: int, partitions: tuple[str, ...]
+) -> None:
     from diffusers import MiniMaxH3Scheduler
 
-    transformer = _build_transformer(p, seed)
-    if dtype == "mixed":
-        _to_released_dtype(transformer)
-    transformer.save_pretrained(out / "transformer", max_shard_size=_shard_bytes(transformer, shards))
+    for name in partitions:
+        transformer = _build_transformer(p, seed if name == "base" else seed + REF_SEED_OFFSET)
+        if dtype == "mixed":
+            _to_released_dtype(transformer)
+        folder = PARTITION_FOLDERS[name]
+        transformer.save_pretrained(out / folder, max_shard_size=_shard_bytes(transformer, shards))
+        del transformer
     MiniMaxH3Scheduler(shift=VIDEO_SHIFT).save_pretrained(out / "scheduler")
     MiniMaxH3Scheduler(shift=AUDIO_SHIFT).save_pretrained(out / "audio_scheduler")
     with warnings.catch_warnings():

@@ -27,10 +27,20 @@ from typing import Any
 
 from .keyframes import ImageLimits, MediaError, decode_image, probe_image
 from .media import OUTPUT_TYPES
+from .references import (
+    DEFAULT_REFERENCE_LIMITS,
+    IndexedMediaError,
+    Reference,
+    ReferenceLimits,
+    ReferenceProbe,
+    decode_reference,
+    probe_references,
+)
 
-TASKS = ("t2va", "fl2va")
-"""Served tasks: text to video+audio, and first/last keyframe to video+audio. (ref2va runs another transformer
-partition, `transformer_ref/`, and is not served.)"""
+TASKS = ("t2va", "fl2va", "ref2va")
+"""Served tasks: text to video+audio, first/last keyframe to video+audio (both on the `transformer/` partition),
+and references (images, videos with their soundtrack, audio clips) to video+audio on the `transformer_ref/`
+partition."""
 KEYFRAME_FIELDS = ("first_frame", "last_frame")
 """The fl2va keyframes: PNG or JPEG bytes; diffusers' `image` (the first frame) and `last_image`."""
 MAX_KEYFRAME_BYTES = 20 * 2**20
@@ -101,14 +111,50 @@ class RequestLimits:
     """Most tokens of the served tokenizer in a prompt (checked where a tokenizer is at hand: `prompt_tokens`)."""
     max_video_pixels: int = RELEASED_MAX_VIDEO_PIXELS
     """Largest height x width x num_frames: the decoded video's size (its frames and the files made from them)."""
+    max_reference_bytes: int = DEFAULT_REFERENCE_LIMITS.max_bytes
+    """Bytes of one ref2va reference."""
+    max_references_bytes: int = DEFAULT_REFERENCE_LIMITS.max_total_bytes
+    """Bytes of all of a request's references."""
+    max_reference_seconds: float = DEFAULT_REFERENCE_LIMITS.max_seconds
+    """Duration of one video or audio reference."""
+    max_reference_frame_pixels: int = DEFAULT_REFERENCE_LIMITS.max_frame_pixels
+    """Width x height of a video reference's frames."""
+    max_reference_decoded_bytes: int = DEFAULT_REFERENCE_LIMITS.max_decoded_bytes
+    """Host bytes one decoded video or audio reference may take."""
+
+    def reference_limits(self) -> ReferenceLimits:
+        """The ditcore.references limits these operator limits set (an image reference: the keyframe limits)."""
+        return ReferenceLimits(
+            max_bytes=self.max_reference_bytes,
+            max_total_bytes=self.max_references_bytes,
+            max_seconds=self.max_reference_seconds,
+            max_frame_pixels=self.max_reference_frame_pixels,
+            max_decoded_bytes=self.max_reference_decoded_bytes,
+            image=_image_limits(self),
+        )
 
 
 H3_LIMITS = RequestLimits()
 """The released envelope: every front end validates against it unless an operator set other limits."""
+MAX_REFERENCE_BYTES = 1024 * 2**20
+"""Hard caps an operator may raise the reference limits to (`--max-reference-mb` and the rest)."""
+MAX_REFERENCES_BYTES = 4096 * 2**20
+MAX_REFERENCE_SECONDS = 600.0
+MAX_REFERENCE_FRAME_PIXELS = MAX_SIDE * MAX_SIDE * 4
+MAX_REFERENCE_DECODED_BYTES = 64 * 2**30
 MODEL_LIMITS = RequestLimits(
-    max_height=MAX_SIDE, max_width=MAX_SIDE, max_pixels=MAX_PIXELS, max_video_pixels=MAX_PIXELS * MAX_FRAMES
+    max_height=MAX_SIDE,
+    max_width=MAX_SIDE,
+    max_pixels=MAX_PIXELS,
+    max_video_pixels=MAX_PIXELS * MAX_FRAMES,
+    max_reference_bytes=MAX_REFERENCE_BYTES,
+    max_references_bytes=MAX_REFERENCES_BYTES,
+    max_reference_seconds=MAX_REFERENCE_SECONDS,
+    max_reference_frame_pixels=MAX_REFERENCE_FRAME_PIXELS,
+    max_reference_decoded_bytes=MAX_REFERENCE_DECODED_BYTES,
 )
-"""Every canvas H3's rules allow up to the hard caps (what `ditserve inspect` models)."""
+"""Every canvas and reference H3's rules allow up to the hard caps (what `ditserve inspect` models; what a request
+already checked against an operator's limits is decoded within)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +188,9 @@ class GenerationRequest:
     output_type: str = "latents"
     """What the result carries: "latents" (the final latents only), "mp4" or "frames_and_wav" (decoded; see
     ditcore.media)."""
+    references: tuple[Reference, ...] = ()
+    """ref2va: the references in the order the model reads them (images: PNG / JPEG; videos: MP4 / WebM, with their
+    soundtrack; audio: WAV / FLAC / MP3 / AAC), or empty. diffusers' `references`."""
 
     @property
     def steps(self) -> int:
@@ -154,7 +203,39 @@ class GenerationRequest:
 
     def with_task_inferred(self) -> GenerationRequest:
         """This request, its task resolved by `infer_task` if a front end left it unset ("")."""
-        return self if self.task else dataclasses.replace(self, task=infer_task(self.task, self.has_keyframes))
+        if self.task:
+            return self
+        return dataclasses.replace(self, task=infer_task(self.task, self.has_keyframes, bool(self.references)))
+
+    @property
+    def partition(self) -> str:
+        """The transformer partition the request's task runs on: "ref" for ref2va, "base" otherwise."""
+        return "ref" if self.task == "ref2va" else "base"
+
+    def probe_references(self, limits: RequestLimits = H3_LIMITS) -> list[ReferenceProbe]:
+        """Every reference check the bytes' headers and container structure decide, nothing decoded
+        (ditcore.references.probe_references; RequestError naming `references[i]`, the MediaError its cause)."""
+        try:
+            return list(_probed(self.references, limits.reference_limits()))
+        except IndexedMediaError as e:
+            raise RequestError(e.field, e.description) from e
+
+    def decoded_references(self, limits: RequestLimits = H3_LIMITS) -> list[Any]:
+        """diffusers' reference dataclasses, in order, decoded from the request's bytes (remembered for the request's
+        plan keys and its loop: `forget_decoded_keyframes` drops them); RequestError naming `references[i]`."""
+        probes = self.probe_references(limits)
+        out = []
+        for i, (ref, probe) in enumerate(zip(self.references, probes, strict=True)):
+            try:
+                out.append(_decoded_reference(ref, probe))
+            except MediaError as e:
+                raise RequestError(f"references[{i}]", e.description) from e
+        return out
+
+    def has_reference_audio(self) -> bool:
+        """Whether any reference brings audio rows (an audio clip, or a video with a soundtrack): ref2va's audio
+        reference rows, held at t = 1.0, widen every step's plan by one."""
+        return any(p.has_audio for p in self.probe_references(MODEL_LIMITS))
 
     @property
     def decodes(self) -> bool:
@@ -191,8 +272,8 @@ class GenerationRequest:
 
     def pipeline_inputs(self) -> dict[str, Any]:
         """The keyword inputs diffusers' blocks take (the generator and shifts are set apart): the keyframes, when
-        given, select the fl2va branch of every conditional block."""
-        return {
+        given, select the fl2va branch of every conditional block; the references the ref2va branch."""
+        inputs = {
             "prompt": self.prompt,
             "height": self.height,
             "width": self.width,
@@ -200,13 +281,21 @@ class GenerationRequest:
             "num_inference_steps": self.num_inference_steps,
             **self.keyframes(),
         }
+        if self.references:
+            inputs["references"] = self.decoded_references()
+        return inputs
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON-safe values: a keyframe is summarised as {"bytes": n, "sha256": hex} (empty: None)."""
+        """The fields as JSON-safe values: a keyframe is summarised as {"bytes": n, "sha256": hex} (empty: None), a
+        reference as {"kind": ..., "bytes": n, "sha256": hex}."""
         out = dataclasses.asdict(self)
         for name in KEYFRAME_FIELDS:
             data = out[name]
             out[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} if data else None
+        out["references"] = [
+            {"kind": r.kind, "bytes": len(r.data), "sha256": hashlib.sha256(r.data).hexdigest()}
+            for r in self.references
+        ]
         return out
 
     @classmethod
@@ -227,11 +316,7 @@ class GenerationRequest:
         if not _REQUEST_ID.fullmatch(self.request_id):
             raise RequestError("request_id", "must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         if self.task not in TASKS:
-            raise RequestError(
-                "task",
-                f"unknown or unserved task {self.task!r}; allowed: {', '.join(TASKS)} (ref2va needs MiniMax-H3's "
-                "separate reference partition and is not served)",
-            )
+            raise RequestError("task", f"unknown task {self.task!r}; allowed: {', '.join(TASKS)}")
         if self.output_type not in OUTPUT_TYPES:
             raise RequestError("output_type", f"must be one of {', '.join(OUTPUT_TYPES)}, got {self.output_type!r}")
         _check_prompt(self.prompt, limits)
@@ -253,14 +338,30 @@ class GenerationRequest:
         if self.task == "t2va" and self.has_keyframes:
             name = "first_frame" if self.first_frame else "last_frame"
             raise RequestError(name, "t2va takes no keyframe; use task fl2va (or leave the task unset)")
+        if self.task == "ref2va" and self.has_keyframes:
+            name = "first_frame" if self.first_frame else "last_frame"
+            raise RequestError(name, "ref2va takes no keyframe; pass the image as a reference instead")
+        if self.task == "ref2va" and not self.references:
+            raise RequestError(
+                "references", "ref2va needs at least one image or video reference (and at most 12 references)"
+            )
+        if self.task != "ref2va" and self.references:
+            raise RequestError(
+                "references", f"{self.task} takes no references; use task ref2va (or leave the task unset)"
+            )
         self.probe_keyframes(limits)  # headers and structure only: bad media is refused before any work
+        if self.references:
+            self.probe_references(limits)
         return self
 
 
-def infer_task(task: str | None, has_keyframes: bool) -> str:
-    """The task of a request whose front end let it go unset (None or ""): fl2va with keyframes, else t2va."""
+def infer_task(task: str | None, has_keyframes: bool, has_references: bool = False) -> str:
+    """The task of a request whose front end let it go unset (None or ""): ref2va with references, fl2va with
+    keyframes, else t2va."""
     if task:
         return task
+    if has_references:
+        return "ref2va"
     return "fl2va" if has_keyframes else "t2va"
 
 
@@ -333,10 +434,26 @@ def _decoded(data: bytes) -> Any:
     return decode_image(data, _image_limits(H3_LIMITS))
 
 
+@functools.lru_cache(maxsize=12)
+def _decoded_reference(ref: Reference, probe: ReferenceProbe) -> Any:
+    """decode_reference within the hard caps (the request's own limits were probed first), remembered for one
+    request's references (at most 12): its plan keys and its loop each ask for the pipeline inputs."""
+    return decode_reference(ref, probe, MODEL_LIMITS.reference_limits())
+
+
+@functools.lru_cache(maxsize=8)
+def _probed(refs: tuple[Reference, ...], limits: ReferenceLimits) -> tuple[ReferenceProbe, ...]:
+    """probe_references, remembered: admission, the plan keys and the loop of one request each ask (a MediaError
+    is not remembered)."""
+    return tuple(probe_references(refs, limits))
+
+
 def forget_decoded_keyframes() -> None:
-    """Drop the remembered keyframes, their images and bytes: a server calls this after each request, so an idle one
-    holds none."""
+    """Drop the remembered keyframes and references, their media and bytes: a server calls this after each request,
+    so an idle one holds none."""
     _decoded.cache_clear()
+    _decoded_reference.cache_clear()
+    _probed.cache_clear()
 
 
 def _image_limits(limits: RequestLimits) -> ImageLimits:
@@ -355,6 +472,10 @@ def _check_types(req: GenerationRequest) -> None:
             ok = isinstance(v, str)
         elif f.name in KEYFRAME_FIELDS:
             ok = isinstance(v, bytes)
+        elif f.name == "references":
+            ok = isinstance(v, tuple) and all(
+                isinstance(r, Reference) and isinstance(r.data, bytes) and isinstance(r.kind, str) for r in v
+            )
         elif f.name in ("flow_shift", "audio_flow_shift"):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
         else:

@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         default=2,
         help=f"target number of transformer safetensors shards, in [1, {MAX_SHARDS}] (default %(default)s)",
     )
+    mk.add_argument(
+        "--partitions",
+        default="base,ref",
+        help="transformer partitions to write, comma-separated: base (transformer/, t2va and fl2va) and ref "
+        "(transformer_ref/, ref2va) (default %(default)s)",
+    )
     mk.add_argument("--force", action="store_true", help="overwrite an existing repository at --out")
     mk.set_defaults(func=cmd_make_checkpoint)
 

@@ -28,7 +28,7 @@ from ditcore.checkpoint import is_repository_dir
 from ditcore.media import encode
 from ditcore.model import RunOptions
 from ditcore.plans import dtype_name
-from ditcore.repo import PRESETS
+from ditcore.repo import PRESETS, check_partitions
 from ditcore.text_encoder import TextEncoderPlacement
 from ditruntime.flags import from_args
 from ditruntime.paths import check_dir, prepare_dir
@@ -82,6 +82,10 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         raise UsageError(f"--shards must be in [1, {MAX_SHARDS}], got {args.shards}")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be in [0, 2^63-1], got {args.seed}")
+    try:
+        partitions = check_partitions([p.strip() for p in args.partitions.split(",") if p.strip()])
+    except ValueError as e:
+        raise UsageError(f"--partitions: {e}") from None
     out = check_dir(args.out, "--out")  # a file, or a parent that is one, is refused before anything is written
     if out.exists() and any(out.iterdir()):
         if not args.force:
@@ -93,7 +97,9 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         shutil.rmtree(out)
     prepare_dir(out, "--out")  # created 0700 (parents too), like every directory flag
     quiet_model_libraries()
-    write_repository(out, preset=args.preset, seed=args.seed, dtype=args.dtype, shards=args.shards)
+    write_repository(
+        out, preset=args.preset, seed=args.seed, dtype=args.dtype, shards=args.shards, partitions=partitions
+    )
     info = validate_checkpoint(out)
     line = {
         "checkpoint": str(out),
@@ -101,6 +107,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         "precision": info.precision,
         "seed": args.seed,
         "fingerprint": info.fingerprint,
+        "partitions": {name: part.fingerprint for name, part in info.partitions.items()},
     }
     print(json.dumps(line))
     return 0

@@ -51,8 +51,8 @@ INDEX = "https://pypi.org/simple"
 UV_VERSION = "0.13.8"  # = the dev extra's pin
 # bump when the way the locks are made changes, so --check asks for a re-lock
 SCHEME = 2
-# the torch stack (torch, torchvision and what only their CUDA wheels need): requirements-cuda.lock only
-TORCH_STACK = re.compile(r"^(torch|torchvision|triton|nvidia-.*|cuda-.*)$")
+# the torch stack (torch, torchvision, torchaudio and what only their CUDA wheels need): requirements-cuda.lock only
+TORCH_STACK = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$")
 DIGEST_LINE = re.compile(r"^# input-sha256: ([0-9a-f]{64})$", re.M)
 
 
@@ -227,7 +227,7 @@ def compile_locks(uv: str, upgrade: bool) -> None:
             "pip install --require-hashes --no-deps -r requirements.lock -r requirements-dev.lock -r requirements-cuda.lock",
         ),
         CUDA_LOCK: header(
-            "The torch stack: torch and torchvision at requirements-torch.txt's pins as PyPI builds them (CUDA; they run on a CPU too), and the CUDA libraries they need.",
+            "The torch stack: torch, torchvision and torchaudio at requirements-torch.txt's pins as PyPI builds them (CUDA; they run on a CPU too), and the CUDA libraries they need.",
             digest,
             "pip install --require-hashes --no-deps -r requirements.lock -r requirements-cuda.lock",
         ),

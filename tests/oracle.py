@@ -1,5 +1,5 @@
-"""The oracle: diffusers' own MiniMax-H3 pipeline (t2va, or fl2va with keyframes), called directly on a repository,
-for torch.equal comparisons.
+"""The oracle: diffusers' own MiniMax-H3 pipeline (t2va, fl2va with keyframes, or ref2va with references on the
+`transformer_ref` partition), called directly on a repository, for torch.equal comparisons.
 
 Independent of ditcore on purpose: it builds `MiniMaxH3Blocks` itself (with its decode steps when the frames and the
 waveform are wanted, without otherwise), loads every component (the Qwen3-VL processor included) at the
@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-MIXED: dict[str, Any] = {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "default": torch.float32}
+MIXED: dict[str, Any] = {
+    "transformer": torch.bfloat16,
+    "transformer_ref": torch.bfloat16,
+    "text_encoder": torch.bfloat16,
+    "default": torch.float32,
+}
 DECODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -61,13 +66,14 @@ def _pipeline(repo: str, precision: str, with_decode: bool, decode_dtype: str, a
     if not with_decode:
         blocks.sub_blocks.pop("decode")
     pipe = diffusers.MiniMaxH3ModularPipeline(blocks=blocks, pretrained_model_name_or_path=repo)
-    names = [n for n in pipe.pretrained_component_names if n != "transformer_ref"]  # ref2va's, not in the repo
-    pipe.load_components(names=names, dtype=load_dtypes(precision, decode_dtype))
+    pipe.load_components(dtype=load_dtypes(precision, decode_dtype))  # transformer_ref too, when the repo has it
     pipe.set_progress_bar_config(disable=True)
     # diffusers' set_attention_backend also makes it the process default (the VAEs' attention); a served model sets
     # the transformer's alone, and so does the reference: the context puts the default back
     with process_default():
-        pipe.transformer.set_attention_backend(attention_backend)
+        for name in ("transformer", "transformer_ref"):
+            if getattr(pipe, name, None) is not None:
+                getattr(pipe, name).set_attention_backend(attention_backend)
     return pipe
 
 
@@ -75,11 +81,13 @@ def diffusers_outputs(
     repo: Path, prompt: str, num_inference_steps: int, seed: int, height: int, width: int, num_frames: int,
     flow_shift: float = 12.0, audio_flow_shift: float = 3.0, image: Any = None, last_image: Any = None,
     decode: bool = False, decode_dtype: str | None = None, attention_backend: str = "native",
+    references: list[Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """diffusers' own outputs: "latents", "audio_latents", "timesteps" (int32 bit patterns of each forward's
     `timestep`) and, with `decode`, "videos" (output_type "pil"), "audio" and "sampling_rate". `image` /
-    `last_image` (PIL) make it fl2va. `decode_dtype` (None: the released one for the repository's precision) is the
-    VAEs' dtype; `attention_backend` the transformer's (diffusers' name; "native" is what "auto" is on CPU)."""
+    `last_image` (PIL) make it fl2va, `references` (diffusers' reference dataclasses) ref2va, whose loop runs
+    `transformer_ref`. `decode_dtype` (None: the released one for the repository's precision) is the VAEs' dtype;
+    `attention_backend` the transformer's (diffusers' name; "native" is what "auto" is on CPU)."""
     precision = stored_precision(repo)
     dtype = decode_dtype if decode_dtype is not None else released_decode_dtype(precision)
     pipe = _pipeline(str(repo), precision, decode, dtype, attention_backend)
@@ -91,8 +99,11 @@ def diffusers_outputs(
         seen.append(tuple(kwargs["timestep"].view(torch.int32).tolist()))
 
     keyframes = {k: v for k, v in (("image", image), ("last_image", last_image)) if v is not None}
+    if references:
+        keyframes["references"] = references
     wanted = ["latents", "audio_latents"] + (["videos", "audio", "sampling_rate"] if decode else [])
-    handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    transformer = pipe.transformer_ref if references else pipe.transformer
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         out = pipe(prompt=prompt, height=height, width=width, num_frames=num_frames,
                    num_inference_steps=num_inference_steps, generator=torch.Generator("cpu").manual_seed(seed),
@@ -124,16 +135,44 @@ def pil_image(data: bytes) -> Any:
         return image.convert("RGB")
 
 
+def reference_from_bytes(data: bytes, kind: str) -> Any:
+    """diffusers' own reference dataclass for a file's bytes: written to a temporary file and read with the class's
+    `from_file` (diffusers' load_image for an image, PyAV for a video or audio clip)."""
+    import os
+    import tempfile
+
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
+
+    cls = {"image": MiniMaxH3ImageReference, "video": MiniMaxH3VideoReference, "audio": MiniMaxH3AudioReference}
+    suffix = {"image": ".png" if data.startswith(b"\x89PNG") else ".jpg", "video": ".mp4", "audio": ".wav"}[kind]
+    handle, path = tempfile.mkstemp(suffix=suffix)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        return cls[kind].from_file(path)
+    finally:
+        os.unlink(path)
+
+
 def diffusers_request_latents(
-    repo: Path, request: Any, attention_backend: str = "native"
+    repo: Path, request: Any, attention_backend: str = "native", kinds: list[str] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers_latents for a GenerationRequest or its dict (request_id, task and output_type ignored; keyframe
-    bytes decoded with Pillow), the transformer on `attention_backend` (the run under test's)."""
+    bytes decoded with Pillow; references with diffusers' `from_file`, as `kinds` say, by default each reference's
+    own `kind`), the transformer on `attention_backend` (the run under test's)."""
     fields = request if isinstance(request, dict) else vars(request)
     keys = ("prompt", "num_inference_steps", "seed", "height", "width", "num_frames", "flow_shift", "audio_flow_shift")
     kwargs = {k: fields[k] for k in keys if k in fields}
     for field, name in (("first_frame", "image"), ("last_frame", "last_image")):
         if fields.get(field):
             kwargs[name] = pil_image(fields[field])
-    video, audio, _ = diffusers_latents(repo, **kwargs, attention_backend=attention_backend)
-    return video, audio
+    refs = fields.get("references") or ()
+    if refs:
+        kinds = kinds or [r.kind for r in refs]
+        kwargs["references"] = [reference_from_bytes(r.data, k) for r, k in zip(refs, kinds, strict=True)]
+    out = diffusers_outputs(repo, **kwargs, attention_backend=attention_backend)
+    return out["latents"], out["audio_latents"]
