@@ -3,9 +3,10 @@
 `H3Model` is diffusers' own modular pipeline on a checkpoint (pipeline.py): in **resident** mode with the transformer
 exactly as `from_pretrained` loads it; in **cached** mode with the transformer loaded without its plan tensors (never
 read, never allocated) and every `adaln_proj.linear` / `norm_out.linear` replaced by a module that reads the current
-step's rows from a plan lease. `generate(model, request, plans, on_step)` runs diffusers' t2va or fl2va denoise loop
-and returns the final latents exactly as diffusers computes them, decoded by diffusers' own decode steps when the
-request asks for media.
+step's rows from a plan lease. `generate(model, request, plans, on_step)` runs diffusers' t2va, fl2va or ref2va
+denoise loop and returns the final latents exactly as diffusers computes them, decoded by diffusers' own decode steps
+when the request asks for media. One model holds the transformer of every partition it serves ("base":
+`transformer/`, t2va and fl2va; "ref": `transformer_ref/`, ref2va), each cached or resident as the mode says.
 """
 
 from __future__ import annotations
@@ -21,19 +22,24 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .attention import AUTO, backend_of, check_name, use_backend
-from .checkpoint import CheckpointInfo, validate_checkpoint
+from .checkpoint import PARTITION_TASKS, CheckpointInfo, validate_checkpoint
+from .checkpoint import PARTITIONS as PARTITION_FOLDERS
 from .media import DecodedMedia
 from .parallel import Replica, collective_backend, enable_context_parallel, split_guard
 from .pipeline import (
     DECODE_DTYPES,
+    PartitionNotLoadedError,
     ScheduleKeys,
     decode,
     decode_dtype_for,
     generate_latents,
     load_decoder,
     load_pipeline,
+    loaded_partitions,
     pipeline_with,
     plan_holder,
+    repository_partitions,
+    transformer_for,
     vae_dtype,
 )
 from .plans import PlanKey, SlotReads, is_plan_tensor
@@ -131,11 +137,31 @@ class RunOptions:
     (bfloat16 for mixed, float32 for float32: pipeline.released_decode_dtype)."""
     text_encoder: TextEncoderPlacement = field(default_factory=TextEncoderPlacement)
     """Where the text encoder runs and keeps its weights (ditcore.text_encoder); the default: on the model's device."""
+    partitions: str = AUTO
+    """The transformer partitions loaded, comma-separated ("base", "base,ref"); "auto": every one the repository
+    has (a repository without transformer_ref/ serves t2va and fl2va only)."""
 
     def __post_init__(self) -> None:
         check_name(self.attention_backend)
         if self.decode_dtype != AUTO and self.decode_dtype not in DECODE_DTYPES:
             raise ValueError(f"decode dtype must be one of {[AUTO, *DECODE_DTYPES]}, got {self.decode_dtype!r}")
+        if self.partitions != AUTO:
+            names = [p.strip() for p in self.partitions.split(",") if p.strip()]
+            if "base" not in names or any(n not in PARTITION_TASKS for n in names) or len(set(names)) != len(names):
+                raise ValueError(
+                    f"partitions must be auto or distinct names among {list(PARTITION_TASKS)} including base, got "
+                    f"{self.partitions!r}"
+                )
+
+    def partitions_for(self, info: CheckpointInfo) -> tuple[str, ...]:
+        """The partitions to load from `info`: the repository's ("auto") or those named (ValueError naming the
+        missing folder when the repository lacks one)."""
+        if self.partitions == AUTO:
+            return tuple(info.partitions)
+        names = tuple(p.strip() for p in self.partitions.split(",") if p.strip())
+        for name in names:
+            info.partition(name)  # CheckpointError naming the folder
+        return names
 
     def decode_dtype_for(self, precision: str) -> str:
         """The dtype a checkpoint of `precision` decodes in under these options (pipeline.decode_dtype_for)."""
@@ -185,8 +211,8 @@ def _module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
-COMPONENTS = ("transformer", "text_encoder", "vae", "audio_vae")
-"""The pipeline's weight-bearing components, as GetStatus lists them."""
+COMPONENTS = ("transformer", "transformer_ref", "text_encoder", "vae", "audio_vae")
+"""The pipeline's weight-bearing components, as GetStatus lists them (transformer_ref when its partition is loaded)."""
 
 
 @dataclass(frozen=True)
@@ -233,10 +259,12 @@ class H3Model:
         text_encoder: TextEncoderPlacement | None = None,
         decode_dtype: str | None = None,
         replica: Replica | None = None,
+        partitions: Sequence[str] | None = None,
     ) -> None:
         """Load `info` in `mode`: each component moved to `device` as it is loaded (pipeline.load_pipeline), the
-        cached transformer built without its plan tensors, the text encoder trimmed and placed as `text_encoder`
-        says (default: on `device`), the VAEs at `decode_dtype` (default: the precision's load dtype)."""
+        cached transformers built without their plan tensors, the text encoder trimmed and placed as `text_encoder`
+        says (default: on `device`), the VAEs at `decode_dtype` (default: the precision's load dtype), the
+        transformer of each of `partitions` (default: every one the repository has)."""
         if mode not in ADALN_MODES:
             raise ValueError(f"adaln mode must be one of {list(ADALN_MODES)}, got {mode!r}")
         if mode == "resident" and not info.has_adaln:
@@ -253,11 +281,16 @@ class H3Model:
             text_encoder=text_encoder,
             vae_dtype=decode_dtype,
             replica=replica,
+            partitions=partitions,
         )
         self.replica = replica
         """The replica this rank's model runs in (None: one device); its transformer runs context parallel."""
+        self.partitions: tuple[str, ...] = loaded_partitions(self.pipe)
+        """The partitions whose transformer this model holds ("base", and "ref" when loaded)."""
+        self.repository_partitions: tuple[str, ...] = repository_partitions(info.path)
         if mode == "cached":
-            self.holder = plan_holder(self.pipe.transformer)
+            self.holders = {p: plan_holder(self.transformer_of(p)) for p in self.partitions}
+            self.holder = self.holders["base"]
         self.decoder: Any = load_decoder(self.pipe, info.path)
         self.schedule = ScheduleKeys(info.path)
 
@@ -267,8 +300,34 @@ class H3Model:
 
     @property
     def transformer(self) -> Any:
-        """diffusers' MiniMaxH3Transformer3DModel this model runs."""
+        """diffusers' MiniMaxH3Transformer3DModel of the base partition (t2va, fl2va)."""
         return self.pipe.transformer
+
+    def transformer_of(self, partition: str) -> Any:
+        """The transformer of `partition` (PartitionNotLoadedError naming the folder when not loaded)."""
+        return transformer_for(self.pipe, partition)
+
+    def transformers(self) -> dict[str, Any]:
+        """Every loaded partition's transformer."""
+        return {p: self.transformer_of(p) for p in self.partitions}
+
+    def check_partition(self, request: GenerationRequest) -> None:
+        """PartitionNotLoadedError naming the missing folder unless this model runs the request's partition."""
+        if request.partition not in self.partitions:
+            folder = "transformer_ref" if request.partition == "ref" else "transformer"
+            why = (
+                f"{folder}/: the served repository {self.path} has no '{request.partition}' partition"
+                if request.partition not in self.repository_partitions
+                else f"{folder}/: this server does not load the '{request.partition}' partition (--partitions)"
+            )
+            raise PartitionNotLoadedError(
+                f"{why}; {request.task} runs on it, this server serves {', '.join(self.tasks)}"
+            )
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks this model serves (its partitions')."""
+        return tuple(t for p in self.partitions for t in PARTITION_TASKS[p])
 
     @property
     def attention_backend(self) -> str:
@@ -285,10 +344,23 @@ class H3Model:
         return self.schedule.keys(request)
 
     def memory(self) -> ModelMemory:
-        """The transformer's bytes against the checkpoint's plan tensors (none held in cached mode)."""
-        plan_bytes = self.info.layout.plan_tensor_bytes(self.info.projection_dtype)
-        held = sum(t.numel() * t.element_size() for n, t in self.transformer.state_dict().items() if is_plan_tensor(n))
-        return ModelMemory(_module_bytes(self.transformer), plan_bytes, held)
+        """Every loaded transformer's bytes against their checkpoint plan tensors (none held in cached mode)."""
+        parts = self.partition_memory().values()
+        return ModelMemory(
+            sum(m.transformer_bytes for m in parts),
+            sum(m.plan_tensor_bytes for m in parts),
+            sum(m.held_plan_bytes for m in parts),
+        )
+
+    def partition_memory(self) -> dict[str, ModelMemory]:
+        """Per loaded partition: its transformer's bytes against its plan tensors."""
+        out = {}
+        for partition, transformer in self.transformers().items():
+            part = self.info.partitions[partition]
+            plan_bytes = part.layout.plan_tensor_bytes(part.projection_dtype)
+            held = sum(t.numel() * t.element_size() for n, t in transformer.state_dict().items() if is_plan_tensor(n))
+            out[partition] = ModelMemory(_module_bytes(transformer), plan_bytes, held)
+        return out
 
     def components(self) -> list[ComponentInfo]:
         """Each weight-bearing component (COMPONENTS, in that order): device, placement, dtype and bytes."""
@@ -298,7 +370,9 @@ class H3Model:
             if self.mode == "cached"
             else "as diffusers' from_pretrained loads it, adaln_proj included"
         )
-        out = [_component_info("transformer", self.transformer, "device", transformer_note)]
+        out = [
+            _component_info(PARTITION_FOLDERS[p], t, "device", transformer_note) for p, t in self.transformers().items()
+        ]
         out.append(_component_info("text_encoder", self.pipe.text_encoder, loaded.placement, loaded.note()))
         out += [_component_info(name, getattr(self.pipe, name), "device", "") for name in ("vae", "audio_vae")]
         return out
@@ -326,7 +400,8 @@ def load_model(
     replica: Replica | None = None,
 ) -> H3Model:
     """Validate (unless given a CheckpointInfo) and load a checkpoint for serving in `mode`, run as `options` say
-    (default: RunOptions(), the released decode dtype and the device's best attention backend). On a `replica` of
+    (default: RunOptions(), the released decode dtype, the device's best attention backend and every partition the
+    repository has). On a `replica` of
     several ranks (this process one of them, its group joined) the transformer runs context parallel
     (ditcore.parallel: diffusers' enable_parallelism) on an attention backend that supports it, rank 0 encodes the
     prompts, and a forward whose packed sequence does not split is refused on every rank (SplitError)."""
@@ -341,12 +416,16 @@ def load_model(
     if parallel is not None:
         heads = int(info.transformer_config["num_attention_heads"])
         parallel.spec.check(parallel.world_size, heads, collective_backend(parallel.device))
-    model = H3Model(info, mode, device, options.text_encoder, options.decode_dtype_for(info.precision), replica)
-    # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
-    use_backend(model.transformer, options.attention_backend, context_parallel=parallel is not None)
-    if parallel is not None:
-        enable_context_parallel(model.transformer, parallel.spec, parallel.device, parallel.mesh)
-        split_guard(model.transformer, parallel.spec)
+    model = H3Model(
+        info, mode, device, options.text_encoder, options.decode_dtype_for(info.precision), replica,
+        options.partitions_for(info),
+    )  # fmt: skip
+    for transformer in model.transformers().values():
+        # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
+        use_backend(transformer, options.attention_backend, context_parallel=parallel is not None)
+        if parallel is not None:
+            enable_context_parallel(transformer, parallel.spec, parallel.device, parallel.mesh)
+            split_guard(transformer, parallel.spec)
     return model
 
 
@@ -378,6 +457,7 @@ def generate(
     (stage_synchronize; on CUDA a stream sync at each boundary, the first forward's included), in both modes.
     """
     request.validate(limits)
+    model.check_partition(request)
     check_prompt_tokens(model.pipe.tokenizer, request.prompt, limits)  # the served tokenizer, as diffusers calls it
     if (plans is None) != (model.mode == "resident"):
         raise ValueError(f"a {model.mode} model {'takes no' if plans is not None else 'needs a'} plan provider")
@@ -402,7 +482,7 @@ def generate(
         if on_step is not None:
             on_step(forwards, len(keys))
 
-    transformer = model.transformer
+    transformer = model.transformer_of(request.partition)
     handles = [
         transformer.register_forward_pre_hook(forward_started),
         transformer.register_forward_hook(forward_done),

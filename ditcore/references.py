@@ -36,7 +36,13 @@ KINDS = ("image", "video", "audio")
 """The reference kinds, in diffusers' terms (`MiniMaxH3Reference.kind`)."""
 VIDEO_FORMATS = {"mov,mp4,m4a,3gp,3g2,mj2": "MP4", "matroska,webm": "WebM"}
 """FFmpeg demuxer name -> the video container it reads (what a video reference may be)."""
-AUDIO_FORMATS = {"wav": "WAV", "flac": "FLAC", "mp3": "MP3", "aac": "AAC (ADTS)", "mov,mp4,m4a,3gp,3g2,mj2": "MP4 (M4A)"}
+AUDIO_FORMATS = {
+    "wav": "WAV",
+    "flac": "FLAC",
+    "mp3": "MP3",
+    "aac": "AAC (ADTS)",
+    "mov,mp4,m4a,3gp,3g2,mj2": "MP4 (M4A)",
+}
 """FFmpeg demuxer name -> the audio container it reads (what an audio reference may be)."""
 MAX_PACKETS = 200_000
 """Packets one reference's container may hold (bounds the probe's demux pass: far above any 60 s clip's)."""

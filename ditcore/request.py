@@ -123,14 +123,15 @@ class RequestLimits:
     """Host bytes one decoded video or audio reference may take."""
 
     def reference_limits(self) -> ReferenceLimits:
-        """The ditcore.references limits these operator limits set (an image reference: the keyframe limits)."""
+        """The ditcore.references limits these operator limits set (an image reference: the keyframe rules, within
+        the reference byte limit)."""
         return ReferenceLimits(
             max_bytes=self.max_reference_bytes,
             max_total_bytes=self.max_references_bytes,
             max_seconds=self.max_reference_seconds,
             max_frame_pixels=self.max_reference_frame_pixels,
             max_decoded_bytes=self.max_reference_decoded_bytes,
-            image=_image_limits(self),
+            image=dataclasses.replace(_image_limits(self), max_bytes=self.max_reference_bytes),
         )
 
 

@@ -18,6 +18,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ditcore import CheckpointError, CheckpointNotFoundError, PresetError, RequestError
+from ditcore.pipeline import PartitionNotLoadedError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ _CORE_TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (CheckpointNotFoundError, grpc.StatusCode.NOT_FOUND, "CHECKPOINT_NOT_FOUND"),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION, "CHECKPOINT_INVALID"),
     (PresetError, grpc.StatusCode.INVALID_ARGUMENT, "PRESET_INVALID"),
+    (PartitionNotLoadedError, grpc.StatusCode.FAILED_PRECONDITION, "PARTITION_NOT_SERVED"),
 ]
 
 

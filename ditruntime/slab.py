@@ -32,9 +32,10 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# slot-table row layout (int64 words)
-COL_STATE, COL_GENERATION, COL_LENGTH, COL_SEQ = 0, 1, 2, 3
-ROW_WORDS = 4
+# slot-table row layout (int64 words): state, generation, key width, write sequence, the key's partition
+# (ditcore.plans.PARTITION_CODES), then the key's timestep bits
+COL_STATE, COL_GENERATION, COL_LENGTH, COL_SEQ, COL_PARTITION = 0, 1, 2, 3, 4
+ROW_WORDS = 5
 EMPTY, FILLING, READY = 0, 1, 2
 STATE_NAMES = {EMPTY: "EMPTY", FILLING: "FILLING", READY: "READY"}
 

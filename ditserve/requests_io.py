@@ -3,8 +3,11 @@
 The request flags and the JSONL keys are `ditcore.GenerationRequest`'s fields (`--num-inference-steps` is the key
 `num_inference_steps`); omitted keys take the flag values, whose defaults are GenerationRequest's. Keyframes are
 files: `--first-frame PATH` / `--last-frame PATH`, and in a JSONL line "first_frame" / "last_frame" are paths relative
-to the JSONL file's directory (null or "" for none). A request whose task is left unset (no `--task`, no "task" key) is
-fl2va when it has a keyframe, else t2va (`ditcore.request.infer_task`). `--out` and `--output-type` are resolved by
+to the JSONL file's directory (null or "" for none). ref2va references are files too, in order: `--reference
+[KIND:]PATH` (repeatable; KIND image, video or audio, default by content: "audio:clip.mp4" takes a video's soundtrack
+alone), and in a JSONL line "references": a list of such strings (paths relative to the JSONL file's directory). A
+request whose task is left unset (no `--task`, no "task" key) is ref2va when it has references, fl2va when it has a
+keyframe, else t2va (`ditcore.request.infer_task`). `--out` and `--output-type` are resolved by
 `outputs.py`. `generate-local` validates every request against MiniMax-H3's rules before any runs, so bad input writes
 nothing (`generate` leaves that to the server, whose operator limits may be tighter).
 """
@@ -20,11 +23,13 @@ from typing import Any
 
 from ditcore import H3_LIMITS, GenerationRequest, RequestError, RequestLimits
 from ditcore.media import OUTPUT_TYPES
+from ditcore.references import KINDS, Reference
 from ditcore.report import CacheReport
 from ditcore.request import (
     KEYFRAME_FIELDS,
     MAX_FRAMES,
     MAX_KEYFRAME_BYTES,
+    MAX_REFERENCE_BYTES,
     MAX_STEPS,
     MIN_FRAMES,
     MIN_STEPS,
@@ -65,6 +70,15 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", default=_DEFAULTS.prompt, help="the text, non-empty, presented verbatim")
     g.add_argument("--first-frame", metavar="PATH", default=None, help="fl2va: PNG or JPEG the video starts from")
     g.add_argument("--last-frame", metavar="PATH", default=None, help="fl2va: PNG or JPEG the video ends on")
+    g.add_argument(
+        "--reference",
+        metavar="[KIND:]PATH",
+        action="append",
+        default=[],
+        help="ref2va: a reference file, in the order the model reads them (repeat it; up to 9 images PNG/JPEG, 3 "
+        "videos MP4/WebM with their soundtrack, 3 audio clips WAV/FLAC/MP3/AAC, 12 in all); KIND image, video or "
+        "audio (default: by content; audio:clip.mp4 takes a video's soundtrack alone)",
+    )
     g.add_argument(
         "--num-inference-steps",
         type=int,
@@ -111,17 +125,39 @@ def _keyframe_from_flag(flag: str, value: str | None) -> bytes:
     return b"" if value is None else _read_keyframe(Path(value).expanduser(), lambda msg: UsageError(f"{flag} {msg}"))
 
 
-def _read_keyframe(path: Path, error: Any) -> bytes:
+def _read_keyframe(path: Path, error: Any, limit: int = MAX_KEYFRAME_BYTES, what: str = "keyframe") -> bytes:
     """The file's bytes; `error(message)` is raised (with the path leading the message) when it cannot be read."""
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):
             raise error(f"{path}: cannot read it (not a regular file)")
-        if st.st_size > MAX_KEYFRAME_BYTES:
-            raise error(f"{path}: {st.st_size} bytes, over the keyframe limit of {MAX_KEYFRAME_BYTES} bytes")
+        if st.st_size > limit:
+            raise error(f"{path}: {st.st_size} bytes, over the {what} limit of {limit} bytes")
         return path.read_bytes()
     except OSError as e:
         raise error(f"{path}: cannot read it ({e.strerror or e})") from e
+
+
+def parse_reference(value: str) -> tuple[str, str]:
+    """A `--reference` value: (kind, path); the kind is "" unless the value starts with "image:", "video:" or
+    "audio:"."""
+    head, sep, rest = value.partition(":")
+    return (head, rest) if sep and head in KINDS else ("", value)
+
+
+def read_references(values: Sequence[str], error: Any, base: Path | None = None) -> tuple[Reference, ...]:
+    """The references `--reference` values (or a JSONL line's "references") name, read in order; `error(index,
+    message)` is raised for one that cannot be read. Relative paths are relative to `base` (default: the working
+    directory)."""
+    out = []
+    for i, value in enumerate(values):
+        kind, name = parse_reference(value)
+        path = Path(name).expanduser()
+        if base is not None:
+            path = base / path
+        data = _read_keyframe(path, lambda msg, i=i: error(i, msg), MAX_REFERENCE_BYTES, "reference")
+        out.append(Reference(data, kind))
+    return tuple(out)
 
 
 def _defaults_from_args(args: argparse.Namespace, target: OutputTarget) -> GenerationRequest:
@@ -132,6 +168,9 @@ def _defaults_from_args(args: argparse.Namespace, target: OutputTarget) -> Gener
         first_frame=_keyframe_from_flag("--first-frame", args.first_frame),
         last_frame=_keyframe_from_flag("--last-frame", args.last_frame),
         output_type=target.output_type or _DEFAULTS.output_type,
+        references=read_references(
+            getattr(args, "reference", None) or [], lambda i, msg: UsageError(f"--reference #{i + 1}: {msg}")
+        ),
     )
 
 
@@ -148,6 +187,15 @@ def _line_keyframes(data: dict[str, Any], where: str, base: Path) -> None:
             data[name] = _read_keyframe(path, lambda msg, name=name: RequestError(name, f"{where}: {msg}"))
         else:
             raise RequestError(name, f"{where}: must be a file path (a string), got {type(value).__name__}")
+    if "references" in data:
+        value = data["references"]
+        if value is None:
+            value = []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RequestError("references", f'{where}: must be a list of "[KIND:]PATH" strings')
+        data["references"] = read_references(
+            value, lambda i, msg: RequestError(f"references[{i}]", f"{where}: {msg}"), base
+        )
 
 
 def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = None) -> list[GenerationRequest]:

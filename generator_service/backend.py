@@ -187,6 +187,13 @@ class Backend(ABC):
     def check_fits(self, request: GenerationRequest) -> None:
         """Raise if the request's plans can never fit this server (before any work); memory: `check_memory`."""
 
+    def check_partition(self, request: GenerationRequest) -> None:
+        """PartitionNotLoadedError (FAILED_PRECONDITION, naming the folder) unless the served model runs the
+        request's transformer partition (ref2va needs transformer_ref/)."""
+        model = self.loaded()
+        if model is not None:
+            model.check_partition(request)
+
     @abstractmethod
     def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease | None:
         """The request's plans, leased; None when the model computes modulation itself. `step_bound_s` bounds one of

@@ -13,6 +13,7 @@ from ditcore.attention import AUTO, check_name
 from ditcore.model import RunOptions
 from ditcore.parallel import ParallelSpec
 from ditcore.pipeline import DECODE_DTYPES
+from ditcore.references import DEFAULT_REFERENCE_LIMITS
 from ditcore.request import (
     CANVAS_MULTIPLE,
     MAX_FRAMES,
@@ -21,6 +22,11 @@ from ditcore.request import (
     MAX_PIXELS,
     MAX_PROMPT_BYTES,
     MAX_PROMPT_TOKENS,
+    MAX_REFERENCE_BYTES,
+    MAX_REFERENCE_DECODED_BYTES,
+    MAX_REFERENCE_FRAME_PIXELS,
+    MAX_REFERENCE_SECONDS,
+    MAX_REFERENCES_BYTES,
     MAX_SIDE,
     MIN_FRAMES,
     RELEASED_MAX_PIXELS,
@@ -123,6 +129,14 @@ class GeneratorConfig:
     )
     """The VAEs' dtype (loaded at it as diffusers' `load_components(dtype=...)` does: the video VAE's encoder path
     and the audio VAE stay float32, so only the video decoder changes; fl2va keyframe latents do not depend on it)."""
+    partitions: str = flag(
+        AUTO,
+        "transformer partitions to load, comma-separated: base (transformer/: t2va, fl2va), ref (transformer_ref/: "
+        "ref2va); auto: every one the repository has (default %(default)s)",
+    )
+    """Which of the repository's transformers this generator loads (`--partitions base,ref`): cached, each without
+    its adaln_proj (its plans come from the sidecar, keyed by partition); resident, each as diffusers loads it. A
+    request whose task needs an unloaded partition is refused FAILED_PRECONDITION naming it."""
     text_encoder_device: str = flag(
         AUTO,
         "where the Qwen3-VL text encoder runs: auto (the --device), cuda, or cpu (default %(default)s)",
@@ -284,6 +298,47 @@ class GeneratorConfig:
     )
     """Largest keyframe (`first_frame`, `last_frame`) served, in bytes (`--max-keyframe-mb`). The whole request
     must also fit `--max-message-mb`."""
+    max_reference_bytes: int = flag(
+        DEFAULT_REFERENCE_LIMITS.max_bytes,
+        "operator limit on one ref2va reference's size in MiB (default %(default)s)",
+        name="--max-reference-mb", scale=MIB, low=MIB, high=MAX_REFERENCE_BYTES,
+    )  # fmt: skip
+    """Largest reference file (an image, video or audio clip) served, in bytes (`--max-reference-mb`)."""
+    max_references_bytes: int = flag(
+        DEFAULT_REFERENCE_LIMITS.max_total_bytes,
+        "operator limit on a request's references together in MiB (default %(default)s)",
+        name="--max-references-mb", scale=MIB, low=MIB, high=MAX_REFERENCES_BYTES,
+    )  # fmt: skip
+    """The bytes of all of a request's references together (`--max-references-mb`)."""
+    max_reference_seconds: float = flag(
+        DEFAULT_REFERENCE_LIMITS.max_seconds,
+        "operator limit on a video or audio reference's duration in seconds, from its packets (default %(default)s)",
+        low=0.5, high=MAX_REFERENCE_SECONDS,
+    )  # fmt: skip
+    """Longest video or audio reference served (diffusers conditions on at most the generated duration; a longer
+    clip is decoded whole first, so this bounds the decode)."""
+    max_reference_frame_pixels: int = flag(
+        DEFAULT_REFERENCE_LIMITS.max_frame_pixels,
+        "operator limit on a video reference's width x height (default %(default)s)",
+        low=CANVAS_MULTIPLE * CANVAS_MULTIPLE, high=MAX_REFERENCE_FRAME_PIXELS,
+    )  # fmt: skip
+    """Largest video-reference frame served, in pixels (from the stream header, before decoding)."""
+    max_reference_decoded_bytes: int = flag(
+        DEFAULT_REFERENCE_LIMITS.max_decoded_bytes,
+        "operator limit on one video or audio reference decoded into host memory, in MiB (default %(default)s)",
+        name="--max-reference-decoded-mb", scale=MIB, low=MIB, high=MAX_REFERENCE_DECODED_BYTES,
+    )  # fmt: skip
+    """What one decoded reference may weigh (a video's uint8 frames, an audio clip's float32 samples)."""
+    max_upload_bytes: int = flag(
+        1024 * MIB, "UploadReference: bytes held for uploads at once, in MiB; 0 turns uploads off (default "
+        "%(default)s)", name="--max-upload-mb", scale=MIB, low=0, high=64 * 1024 * MIB,
+    )  # fmt: skip
+    """Memory the uploaded references may hold together (`--max-upload-mb`); an upload that would go over it is
+    refused RESOURCE_EXHAUSTED (expired uploads are dropped first)."""
+    upload_ttl_s: float = flag(
+        600.0, "seconds an uploaded reference is kept (default %(default)s)", low=1.0, high=7 * 24 * 3600.0
+    )
+    """How long an UploadReference's bytes stay for requests to name them (`--upload-ttl-s`)."""
     max_keyframe_pixels: int = flag(
         MAX_KEYFRAME_PIXELS,
         "operator limit on a keyframe's width x height, checked before decoding (default %(default)s)",
@@ -338,13 +393,18 @@ class GeneratorConfig:
             max_pixels=self.max_canvas_pixels,
             max_prompt_tokens=self.max_prompt_tokens,
             max_video_pixels=self.max_video_pixels,
+            max_reference_bytes=self.max_reference_bytes,
+            max_references_bytes=self.max_references_bytes,
+            max_reference_seconds=self.max_reference_seconds,
+            max_reference_frame_pixels=self.max_reference_frame_pixels,
+            max_reference_decoded_bytes=self.max_reference_decoded_bytes,
         )
 
     @property
     def run_options(self) -> RunOptions:
         """How every model this generator loads runs: its attention backend and decode dtype."""
         te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
-        return RunOptions(self.attention_backend, self.decode_dtype, te)
+        return RunOptions(self.attention_backend, self.decode_dtype, te, self.partitions)
 
     def rank_device(self, local_rank: int) -> str:
         """The device of the replica rank with this LOCAL_RANK (--devices, else --device)."""

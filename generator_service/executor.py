@@ -120,6 +120,17 @@ def _operator_limit(request: GenerationRequest, limits: RequestLimits, e: Reques
         if broken == "max_pixels":
             return f"--max-keyframe-pixels is {limits.max_keyframe_pixels}"
         return ""
+    if e.field.startswith("references"):  # ditcore.references' limit names, behind the MediaError
+        broken = e.__cause__.limit if isinstance(e.__cause__, MediaError) else ""
+        flags = {
+            "max_bytes": f"--max-reference-mb is {limits.max_reference_bytes / MIB:g}",
+            "max_total_bytes": f"--max-references-mb is {limits.max_references_bytes / MIB:g}",
+            "max_seconds": f"--max-reference-seconds is {limits.max_reference_seconds:g}",
+            "max_frame_pixels": f"--max-reference-frame-pixels is {limits.max_reference_frame_pixels}",
+            "max_decoded_bytes": f"--max-reference-decoded-mb is {limits.max_reference_decoded_bytes / MIB:g}",
+            "max_pixels": f"--max-keyframe-pixels is {limits.max_keyframe_pixels}",
+        }
+        return flags.get(broken, "")
     if e.field == "num_frames" and request.height * request.width * request.num_frames > limits.max_video_pixels:
         return f"--max-video-pixels is {limits.max_video_pixels}"
     attr = LIMITED_FIELDS.get(e.field)
@@ -298,6 +309,7 @@ class Executor:
         """Admission's checks but the queue's capacity: H3's rules and the operator's limits, the prompt's tokens,
         the slab, the modeled memory, the expected generation. Raises what `submit` would."""
         check_request(job.request, self.limits)
+        self.backend.check_partition(job.request)
         tokens = check_prompt_tokens(self.backend, job.request, self.limits)  # the served tokenizer: ~8 ms for 16 KB
         self.backend.check_fits(job.request)
         self.backend.check_split(job.request, tokens)

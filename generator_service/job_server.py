@@ -22,8 +22,9 @@ from .errors import HandlersBusyError
 from .job_schema import STATES
 from .job_service import JobService
 from .job_types import JobView, NewJob
-from .proto_convert import request_from_proto
+from .proto_convert import request_from_proto, resolve_uploads
 from .streams import HandlerSlots, SendWatchdog
+from .uploads import UploadStore
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jobs"].full_name
 _STATES = {name: pb.JobState.Value(f"JOB_STATE_{name.upper()}") for name in STATES}
@@ -142,7 +143,16 @@ def _after(token: str, states: list[str], oldest_first: bool) -> int | None:
 
 
 class JobsServicer(pb_grpc.JobsServicer):
-    def __init__(self, jobs: JobService, slots: HandlerSlots, watchdog: SendWatchdog, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        jobs: JobService,
+        slots: HandlerSlots,
+        watchdog: SendWatchdog,
+        chunk_bytes: int,
+        uploads: UploadStore | None = None,
+    ) -> None:
+        self.uploads = uploads
+        """UploadReference's store: a job's references named by upload_id are resolved into the stored request."""
         self.jobs = jobs
         self.slots = slots
         self.watchdog = watchdog
@@ -156,9 +166,10 @@ class JobsServicer(pb_grpc.JobsServicer):
             if not request.HasField("request"):
                 raise RequestError("request", "is required: the Generate request the job runs")
             client_sha = hashlib.sha256(request.request.SerializeToString(deterministic=True)).hexdigest()
-            parsed, expected = request_from_proto(request.request)
+            resolved = resolve_uploads(request.request, self.uploads)  # the job keeps the bytes, not the upload
+            parsed, expected = request_from_proto(resolved)
             stored = pb.GenerateRequest()
-            stored.CopyFrom(request.request)
+            stored.CopyFrom(resolved)
             stored.request_id = parsed.request_id  # a restart runs it under the same id
             new = NewJob(parsed, expected, stored.SerializeToString(deterministic=True), client_sha)
             view, created = self.jobs.create(new, key or None)

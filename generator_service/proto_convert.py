@@ -1,5 +1,6 @@
 """Public proto messages -> the model layer's values: a GenerateRequest as a GenerationRequest (Generate,
-GenerateStream, CreateJob and a restarted job all parse it here), a pushed tensor (UpdateWeights)."""
+GenerateStream, CreateJob and a restarted job all parse it here; references named by upload_id are resolved from
+the upload store first: `resolve_uploads`), a pushed tensor (UpdateWeights)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import torch
 
 from ditcore import GenerationRequest, RequestError
 from ditcore.plans import DTYPES
+from ditcore.references import Reference
 from ditcore.request import infer_task
 from protos.ditserve.generator.v1 import generator_pb2 as pb
+
+from .uploads import UploadStore
 
 
 def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
@@ -27,7 +31,14 @@ def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(tuple(t.shape))
 
 
-_TASKS = {pb.TASK_T2VA: "t2va", pb.TASK_FL2VA: "fl2va"}  # TASK_UNSPECIFIED: inferred from the keyframes
+_TASKS = {pb.TASK_T2VA: "t2va", pb.TASK_FL2VA: "fl2va", pb.TASK_REF2VA: "ref2va"}  # UNSPECIFIED: inferred
+REFERENCE_KINDS: dict[int, str] = {
+    pb.REFERENCE_KIND_UNSPECIFIED: "",
+    pb.REFERENCE_KIND_IMAGE: "image",
+    pb.REFERENCE_KIND_VIDEO: "video",
+    pb.REFERENCE_KIND_AUDIO: "audio",
+}
+"""ReferenceKind -> ditcore.references' kind ("": by content)."""
 _OUTPUT_TYPES = {
     pb.OUTPUT_TYPE_UNSPECIFIED: "latents",
     pb.OUTPUT_TYPE_LATENTS: "latents",
@@ -43,15 +54,42 @@ def _allowed(enum: Any, default: str) -> str:
     return f"{', '.join(names)} (or {enum.Name(0)}, meaning {default})"
 
 
+def reference_kind(value: int, field: str) -> str:
+    """A ReferenceKind as ditcore's kind; RequestError naming `field` for an unknown enum value."""
+    if value not in REFERENCE_KINDS:
+        raise RequestError(field, f"unknown reference kind enum value {value}; allowed: " + _allowed(
+            pb.ReferenceKind, "by content"))  # fmt: skip
+    return REFERENCE_KINDS[value]
+
+
+def resolve_uploads(msg: pb.GenerateRequest, uploads: UploadStore | None) -> pb.GenerateRequest:
+    """`msg` with every reference that names an upload_id carrying the upload's bytes instead (a copy; `msg` itself
+    when it names none), so the request, and a job's stored copy, no longer depend on the upload. RequestError
+    naming `references[i].upload_id` for an unknown or expired one."""
+    if not any(r.WhichOneof("source") == "upload_id" for r in msg.references):
+        return msg
+    out = pb.GenerateRequest()
+    out.CopyFrom(msg)
+    for i, ref in enumerate(out.references):
+        if ref.WhichOneof("source") == "upload_id":
+            field = f"references[{i}].upload_id"
+            if uploads is None:
+                raise RequestError(field, "this server takes no uploads")
+            ref.data = uploads.get(ref.upload_id, field).reference.data  # the oneof: upload_id is cleared
+    return out
+
+
 def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int | None]:
     """(request, expected_generation); unset optional fields take GenerationRequest defaults. An unset task is
-    fl2va when a keyframe is given, else t2va; an unset output type is latents."""
+    ref2va when references are given, fl2va when a keyframe is, else t2va; an unset output type is latents. Upload
+    ids must have been resolved (resolve_uploads)."""
     if msg.task != pb.TASK_UNSPECIFIED and msg.task not in _TASKS:
         raise RequestError(
             "task",
             f"unknown task enum value {msg.task}; allowed: "
-            + _allowed(pb.Task, "TASK_FL2VA with a first_frame or last_frame, else TASK_T2VA"),
-        )
+            + _allowed(pb.Task, "TASK_REF2VA with references, TASK_FL2VA with a first_frame or last_frame, else "
+                       "TASK_T2VA"),
+        )  # fmt: skip
     if msg.output_type not in _OUTPUT_TYPES:
         raise RequestError(
             "output_type",
@@ -59,13 +97,19 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int 
             + _allowed(pb.OutputType, "OUTPUT_TYPE_LATENTS"),
         )
     has_keyframes = bool(msg.first_frame or msg.last_frame)
+    references = []
+    for i, ref in enumerate(msg.references):
+        if ref.WhichOneof("source") == "upload_id":
+            raise RequestError(f"references[{i}].upload_id", "names an upload this call cannot resolve")
+        references.append(Reference(ref.data, reference_kind(ref.kind, f"references[{i}].kind")))
     kwargs: dict[str, Any] = {
         "request_id": msg.request_id or f"req-{uuid.uuid4().hex[:12]}",
-        "task": infer_task(_TASKS.get(msg.task), has_keyframes),
+        "task": infer_task(_TASKS.get(msg.task), has_keyframes, bool(references)),
         "prompt": msg.prompt,
         "output_type": _OUTPUT_TYPES[msg.output_type],
         "first_frame": msg.first_frame,
         "last_frame": msg.last_frame,
+        "references": tuple(references),
     }
     for name in _OPTIONAL:
         if msg.HasField(name):

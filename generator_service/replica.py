@@ -54,6 +54,7 @@ from ditcore import (
 from ditcore.model import RunOptions, StepCallback
 from ditcore.parallel import Replica, ReplicaLostError, SplitError
 from ditcore.plans import PlanKey
+from ditcore.references import Reference
 from ditcore.report import CacheReport
 from ditcore.sizing import Canvas
 from ditruntime.slab import SlabMapping, descriptor_from_proto, descriptor_to_proto
@@ -82,6 +83,7 @@ def request_to_work(request: GenerationRequest) -> rpb.Request:
         num_inference_steps=request.num_inference_steps, flow_shift=request.flow_shift,
         audio_flow_shift=request.audio_flow_shift, seed=request.seed, height=request.height, width=request.width,
         num_frames=request.num_frames, first_frame=request.first_frame, last_frame=request.last_frame,
+        references=[rpb.Reference(data=r.data, kind=r.kind) for r in request.references],
     )  # fmt: skip
 
 
@@ -91,16 +93,16 @@ def request_from_work(msg: rpb.Request) -> GenerationRequest:
         request_id=msg.request_id, task=msg.task, prompt=msg.prompt, num_inference_steps=msg.num_inference_steps,
         flow_shift=msg.flow_shift, audio_flow_shift=msg.audio_flow_shift, seed=msg.seed, height=msg.height,
         width=msg.width, num_frames=msg.num_frames, first_frame=msg.first_frame, last_frame=msg.last_frame,
-        output_type="latents",
+        output_type="latents", references=tuple(Reference(r.data, r.kind) for r in msg.references),
     )  # fmt: skip
 
 
 def _keys(msg: rpb.Run) -> list[PlanKey]:
-    return [PlanKey(tuple(int(b) for b in k.timestep_bits)) for k in msg.plan_keys]
+    return [PlanKey(tuple(int(b) for b in k.timestep_bits), k.partition or "base") for k in msg.plan_keys]
 
 
 def _key_proto(key: PlanKey) -> rpb.PlanKey:
-    return rpb.PlanKey(timestep_bits=list(key.bits))
+    return rpb.PlanKey(timestep_bits=list(key.bits), partition=key.partition)
 
 
 # ---------------------------------------------------------------------------- the loop in lockstep

@@ -15,11 +15,13 @@ from concurrent import futures
 
 import grpc
 import torch
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ditcore import GenerationRequest, RequestError
-from ditcore.model import ComponentInfo
+from ditcore.checkpoint import PARTITION_TASKS
+from ditcore.model import ComponentInfo, H3Model
 from ditruntime.auth import check_admin_transport, check_bearer, plaintext_admin_warning
 from ditruntime.convert import to_proto
 from ditruntime.decode_guard import DecodeGuard
@@ -39,10 +41,11 @@ from .job_server import JobsServicer
 from .job_service import JobService
 from .jobs import Decoding, Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
 from .metrics import GeneratorMetrics
-from .proto_convert import OUTPUT_ENUMS, request_from_proto, tensor_from_proto
+from .proto_convert import OUTPUT_ENUMS, reference_kind, request_from_proto, resolve_uploads, tensor_from_proto
 from .registry import JobRegistry
 from .streams import HandlerSlots, SendWatchdog, StreamWatch
 from .updates import UpdateCoordinator, resolve_weights_path
+from .uploads import UploadStore
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +146,13 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         slots: HandlerSlots,
         watchdog: SendWatchdog,
         registry: JobRegistry,
+        uploads: UploadStore,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.backend = backend
         self.executor = executor
+        self.uploads = uploads
         self.registry = registry
         self.updates = updates
         self.slots = slots
@@ -156,7 +161,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext, unary: bool) -> Job:
         try:
-            request, expected = request_from_proto(msg)
+            request, expected = request_from_proto(resolve_uploads(msg, self.uploads))
             if unary:
                 self._check_unary_size(request)
             remaining = context.time_remaining()
@@ -330,6 +335,24 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             phase_ms=result.phase_ms,
         )
 
+    def UploadReference(
+        self, request_iterator: Iterator[pb.UploadReferenceRequest], context: grpc.ServicerContext
+    ) -> pb.UploadReferenceResponse:
+        try:
+            with self.slots.take():
+                chunks = ((m.chunk, reference_kind(m.kind, "kind")) for m in request_iterator)
+                upload = self.uploads.put(chunks, self.executor.limits.reference_limits())
+        except (RequestError, ServiceError) as e:
+            abort(context, e)
+        expires = Timestamp()
+        expires.FromNanoseconds(int(upload.expires_at * 1e9))
+        log.info("upload %s: %d bytes (%s), sha256 %s", upload.upload_id, len(upload.reference.data), upload.kind,
+                 upload.sha256[:16])  # fmt: skip
+        return pb.UploadReferenceResponse(
+            upload_id=upload.upload_id, size_bytes=len(upload.reference.data), sha256=upload.sha256,
+            kind=upload.kind, expires_at=expires,
+        )  # fmt: skip
+
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         st = self.backend.status()
         resp = pb.GetStatusResponse(
@@ -351,6 +374,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             resp.attention_backend, resp.decode_dtype = model.attention_backend, model.decode_dtype
             resp.memory.CopyFrom(pb.ModelMemory(**model.memory().to_dict()))
             resp.components.extend(component_placement(c) for c in model.components())
+            resp.partitions.extend(partition_status(model))
         link = self.backend.replica
         if link is not None:
             spec = link.replica.spec
@@ -369,6 +393,21 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 dtype=slab.dtype, device=slab.device, transport=slab.transport,
             ))  # fmt: skip
         return resp
+
+
+def partition_status(model: H3Model) -> list[pb.PartitionStatus]:
+    """GetStatus' view of the repository's transformer partitions: loaded or not, their tasks and memory."""
+    memory = model.partition_memory()
+    out = []
+    for name, part in model.info.partitions.items():
+        status = pb.PartitionStatus(
+            name=name, folder=part.folder, loaded=name in memory, tasks=list(PARTITION_TASKS[name]),
+            fingerprint=part.fingerprint,
+        )  # fmt: skip
+        if name in memory:
+            status.memory.CopyFrom(pb.ModelMemory(**memory[name].to_dict()))
+        out.append(status)
+    return out
 
 
 def component_placement(c: ComponentInfo) -> pb.ComponentPlacement:
@@ -423,9 +462,12 @@ class GeneratorServer:
         self.watchdog = SendWatchdog(
             cfg.stream_stall_s, cfg.stream_transfer_s, lambda why: metrics.streams_cancelled.labels(why).inc()
         )
-        servicer = GeneratorServicer(cfg, backend, executor, updates, metrics, self.slots, self.watchdog, registry)
+        self.uploads = UploadStore(cfg.max_upload_bytes, cfg.upload_ttl_s)
+        servicer = GeneratorServicer(
+            cfg, backend, executor, updates, metrics, self.slots, self.watchdog, registry, self.uploads
+        )
         pb_grpc.add_GeneratorServicer_to_server(servicer, self.server)
-        jobs_servicer = JobsServicer(jobs, self.slots, self.watchdog, cfg.chunk_bytes)
+        jobs_servicer = JobsServicer(jobs, self.slots, self.watchdog, cfg.chunk_bytes, self.uploads)
         pb_grpc.add_JobsServicer_to_server(jobs_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(publisher.servicer, self.server)
         if cfg.reflection:

@@ -235,7 +235,7 @@ class SidecarClient(SidecarSession):
         req = pb.PreparePlansRequest(
             session_id=att.session_id,
             generation=generation,
-            plan_keys=[pb.PlanKey(timestep_bits=list(k.bits)) for k in keys],
+            plan_keys=[pb.PlanKey(timestep_bits=list(k.bits), partition=k.partition) for k in keys],
             request_id=tag,
             step_bound_s=step_bound_s,
         )

@@ -23,7 +23,16 @@ import torch
 
 from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
-from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, READY, ROW_WORDS, SlabDescriptor, SlabMapping
+from ditruntime.slab import (
+    COL_GENERATION,
+    COL_LENGTH,
+    COL_PARTITION,
+    COL_STATE,
+    READY,
+    ROW_WORDS,
+    SlabDescriptor,
+    SlabMapping,
+)
 
 from .errors import LeaseCheckError, SidecarUnavailableError
 
@@ -66,7 +75,7 @@ class Attachment:
 
 def check_rows(table: torch.Tensor, keys: Sequence[PlanKey], slots: Sequence[int], generation: int, what: str) -> None:
     """LeaseCheckError naming `what` unless every slot's row of the slot table is READY, of `generation`, holding
-    its key (the lease check every rank of a replica runs on the one table)."""
+    its key, partition included (the lease check every rank of a replica runs on the one table)."""
     for key, slot in zip(keys, slots, strict=True):
         if not 0 <= slot < int(table.shape[0]):
             raise LeaseCheckError(f"{what}: slot {slot} is outside the slab")
@@ -76,6 +85,7 @@ def check_rows(table: torch.Tensor, keys: Sequence[PlanKey], slots: Sequence[int
             row[COL_STATE] != READY
             or row[COL_GENERATION] != generation
             or row[COL_LENGTH] != key.width
+            or row[COL_PARTITION] != key.partition_code
             or tuple(words) != key.bits
         ):
             raise LeaseCheckError(

@@ -35,13 +35,24 @@ import torch
 from ditcore.plans import PlanKey, distinct_keys
 from ditcore.report import CacheReport
 from ditruntime.errors import GenerationMismatchError
-from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_SEQ, COL_STATE, EMPTY, FILLING, READY, ROW_WORDS
+from ditruntime.slab import (
+    COL_GENERATION,
+    COL_LENGTH,
+    COL_PARTITION,
+    COL_SEQ,
+    COL_STATE,
+    EMPTY,
+    FILLING,
+    READY,
+    ROW_WORDS,
+)
 
 from .config import CacheConfig
 from .device import Copier, SlabMemory
 from .errors import (
     CacheBusyError,
     InvalidPlanRequestError,
+    PartitionUnavailableError,
     PlanCacheError,
     PlanCapacityError,
     RebuildError,
@@ -65,6 +76,17 @@ class Lease:
     keys: tuple[PlanKey, ...]
     slots: tuple[int, ...]
     report: CacheReport
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """One transformer partition the cache serves plans of (GetState's `Partition`)."""
+
+    name: str
+    folder: str
+    fingerprint: str
+    slots_ready: int
+    slots_allowed: int
 
 
 @dataclass(frozen=True)
@@ -228,8 +250,11 @@ class PlanCache:
         for tier in self.tiers:
             tier.clear()
 
-    def retarget(self, source: RebuildSource, generation: int, before: Callable[[], None] | None = None) -> None:
-        """Point rebuilds at a new checkpoint under a new generation (every tier dropped).
+    def retarget(self, source: RebuildSource, generation: int, before: Callable[[], None] | None = None) -> set[str]:
+        """Point rebuilds at a new checkpoint under a new generation: the plans of every partition whose files
+        changed are dropped from the slab and the host tier; those of a partition whose files are the same
+        (`RebuildSource.unchanged_partitions`) stay, their slots restamped with the new generation. Returns the
+        partitions kept.
 
         Refused while leases are live. `before()` runs after that check, under the cache's
         locks, before anything changes (the sidecar persists the new generation there);
@@ -241,11 +266,27 @@ class PlanCache:
         with self._prepare_lock, self._state:
             if self._leases:
                 raise CacheBusyError(f"cannot retarget: {len(self._leases)} lease(s) still held")
+            kept = self.source.unchanged_partitions(source) & set(source.partitions)
             if before is not None:
                 before()
-            self._invalidate_locked()
-            self._rebuild.source = source
             self.generation = generation
+            for s, key in enumerate(self._slot_key):
+                if key is None:
+                    continue
+                if key.partition in kept:
+                    self._mark(s, READY, key)  # the same pages, under the new generation
+                else:
+                    del self._key_slot[key]
+                    del self._lru[s]
+                    self._slot_key[s] = None
+                    self._mark(s, EMPTY, None)
+                    self._free.append(s)
+            self._free.sort(reverse=True)  # pop() gives the lowest slot
+            dropped = set(self.source.partitions) - kept
+            for tier in self.tiers:
+                tier.clear(dropped)
+            self._rebuild.source = source
+            return kept
 
     def close(self) -> None:
         self.memory.close()
@@ -260,6 +301,22 @@ class PlanCache:
         """READY plans, least recently used first."""
         with self._state:
             return [k for s in self._lru if (k := self._slot_key[s]) is not None]
+
+    def partition_states(self) -> tuple[PartitionState, ...]:
+        """Every served partition: its folder, fingerprint and slots (READY, allowed)."""
+        with self._state:
+            source = self.source
+            fingerprints = source.partition_fingerprints()
+            return tuple(
+                PartitionState(
+                    name,
+                    source.info.partitions[name].folder,
+                    fingerprints[name],
+                    sum(1 for k in self._slot_key if k is not None and k.partition == name),
+                    len(self.config.partition_slots(name)),
+                )
+                for name in source.partitions
+            )
 
     def slot_of(self, key: PlanKey) -> int | None:
         with self._state:
@@ -302,7 +359,18 @@ class PlanCache:
             raise InvalidPlanRequestError("plan_keys", "must hold at least one plan key (one per step)")
         if len(keys) > MAX_KEYS:
             raise InvalidPlanRequestError("plan_keys", f"holds {len(keys)} keys; allowed at most {MAX_KEYS}")
+        served = self.source.partitions
         for i, k in enumerate(keys):
+            if k.partition not in served:
+                raise PartitionUnavailableError(
+                    f"plan_keys[{i}] is of the '{k.partition}' partition; the served repository "
+                    f"{self.source.path} has {list(served)} (ref2va's plans need its transformer_ref/)"
+                )
+            if k.partition != keys[0].partition:
+                raise InvalidPlanRequestError(
+                    f"plan_keys[{i}]", f"is of the '{k.partition}' partition, plan_keys[0] of '{keys[0].partition}': "
+                    "one request runs one partition's transformer"
+                )  # fmt: skip
             if k.width < 1 or len(set(k.bits)) != k.width:
                 raise InvalidPlanRequestError(f"plan_keys[{i}]", "must hold 1+ distinct timesteps")
             if not k.is_finite():
@@ -313,9 +381,11 @@ class PlanCache:
                     f"{self.config.plan_width} (--plan-width)"
                 )
         n = len(distinct_keys(keys))
-        if n > self.config.gpu_plans:
+        room = len(self.config.partition_slots(keys[0].partition))
+        if n > room:
+            where = "" if room == self.config.gpu_plans else f" of the '{keys[0].partition}' partition (--ref-plans)"
             raise PlanCapacityError(
-                f"the request needs {n} distinct plans but the slab holds at most {self.config.gpu_plans} (--gpu-plans)"
+                f"the request needs {n} distinct plans but the slab holds at most {room}{where} (--gpu-plans)"
             )
 
     def _reserve(self, group: list[PlanKey]) -> tuple[list[PlanKey], list[PlanKey], list[int]]:
@@ -323,20 +393,23 @@ class PlanCache:
         hits = [k for k in group if k in self._key_slot]
         missing = [k for k in group if k not in self._key_slot]
         hit_slots = {self._key_slot[k] for k in hits}
-        evictable = [s for s in self._lru if self._pins[s] == 0 and s not in hit_slots]
-        if len(self._free) + len(evictable) < len(missing):
-            held = sum(1 for p in self._pins if p > 0)
+        allowed = self.config.partition_slots(group[0].partition) if group else range(0)
+        free = [s for s in self._free if s in allowed]  # the stack's order: the lowest slot last
+        evictable = [s for s in self._lru if self._pins[s] == 0 and s not in hit_slots and s in allowed]
+        if len(free) + len(evictable) < len(missing):
+            held = sum(1 for s in allowed if self._pins[s] > 0)
             raise SlabBusyError(
-                f"the request needs {len(missing)} new slots but only {len(self._free) + len(evictable)} of "
-                f"{self.config.gpu_plans} are free of live leases ({held} leased); retry after a release"
+                f"the request needs {len(missing)} new slots but only {len(free) + len(evictable)} of "
+                f"{len(allowed)} are free of live leases ({held} leased); retry after a release"
             )
         for s in hit_slots:
             self._lru.move_to_end(s)
             self._pins[s] += 1
         new_slots = []
         for k in missing:
-            if self._free:
-                s = self._free.pop()
+            if free:
+                s = free.pop()
+                self._free.remove(s)
             else:
                 s = evictable.pop(0)
                 self._evict(s)
@@ -397,9 +470,11 @@ class PlanCache:
             row[ROW_WORDS : ROW_WORDS + key.width] = torch.tensor(key.bits, dtype=torch.int64)
             row[ROW_WORDS + key.width :] = 0
             row[COL_LENGTH] = key.width
+            row[COL_PARTITION] = key.partition_code
         else:
             row[ROW_WORDS:] = 0
             row[COL_LENGTH] = 0
+            row[COL_PARTITION] = 0
         row[COL_GENERATION] = self.generation
         row[COL_SEQ] += 1
         row[COL_STATE] = state

@@ -30,11 +30,20 @@ class CacheConfig:
     gpu_plans: int = flag(128, "slab slots (default %(default)s)", low=1, high=1_000_000)
     """Slots in the slab (`--gpu-plans`): plans resident at once. 128 holds two 50-step
     schedules plus a third's worth of headroom, so two alternating schedules never thrash."""
-    plan_width: int = flag(3, "pages per slot (default %(default)s)", low=1, high=16)
+    plan_width: int = flag(4, "pages per slot (default %(default)s)", low=1, high=16)
     """Pages per slot (`--plan-width`): the widest plan accepted. A MiniMax-H3 t2va step has 2 distinct
     timesteps (video and text rows at the video one, audio rows at the audio one) unless they coincide
-    (the first step, or equal shifts); an fl2va step adds its keyframe rows' max(video t, 0.999): 3.
-    2 serves t2va alone with a third less slab; ditcore.plans.MAX_PLAN_WIDTH bounds every task."""
+    (the first step, or equal shifts); an fl2va step adds its keyframe rows' max(video t, 0.999): 3; a ref2va step
+    its image / video reference rows' max(video t, 0.999) and, with an audio reference, the audio reference rows'
+    1.0: 4 (ditcore.plans.MAX_PLAN_WIDTH). 3 serves t2va and fl2va (and ref2va without audio) with a quarter less
+    slab; 2 serves t2va alone."""
+    ref_plans: int = flag(
+        0, "slots kept for the ref partition's plans (transformer_ref/, ref2va); 0: both partitions share every "
+        "slot, least recently used first (default %(default)s)", low=0, high=1_000_000,
+    )  # fmt: skip
+    """Split the slab by partition (`--ref-plans N`): the last N slots hold only ref2va's plans (the
+    `transformer_ref/` partition), the rest only the base partition's, so a burst of one task never evicts the
+    other's plans. 0 (default): one LRU across both partitions."""
     host_cache_bytes: int = flag(
         8 * GB, "host tier cap, 0 = off (default %(default)s)", name="--host-cache-gb", scale=GB, flag_type=float, low=0
     )
@@ -77,7 +86,19 @@ class CacheConfig:
         """The first slab's device (the host tier is pinned for it)."""
         return self.slab_devices[0]
 
+    def partition_slots(self, partition: str) -> range:
+        """The slots `partition`'s plans may occupy: every slot when shared, else its side of the split."""
+        if self.ref_plans == 0:
+            return range(self.gpu_plans)
+        split = self.gpu_plans - self.ref_plans
+        return range(split, self.gpu_plans) if partition == "ref" else range(split)
+
     def __post_init__(self) -> None:
+        if self.ref_plans and self.ref_plans >= self.gpu_plans:
+            raise ValueError(
+                f"--ref-plans must be below --gpu-plans ({self.gpu_plans}) so each partition keeps a slot, got "
+                f"{self.ref_plans}"
+            )
         check_bounds(self)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device (--device) must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -37,6 +37,13 @@ class PlanCapacityError(PlanCacheError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class PartitionUnavailableError(PlanCacheError):
+    """A plan key names a transformer partition the served repository does not have (no transformer_ref/)."""
+
+    reason = "PARTITION_UNAVAILABLE"
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class SlabBusyError(PlanCacheError):
     """The request fits the slab, but not beside the plans other live leases hold; retry later."""
 

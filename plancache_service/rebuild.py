@@ -1,5 +1,9 @@
 """Rebuild source: the MiniMax-H3 repository plans are built from, and the one place pages are computed.
 
+A repository holds one or two transformer partitions (ditcore.checkpoint.PARTITIONS: "base" = `transformer/`, "ref"
+= `transformer_ref/`), each with its own `adaln_proj`; the source has one set of page builders per partition and
+builds each key from its own partition's folder (`PlanKey.partition`). Both partitions share one page layout.
+
 A `RebuildSource` wraps ditcore's `PlanBuilder` over a validated `CheckpointInfo` (a diffusers repository whose
 transformer holds its native `adaln_proj` and `norm_out.linear` tensors). One `build` is one streamed pass: every
 plan tensor is read from the transformer's shards once, then projected with one GEMM per plan (M = the plan's width,
@@ -20,12 +24,12 @@ from pathlib import Path
 import torch
 
 from ditcore.checkpoint import (
-    TRANSFORMER,
     CheckpointError,
     CheckpointInfo,
     changed_files,
     combine_digests,
     file_digests,
+    partition_fingerprint,
     validate_checkpoint,
 )
 from ditcore.plans import PageLayout, PlanKey
@@ -48,11 +52,12 @@ def open_checkpoint(path: str | Path) -> CheckpointInfo:
 
 
 def _require_adaln(info: CheckpointInfo) -> None:
-    if not info.has_adaln:
-        raise CheckpointError(
-            f"{info.path}: {TRANSFORMER}/ holds no native adaln_proj / norm_out.linear tensors (a repository "
-            "stripped for cached generators); the plan cache builds every plan from them, so it cannot serve it"
-        )
+    for part in info.partitions.values():
+        if not part.has_adaln:
+            raise CheckpointError(
+                f"{info.path}: {part.folder}/ holds no native adaln_proj / norm_out.linear tensors (a repository "
+                "stripped for cached generators); the plan cache builds every plan from them, so it cannot serve it"
+            )
 
 
 def concrete_device(device: torch.device | str) -> torch.device:
@@ -94,19 +99,24 @@ class RebuildSource:
             shard_mode = "rows" if modes == {"rows"} else "projections"
         self.shard_mode = shard_mode
         """How a rebuild is split across `devices` ("rows" or "projections"; one device: the whole)."""
-        try:
-            self.builders = [
-                PlanBuilder(info.path / TRANSFORMER, d, shard=Shard(r, count, shard_mode))
-                for r, d in enumerate(self.devices)
-            ]
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{info.path}: cannot open the transformer's plan tensors: {e}") from e
+        self.partition_builders: dict[str, list[PlanBuilder]] = {}
+        """Per partition: one PlanBuilder per device, reading that partition's folder."""
+        for name, part in info.partitions.items():
+            try:
+                builders = [
+                    PlanBuilder(info.path / part.folder, d, shard=Shard(r, count, shard_mode))
+                    for r, d in enumerate(self.devices)
+                ]
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{info.path}: cannot open {part.folder}/'s plan tensors: {e}") from e
+            if builders[0].layout != info.layout or builders[0].projection_dtype != info.projection_dtype:
+                raise CheckpointError(
+                    f"{info.path}: the page builder reads {builders[0].layout} in {builders[0].projection_dtype} "
+                    f"from {part.folder}/, validation found {info.layout} in {info.projection_dtype}"
+                )
+            self.partition_builders[name] = builders
+        self.builders = self.partition_builders["base"]
         self.builder = self.builders[0]
-        if self.builder.layout != info.layout or self.builder.projection_dtype != info.projection_dtype:
-            raise CheckpointError(
-                f"{info.path}: the page builder reads {self.builder.layout} in {self.builder.projection_dtype}, "
-                f"validation found {info.layout} in {info.projection_dtype}"
-            )
         self._columns = [b.shard.columns(info.layout) for b in self.builders]
 
     def like(
@@ -117,8 +127,22 @@ class RebuildSource:
 
     @property
     def bytes_read(self) -> list[int]:
-        """Plan-tensor bytes each device's builder has read from the checkpoint so far."""
-        return [b.plan_bytes_read for b in self.builders]
+        """Plan-tensor bytes each device's builders (every partition's) have read from the checkpoint so far."""
+        return [sum(bs[d].plan_bytes_read for bs in self.partition_builders.values()) for d in range(len(self.devices))]
+
+    @property
+    def partitions(self) -> tuple[str, ...]:
+        """The partitions this source builds plans of ("base", and "ref" when the repository has transformer_ref/)."""
+        return tuple(self.partition_builders)
+
+    def partition_fingerprints(self) -> dict[str, str]:
+        """Per partition, the digest of its files as committed: what its plans' pages depend on."""
+        return {name: partition_fingerprint(self.digests, name) for name in self.partition_builders}
+
+    def unchanged_partitions(self, other: RebuildSource) -> set[str]:
+        """The partitions whose files are the same in `other` (their plans stay valid under it)."""
+        mine, theirs = self.partition_fingerprints(), other.partition_fingerprints()
+        return {name for name, fp in mine.items() if theirs.get(name) == fp}
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -186,14 +210,16 @@ class RebuildSource:
             raise ValueError(f"{len(outputs)} output lists for {len(self.devices)} devices")
         self.check_unchanged()
         crash_point("sidecar:during_rebuild")
+        unknown = sorted({k.partition for k in keys} - set(self.partition_builders))
+        if unknown:
+            raise RebuildError(f"{self.info.path} has no '{unknown[0]}' partition to build plans from")
         try:
-            if len(self.builders) == 1:
-                self.builder.build(keys, outputs[0])
-                return
-            with ThreadPoolExecutor(len(self.builders), thread_name_prefix="rebuild") as pool:  # the devices at once
-                builds = [pool.submit(b.build, keys, outs) for b, outs in zip(self.builders, outputs, strict=True)]
-                for done in builds:
-                    done.result()
+            for name, builders in self.partition_builders.items():
+                chosen = [i for i, k in enumerate(keys) if k.partition == name]
+                if chosen:
+                    self._build_partition(
+                        builders, [keys[i] for i in chosen], [[o[i] for i in chosen] for o in outputs]
+                    )
             for d, columns in enumerate(self._columns):
                 for other, outs in enumerate(outputs):
                     if other != d:
@@ -204,3 +230,15 @@ class RebuildSource:
             raise
         except Exception as e:  # OSError, a safetensors error on a damaged shard, a shape the builder refuses
             raise RebuildError(f"rebuild from {self.info.path} failed: {type(e).__name__}: {e}") from e
+
+    def _build_partition(
+        self, builders: list[PlanBuilder], keys: Sequence[PlanKey], outputs: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        """One partition's keys: each device's builder its shard, then the columns copied across devices."""
+        if len(builders) == 1:
+            builders[0].build(keys, outputs[0])
+            return
+        with ThreadPoolExecutor(len(builders), thread_name_prefix="rebuild") as pool:  # the devices at once
+            builds = [pool.submit(b.build, keys, outs) for b, outs in zip(builders, outputs, strict=True)]
+            for done in builds:
+                done.result()

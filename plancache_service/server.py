@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from ditcore.checkpoint import CheckpointError
-from ditcore.plans import PlanKey
+from ditcore.plans import PARTITION_CODES, PlanKey
 from ditruntime.auth import LOOPBACK, check_bearer
 from ditruntime.convert import to_proto
 from ditruntime.decode_guard import DecodeGuard
@@ -35,7 +35,7 @@ from ditruntime.slab import descriptor_to_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
-from .cache import CacheStats
+from .cache import CacheStats, PartitionState
 from .errors import InvalidPlanRequestError
 from .sidecar import Sidecar
 
@@ -148,6 +148,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
                     generation=st.generation,
                     weights_path=st.weights_path,
                     fingerprint=st.fingerprint,
+                    partitions=partitions_to_proto(st.partitions),
                 )
             )
             while not ended.wait(self.heartbeat_s) and not self.stopping.is_set():
@@ -158,8 +159,8 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
 
     def PreparePlans(self, request: pb.PreparePlansRequest, context: grpc.ServicerContext) -> pb.PreparePlansResponse:
         self.guard.peer(context)
-        keys = [PlanKey(tuple(k.timestep_bits)) for k in request.plan_keys]
         try:
+            keys = plan_keys_from(request.plan_keys)
             lease = self.sidecar.prepare(
                 request.session_id, request.generation, keys, request.step_bound_s, request.request_id
             )
@@ -202,6 +203,7 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
             serving=st.serving,
             not_serving_reason=st.not_serving_reason,
             pending_weights_path=st.pending_weights_path,
+            partitions=partitions_to_proto(st.partitions),
         )
 
     def PrepareWeightUpdate(
@@ -219,10 +221,12 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
     ) -> pb.CommitWeightUpdateResponse:
         self.guard.admin(context, "CommitWeightUpdate")
         try:
-            generation, fingerprint = self.sidecar.commit_update(request.from_generation, request.weights_path)
+            done = self.sidecar.commit_update(request.from_generation, request.weights_path)
         except (ServiceError, CheckpointError, OSError) as e:  # a state file that cannot be written: StateFileError
             abort(context, e)
-        return pb.CommitWeightUpdateResponse(generation=generation, fingerprint=fingerprint)
+        return pb.CommitWeightUpdateResponse(
+            generation=done.generation, fingerprint=done.fingerprint, kept_partitions=list(done.kept_partitions)
+        )
 
     def AbortWeightUpdate(
         self, request: pb.AbortWeightUpdateRequest, context: grpc.ServicerContext
@@ -330,3 +334,30 @@ class SidecarServer:
                 if leftover.exists():
                     os.unlink(leftover)
         log.info("plancache sidecar stopped")
+
+
+def plan_keys_from(messages: Iterable[pb.PlanKey]) -> list[PlanKey]:
+    """PreparePlans' keys; InvalidPlanRequestError naming `plan_keys[i].partition` for an unknown partition."""
+    keys = []
+    for i, k in enumerate(messages):
+        partition = k.partition or "base"
+        if partition not in PARTITION_CODES:
+            raise InvalidPlanRequestError(
+                f"plan_keys[{i}].partition",
+                f"must be one of {', '.join(PARTITION_CODES)} (empty: base), got {k.partition!r}",
+            )
+        keys.append(PlanKey(tuple(k.timestep_bits), partition))
+    return keys
+
+
+def partitions_to_proto(parts: Iterable[PartitionState]) -> list[pb.Partition]:
+    return [
+        pb.Partition(
+            name=p.name,
+            folder=p.folder,
+            fingerprint=p.fingerprint,
+            slots_ready=p.slots_ready,
+            slots_allowed=p.slots_allowed,
+        )
+        for p in parts
+    ]

@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
@@ -46,7 +47,7 @@ from ditruntime.errors import GenerationMismatchError
 from ditruntime.faults import crash_point
 from ditruntime.slab import SlabDescriptor
 
-from .cache import CacheStats, Lease, PlanCache
+from .cache import CacheStats, Lease, PartitionState, PlanCache
 from .config import SidecarConfig
 from .device import SlabExport
 from .errors import (
@@ -145,6 +146,15 @@ class SidecarState:
     serving: bool
     not_serving_reason: str
     pending_weights_path: str
+    partitions: tuple[PartitionState, ...] = ()
+
+
+class Committed(NamedTuple):
+    """A committed weight update: the new generation, its fingerprint, and the partitions whose plans it kept."""
+
+    generation: int
+    fingerprint: str
+    kept_partitions: tuple[str, ...]
 
 
 class Sidecar:
@@ -441,8 +451,9 @@ class Sidecar:
             log.info("prepared weight update to %s (fingerprint %s)", weights_path, info.fingerprint[:16])
             return self._pending
 
-    def commit_update(self, from_generation: int, weights_path: str) -> tuple[int, str]:
-        """Persist generation + 1 with the prepared source, then invalidate and retarget."""
+    def commit_update(self, from_generation: int, weights_path: str) -> Committed:
+        """Persist generation + 1 with the prepared source, then retarget: the plans of every partition whose files
+        changed are dropped, an unchanged partition's stay (PlanCache.retarget)."""
         with self._update_lock:
             pending = self._pending
             if pending is None or str(pending.path) != str(Path(weights_path)):
@@ -458,12 +469,15 @@ class Sidecar:
                 self._persist(new_generation, pending)
                 crash_point("sidecar:after_persist")
 
-            self.cache.retarget(pending, new_generation, before=persist)
+            kept = tuple(sorted(self.cache.retarget(pending, new_generation, before=persist)))
             self._pending = None
             self.set_not_serving("")
             self.update_outcomes.committed += 1
-            log.info("committed generation %d: %s", new_generation, pending.path)
-            return new_generation, pending.fingerprint
+            log.info(
+                "committed generation %d: %s (plans kept for unchanged partitions: %s)",
+                new_generation, pending.path, ", ".join(kept) or "none",
+            )  # fmt: skip
+            return Committed(new_generation, pending.fingerprint, kept)
 
     def abort_update(self, weights_path: str = "") -> bool:
         with self._update_lock:
@@ -495,4 +509,5 @@ class Sidecar:
             serving=self.serving,
             not_serving_reason=self._not_serving,
             pending_weights_path=str(pending.path) if pending is not None else "",
+            partitions=self.cache.partition_states(),
         )

@@ -139,8 +139,8 @@ class Tier(ABC):
         return NOT_KEPT
 
     @abstractmethod
-    def clear(self) -> None:
-        """Forget every plan (invalidate, retarget)."""
+    def clear(self, partitions: set[str] | None = None) -> None:
+        """Forget every plan (invalidate), or only those of `partitions` (a retarget that changed them)."""
 
 
 # ---------------------------------------------------------------------------- host memory
@@ -245,8 +245,11 @@ class HostMemoryTier(Tier):
 
         return TierStore(True, copy, lambda: self.host.forget(written))
 
-    def clear(self) -> None:
-        self.host.clear()
+    def clear(self, partitions: set[str] | None = None) -> None:
+        if partitions is None:
+            self.host.clear()
+        else:
+            self.host.forget([k for k in self.host.plan_keys() if k.partition in partitions])
 
 
 # ---------------------------------------------------------------------------- rebuild
@@ -273,5 +276,5 @@ class RebuildTier(Tier):
             CacheCounters(built_plans=len(keys), rebuild_passes=1, rebuild_s=dt),
         )
 
-    def clear(self) -> None:
+    def clear(self, partitions: set[str] | None = None) -> None:
         """Nothing to forget: the checkpoint is the source, not a copy (`retarget` swaps it)."""

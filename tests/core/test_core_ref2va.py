@@ -82,7 +82,9 @@ def built_pages(repo: Path) -> Any:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_resident_ref2va_equals_diffusers(repos: dict[str, Path], oracle: dict[Any, Any], dtype: str, case: str) -> None:
+def test_resident_ref2va_equals_diffusers(
+    repos: dict[str, Path], oracle: dict[Any, Any], dtype: str, case: str
+) -> None:
     pipe = load_pipeline(repos[dtype], dtype)
     video, audio = generate_latents(pipe, request_for(case))
     want = oracle[dtype, case]
@@ -144,3 +146,21 @@ def test_a_repository_without_transformer_ref_refuses_ref2va(tmp_path: Path) -> 
         generate_latents(pipe, request_for("images"))
     with pytest.raises(PartitionNotLoadedError, match="transformer_ref"):
         load_pipeline(repo, partitions=("base", "ref"))
+
+
+def test_resampled_references_equal_diffusers(repos: dict[str, Path]) -> None:
+    """A 30 fps video with a 48 kHz soundtrack, a 44.1 kHz stereo WAV and a WebM: diffusers' setup step resamples
+    them onto 24 fps and the audio VAE's 32 kHz (torchaudio), the same in both."""
+    refs = (
+        (video_bytes(frames=36, fps=30, width=48, height=48, audio_rate=48000, seed=6), "video"),
+        (wav_bytes(1.2, 44100, channels=2, seed=7), "audio"),
+        (video_bytes(frames=20, fps=20, audio_rate=48000, seed=8, fmt="webm"), "video"),
+    )
+    request = dataclasses.replace(BASE, references=tuple(Reference(d) for d, _ in refs)).validate()
+    video, audio = generate_latents(load_pipeline(repos["float32"]), request)
+    r = BASE
+    want = diffusers_outputs(
+        repos["float32"], r.prompt, r.num_inference_steps, r.seed, r.height, r.width, r.num_frames,
+        references=[reference_from_bytes(d, k) for d, k in refs],
+    )  # fmt: skip
+    assert torch.equal(video, want["latents"]) and torch.equal(audio, want["audio_latents"])

@@ -41,7 +41,11 @@ def wav_channels(channels: int) -> bytes:
         (audio_bytes("flac"), "", ("audio", "FLAC")),
         (audio_bytes("mp3", rate=44100), "", ("audio", "MP3")),
         (audio_bytes("adts"), "", ("audio", "AAC (ADTS)")),
-        (video_bytes(frames=24, fps=24, audio_rate=32000), "audio", ("audio", "MP4 (M4A)")),  # a video's soundtrack alone
+        (
+            video_bytes(frames=24, fps=24, audio_rate=32000),
+            "audio",
+            ("audio", "MP4 (M4A)"),
+        ),  # a video's soundtrack alone
     ],
 )
 def test_each_kind_probes_without_decoding(data: bytes, kind: str, want: tuple[str, str]) -> None:

@@ -124,7 +124,7 @@ def update_commits(sidecar: Sidecar, repo: Path) -> int:
     """A whole weight update (prepare + commit) of the served generation to `repo`; returns the new generation."""
     generation = sidecar.cache.generation
     sidecar.prepare_update(generation, str(repo))
-    new, _ = sidecar.commit_update(generation, str(repo))
+    new = sidecar.commit_update(generation, str(repo)).generation
     return new
 
 

@@ -125,7 +125,7 @@ def test_committed_update_serves_the_new_weights(
     assert pending.fingerprint == validate_checkpoint(tiny_ckpt_b).fingerprint != cache.source.fingerprint
     assert served.state().pending_weights_path == str(tiny_ckpt_b) and cache.generation == 1
 
-    generation, fingerprint = served.commit_update(1, str(tiny_ckpt_b))
+    generation, fingerprint, _ = served.commit_update(1, str(tiny_ckpt_b))
     assert (generation, fingerprint) == (2, pending.fingerprint)
     st = served.state()
     assert (st.generation, st.weights_path, st.fingerprint, st.serving) == (2, str(tiny_ckpt_b), fingerprint, True)

@@ -15,6 +15,14 @@ class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_UNSPECIFIED: _ClassVar[Task]
     TASK_T2VA: _ClassVar[Task]
     TASK_FL2VA: _ClassVar[Task]
+    TASK_REF2VA: _ClassVar[Task]
+
+class ReferenceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFERENCE_KIND_UNSPECIFIED: _ClassVar[ReferenceKind]
+    REFERENCE_KIND_IMAGE: _ClassVar[ReferenceKind]
+    REFERENCE_KIND_VIDEO: _ClassVar[ReferenceKind]
+    REFERENCE_KIND_AUDIO: _ClassVar[ReferenceKind]
 
 class OutputType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +59,11 @@ class JobStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TASK_UNSPECIFIED: Task
 TASK_T2VA: Task
 TASK_FL2VA: Task
+TASK_REF2VA: Task
+REFERENCE_KIND_UNSPECIFIED: ReferenceKind
+REFERENCE_KIND_IMAGE: ReferenceKind
+REFERENCE_KIND_VIDEO: ReferenceKind
+REFERENCE_KIND_AUDIO: ReferenceKind
 OUTPUT_TYPE_UNSPECIFIED: OutputType
 OUTPUT_TYPE_LATENTS: OutputType
 OUTPUT_TYPE_MP4: OutputType
@@ -73,8 +86,40 @@ JOB_STAGE_MUXING: JobStage
 JOB_STAGE_STORING: JobStage
 JOB_STAGE_DONE: JobStage
 
+class Reference(_message.Message):
+    __slots__ = ("data", "upload_id", "kind")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    upload_id: str
+    kind: ReferenceKind
+    def __init__(self, data: _Optional[bytes] = ..., upload_id: _Optional[str] = ..., kind: _Optional[_Union[ReferenceKind, str]] = ...) -> None: ...
+
+class UploadReferenceRequest(_message.Message):
+    __slots__ = ("chunk", "kind")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    chunk: bytes
+    kind: ReferenceKind
+    def __init__(self, chunk: _Optional[bytes] = ..., kind: _Optional[_Union[ReferenceKind, str]] = ...) -> None: ...
+
+class UploadReferenceResponse(_message.Message):
+    __slots__ = ("upload_id", "size_bytes", "sha256", "kind", "expires_at")
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    upload_id: str
+    size_bytes: int
+    sha256: str
+    kind: str
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, upload_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., kind: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame", "references")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +134,7 @@ class GenerateRequest(_message.Message):
     OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
     LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
@@ -103,7 +149,8 @@ class GenerateRequest(_message.Message):
     output_type: OutputType
     first_frame: bytes
     last_frame: bytes
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[Reference]
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -309,7 +356,7 @@ class SlabGeometry(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype", "replica")
+    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype", "replica", "partitions")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +374,7 @@ class GetStatusResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DECODE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     weights_path: str
     fingerprint: str
@@ -344,7 +392,24 @@ class GetStatusResponse(_message.Message):
     attention_backend: str
     decode_dtype: str
     replica: ReplicaStatus
-    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[PartitionStatus]
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[PartitionStatus, _Mapping]]] = ...) -> None: ...
+
+class PartitionStatus(_message.Message):
+    __slots__ = ("name", "folder", "loaded", "tasks", "fingerprint", "memory")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    folder: str
+    loaded: bool
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint: str
+    memory: ModelMemory
+    def __init__(self, name: _Optional[str] = ..., folder: _Optional[str] = ..., loaded: _Optional[bool] = ..., tasks: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("ranks", "ulysses_degree", "ring_degree", "rank_placements")

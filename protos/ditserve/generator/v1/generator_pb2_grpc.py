@@ -55,6 +55,11 @@ class GeneratorStub:
                 request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.UploadReference = channel.stream_unary(
+                '/ditserve.generator.v1.Generator/UploadReference',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceResponse.FromString,
+                _registered_method=True)
 
 
 class GeneratorServicer:
@@ -89,6 +94,15 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadReference(self, request_iterator, context):
+        """UploadReference receives one ref2va reference file as a client stream of chunks (for
+        references larger than the unary limit): a GenerateRequest (or a job) then names it by
+        upload_id. Uploads live in memory for --upload-ttl-s, within --max-upload-mb in all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusRequest.FromString,
                     response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'UploadReference': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadReference,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Generator:
             '/ditserve.generator.v1.Generator/GetStatus',
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusRequest.SerializeToString,
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadReference(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ditserve.generator.v1.Generator/UploadReference',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

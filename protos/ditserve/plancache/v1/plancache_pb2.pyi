@@ -71,20 +71,22 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, mem_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "slab", "generation", "weights_path", "fingerprint", "slabs")
+    __slots__ = ("session_id", "slab", "generation", "weights_path", "fingerprint", "slabs", "partitions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLAB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SLABS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slab: SlabDescriptor
     generation: int
     weights_path: str
     fingerprint: str
     slabs: _containers.RepeatedCompositeFieldContainer[SlabDescriptor]
-    def __init__(self, session_id: _Optional[str] = ..., slab: _Optional[_Union[SlabDescriptor, _Mapping]] = ..., generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., slabs: _Optional[_Iterable[_Union[SlabDescriptor, _Mapping]]] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[Partition]
+    def __init__(self, session_id: _Optional[str] = ..., slab: _Optional[_Union[SlabDescriptor, _Mapping]] = ..., generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., slabs: _Optional[_Iterable[_Union[SlabDescriptor, _Mapping]]] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("generation",)
@@ -101,10 +103,26 @@ class AttachResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class PlanKey(_message.Message):
-    __slots__ = ("timestep_bits",)
+    __slots__ = ("timestep_bits", "partition")
     TIMESTEP_BITS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     timestep_bits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ...) -> None: ...
+    partition: str
+    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ...) -> None: ...
+
+class Partition(_message.Message):
+    __slots__ = ("name", "folder", "fingerprint", "slots_ready", "slots_allowed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_READY_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    folder: str
+    fingerprint: str
+    slots_ready: int
+    slots_allowed: int
+    def __init__(self, name: _Optional[str] = ..., folder: _Optional[str] = ..., fingerprint: _Optional[str] = ..., slots_ready: _Optional[int] = ..., slots_allowed: _Optional[int] = ...) -> None: ...
 
 class PreparePlansRequest(_message.Message):
     __slots__ = ("session_id", "generation", "plan_keys", "request_id", "step_bound_s")
@@ -213,7 +231,7 @@ class CacheStats(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., slot_width: _Optional[int] = ..., page_bytes: _Optional[int] = ..., slots_ready: _Optional[int] = ..., slots_leased: _Optional[int] = ..., host_capacity_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., host_groups: _Optional[int] = ..., host_pinned: _Optional[bool] = ..., slot_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_passes: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_bytes: _Optional[int] = ..., swap_in_s: _Optional[float] = ..., slot_evictions: _Optional[int] = ..., host_group_evictions: _Optional[int] = ..., host_pressure_skips: _Optional[int] = ..., prepares: _Optional[int] = ..., failed_prepares: _Optional[int] = ...) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("generation", "weights_path", "fingerprint", "leases_held", "session_attached", "stats", "serving", "not_serving_reason", "pending_weights_path")
+    __slots__ = ("generation", "weights_path", "fingerprint", "leases_held", "session_attached", "stats", "serving", "not_serving_reason", "pending_weights_path", "partitions")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +241,7 @@ class GetStateResponse(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
     PENDING_WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     weights_path: str
     fingerprint: str
@@ -232,7 +251,8 @@ class GetStateResponse(_message.Message):
     serving: bool
     not_serving_reason: str
     pending_weights_path: str
-    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., leases_held: _Optional[int] = ..., session_attached: _Optional[bool] = ..., stats: _Optional[_Union[CacheStats, _Mapping]] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., pending_weights_path: _Optional[str] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[Partition]
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., leases_held: _Optional[int] = ..., session_attached: _Optional[bool] = ..., stats: _Optional[_Union[CacheStats, _Mapping]] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., pending_weights_path: _Optional[str] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ...) -> None: ...
 
 class PrepareWeightUpdateRequest(_message.Message):
     __slots__ = ("from_generation", "weights_path")
@@ -257,12 +277,14 @@ class CommitWeightUpdateRequest(_message.Message):
     def __init__(self, from_generation: _Optional[int] = ..., weights_path: _Optional[str] = ...) -> None: ...
 
 class CommitWeightUpdateResponse(_message.Message):
-    __slots__ = ("generation", "fingerprint")
+    __slots__ = ("generation", "fingerprint", "kept_partitions")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     fingerprint: str
-    def __init__(self, generation: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    kept_partitions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kept_partitions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortWeightUpdateRequest(_message.Message):
     __slots__ = ("weights_path",)

@@ -81,7 +81,7 @@ class Attach(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., session: _Optional[bytes] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "height", "width", "num_frames", "first_frame", "last_frame")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "height", "width", "num_frames", "first_frame", "last_frame", "references")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Request(_message.Message):
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
     LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: str
     prompt: str
@@ -106,7 +107,16 @@ class Request(_message.Message):
     num_frames: int
     first_frame: bytes
     last_frame: bytes
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[Reference]
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ...) -> None: ...
+
+class Reference(_message.Message):
+    __slots__ = ("data", "kind")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    kind: str
+    def __init__(self, data: _Optional[bytes] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Run(_message.Message):
     __slots__ = ("request", "epoch", "generation", "plan_keys", "slots", "fingerprint")
@@ -125,10 +135,12 @@ class Run(_message.Message):
     def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class PlanKey(_message.Message):
-    __slots__ = ("timestep_bits",)
+    __slots__ = ("timestep_bits", "partition")
     TIMESTEP_BITS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     timestep_bits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ...) -> None: ...
+    partition: str
+    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ...) -> None: ...
 
 class Stage(_message.Message):
     __slots__ = ("weights_path", "fingerprint")
