@@ -306,6 +306,9 @@ class GenerationRequest:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise RequestError(unknown[0], f"unknown field; allowed fields: {', '.join(names)}")
+        refs = data.get("references")
+        if isinstance(refs, list | tuple):  # a list of Reference (or of bare bytes: read by content)
+            data = {**data, "references": tuple(Reference(r) if isinstance(r, bytes) else r for r in refs)}
         return dataclasses.replace(defaults or cls(), **data)
 
     # ---------------------------------------------------------------- validation

@@ -7,16 +7,19 @@
         clip = client.generate({"prompt": "a red fox", "output_type": "mp4"})
         clip.media.write("fox.mp4")          # clip.media.data: the MP4's bytes; .content_type, .sha256
         start = client.generate({"prompt": "a red fox", "first_frame": Path("fox.png").read_bytes()})  # fl2va
+        refs = (Reference(Path("fox.png").read_bytes()), Reference(Path("clip.mp4").read_bytes()))
+        guided = client.generate({"prompt": "a red fox", "references": refs})   # ref2va (ditcore.references)
 
 A request is a `GenerationRequest` or a mapping of its fields; in a mapping, a missing (or empty) "task" is inferred
-(fl2va with a first_frame or last_frame, else t2va), and a missing (or empty) "request_id" becomes a fresh
+(ref2va with references, fl2va with a first_frame or last_frame, else t2va), and a missing (or empty) "request_id" becomes a fresh
 `req-<12 hex digits>`, as the server names an id-less request (a GenerationRequest's own id is sent as it is; give it
 request_id="" for a fresh one). `generate` uses GenerateStream (progress events, result in chunks) and checks what
 it received: chunk offsets, the header's total_bytes, the latents' sha256 (latents results) or the media's size and
 sha256 (mp4 / frames_and_wav results), and that the result is of the output type asked for. A streamed result is
 held once: each part (tensor or file) is a buffer of the size the header gives, filled in place as its chunks arrive
 (the latents tensors are views of theirs; `ClientMedia.data` is the file's), or the file goes straight to disk
-(`generate(..., media_path=...)`).
+(`generate(..., media_path=...)`). A request whose references make it larger than the message limit has its
+largest references sent first with UploadReference (a client stream of chunks), then named by upload_id.
 """
 
 from __future__ import annotations
@@ -42,7 +45,17 @@ from ditruntime.paths import write_atomically
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-_TASKS = {"t2va": pb.TASK_T2VA, "fl2va": pb.TASK_FL2VA}
+_TASKS = {"t2va": pb.TASK_T2VA, "fl2va": pb.TASK_FL2VA, "ref2va": pb.TASK_REF2VA}
+_REFERENCE_KINDS = {
+    "": pb.REFERENCE_KIND_UNSPECIFIED,
+    "image": pb.REFERENCE_KIND_IMAGE,
+    "video": pb.REFERENCE_KIND_VIDEO,
+    "audio": pb.REFERENCE_KIND_AUDIO,
+}
+UPLOAD_CHUNK_BYTES = 1024 * 1024
+"""Bytes per UploadReference message."""
+_ENVELOPE_BYTES = 64 * 1024
+"""What a request message keeps free of its limit for everything but its references."""
 _OUTPUT_TYPES = {
     "latents": pb.OUTPUT_TYPE_LATENTS,
     "mp4": pb.OUTPUT_TYPE_MP4,
@@ -146,8 +159,12 @@ def request_to_proto(
     msg = pb.GenerateRequest(
         request_id=req.request_id, prompt=req.prompt, task=_TASKS[req.task], output_type=_OUTPUT_TYPES[req.output_type]
     )
+    for ref in req.references:
+        if ref.kind not in _REFERENCE_KINDS:
+            raise RequestError("references", f"unknown reference kind {ref.kind!r}; allowed: image, video, audio")
+        msg.references.append(pb.Reference(data=ref.data, kind=_REFERENCE_KINDS[ref.kind]))
     for f in dataclasses.fields(GenerationRequest):
-        if f.name in ("request_id", "task", "prompt", "output_type"):
+        if f.name in ("request_id", "task", "prompt", "output_type", "references"):
             continue
         value = getattr(req, f.name)
         try:
@@ -157,6 +174,10 @@ def request_to_proto(
     if expected_generation is not None:
         msg.expected_generation = expected_generation
     return msg
+
+
+def _kind_name(value: int) -> str:
+    return next(name for name, v in _REFERENCE_KINDS.items() if v == value)
 
 
 SCHEDULE_HEADER = "x-ditserve-schedule"
@@ -372,6 +393,32 @@ class GeneratorClient:
     ) -> None:
         self.channel = open_channel(target, credentials, max_message_bytes)
         self.stub = pb_grpc.GeneratorStub(self.channel)
+        self.max_message_bytes = max_message_bytes
+
+    def upload_reference(self, data: bytes, kind: str = "", timeout: float | None = None) -> pb.UploadReferenceResponse:
+        """Send one reference file with UploadReference (UPLOAD_CHUNK_BYTES per message); returns its upload."""
+        if kind not in _REFERENCE_KINDS:
+            raise RequestError("references", f"unknown reference kind {kind!r}; allowed: image, video, audio")
+
+        def chunks() -> Any:
+            for start in range(0, max(len(data), 1), UPLOAD_CHUNK_BYTES):
+                yield pb.UploadReferenceRequest(
+                    chunk=data[start : start + UPLOAD_CHUNK_BYTES], kind=_REFERENCE_KINDS[kind] if start == 0 else 0
+                )
+
+        response: pb.UploadReferenceResponse = self.stub.UploadReference(chunks(), timeout=timeout)
+        return response
+
+    def _fit(self, msg: pb.GenerateRequest, timeout: float | None) -> pb.GenerateRequest:
+        """`msg`, its largest references uploaded and named by upload_id until it fits the message limit."""
+        limit = self.max_message_bytes - _ENVELOPE_BYTES
+        while msg.ByteSize() > limit:
+            inline = [r for r in msg.references if r.WhichOneof("source") == "data"]
+            if not inline:
+                break
+            ref = max(inline, key=lambda r: len(r.data))
+            ref.upload_id = self.upload_reference(ref.data, _kind_name(ref.kind), timeout).upload_id
+        return msg
 
     def __enter__(self) -> GeneratorClient:
         return self
@@ -416,7 +463,7 @@ class GeneratorClient:
         metadata: list[tuple[str, str]] | None,
         media_file: _MediaFile | None,
     ) -> ClientResult:
-        msg = pb.GenerateStreamRequest(request=request_to_proto(req, expected_generation))
+        msg = pb.GenerateStreamRequest(request=self._fit(request_to_proto(req, expected_generation), timeout))
         metadata = [*(metadata or []), (SCHEDULE_HEADER, schedule_affinity_key(req))]
         assembly: _Assembly | None = None
         events: list[tuple[str, Any]] = []
@@ -461,7 +508,9 @@ class GeneratorClient:
     ) -> ClientResult:
         req = as_request(request)
         md = [(SCHEDULE_HEADER, schedule_affinity_key(req))]
-        resp = self.stub.Generate(request_to_proto(req, expected_generation), timeout=timeout, metadata=md)
+        resp = self.stub.Generate(
+            self._fit(request_to_proto(req, expected_generation), timeout), timeout=timeout, metadata=md
+        )
         return result_from_response(_check_output_type(resp, req.output_type))
 
     def status(self, timeout: float = 10.0) -> pb.GetStatusResponse:

@@ -26,6 +26,7 @@ from ditcore import (
     validate_checkpoint,
 )
 from ditcore.model import RunOptions
+from ditcore.pipeline import PartitionNotLoadedError
 from ditcore.request import RequestError, RequestLimits, prompt_tokens
 from ditcore.sizing import ModelShapes, RequestSizer, device_class
 from ditruntime import memory
@@ -33,7 +34,7 @@ from ditruntime.memory import MemoryBudget
 from ditruntime.slab import SlabDescriptor
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
-from .errors import RequestTooLargeForDeviceError
+from .errors import PartitionNotServedError, RequestTooLargeForDeviceError
 
 if TYPE_CHECKING:
     from .replica import ReplicaLink
@@ -192,7 +193,10 @@ class Backend(ABC):
         request's transformer partition (ref2va needs transformer_ref/)."""
         model = self.loaded()
         if model is not None:
-            model.check_partition(request)
+            try:
+                model.check_partition(request)
+            except PartitionNotLoadedError as e:
+                raise PartitionNotServedError(str(e)) from None
 
     @abstractmethod
     def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease | None:

@@ -69,6 +69,14 @@ class NotServingError(GeneratorError):
     grpc_code = "UNAVAILABLE"
 
 
+class PartitionNotServedError(GeneratorError):
+    """The request's task runs on a transformer partition this server does not serve (ref2va needs the repository's
+    transformer_ref/, loaded: --partitions); the message names the folder and the tasks served."""
+
+    reason = "PARTITION_NOT_SERVED"
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class PlanCapacityError(GeneratorError):
     """The request can never fit this server's slab."""
 

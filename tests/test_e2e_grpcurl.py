@@ -83,10 +83,12 @@ class GrpcurlResult:
             out.append(obj)
 
 
-def run_grpcurl(args: Sequence[str], timeout: float = 60) -> GrpcurlResult:
+def run_grpcurl(args: Sequence[str], timeout: float = 60, input: str | None = None) -> GrpcurlResult:
+    """grpcurl with `args`; `input` is its stdin (for `-d @`: one JSON message after another)."""
     proc = subprocess.run(
-        [grpcurl_bin(), *[str(a) for a in args]], capture_output=True, text=True, timeout=timeout, check=False
-    )
+        [grpcurl_bin(), *[str(a) for a in args]], capture_output=True, text=True, timeout=timeout, check=False,
+        input=input,
+    )  # fmt: skip
     return GrpcurlResult(proc.returncode, proc.stdout, proc.stderr)
 
 
