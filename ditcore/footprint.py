@@ -169,6 +169,9 @@ class Placement:
     host memory, streamed a layer at a time; its activations on the device)."""
     steps: int = 49
     """Denoise forwards of the request (num_inference_steps - 1) for the modeled request time."""
+    partitions: int = 1
+    """Transformer partitions loaded in the one generator (2: `transformer/` and `transformer_ref/`, same shapes),
+    sharing one slab and one text encoder and VAEs."""
 
 
 @dataclass(frozen=True)
@@ -235,11 +238,14 @@ def memory_report(
     sidecar = slab + rebuild
     totals = {}
     for mode in ("cached", "resident"):
-        generator = _weight(weights, "transformer", mode) + rest + act.peak
+        one = _weight(weights, "transformer", mode)
+        generator = placement.partitions * one + rest + act.peak
         device_total = generator + (sidecar if mode == "cached" else 0)
         totals[mode] = {"generator": generator, "sidecar": sidecar if mode == "cached" else 0,
                         "sidecar_host": placement.host_cache_bytes if mode == "cached" else 0,
-                        "device": device_total, "free": device.memory_bytes - device_total}  # fmt: skip
+                        "device": device_total, "free": device.memory_bytes - device_total,
+                        # the same partitions as that many one-partition servers, each on its own device
+                        "separate": placement.partitions * (device_total - (placement.partitions - 1) * one)}  # fmt: skip
     return MemoryReport(
         canvas, shapes.tokens(canvas), weights, slab, page, rebuild, act, placement, device,
         shapes.step_time_s(canvas, device), shapes.encode_time_s(canvas, device), shapes.decode_time_s(canvas, device),

@@ -403,7 +403,8 @@ class GeneratorClient:
         def chunks() -> Any:
             for start in range(0, max(len(data), 1), UPLOAD_CHUNK_BYTES):
                 yield pb.UploadReferenceRequest(
-                    chunk=data[start : start + UPLOAD_CHUNK_BYTES], kind=_REFERENCE_KINDS[kind] if start == 0 else 0
+                    chunk=data[start : start + UPLOAD_CHUNK_BYTES],
+                    kind=_REFERENCE_KINDS[kind] if start == 0 else pb.REFERENCE_KIND_UNSPECIFIED,
                 )
 
         response: pb.UploadReferenceResponse = self.stub.UploadReference(chunks(), timeout=timeout)

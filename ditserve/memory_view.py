@@ -24,7 +24,7 @@ from .errors import UsageError
 GIB = 1024**3
 MIB = 1024**2
 CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
-MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload")
+MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload", "partitions")
 """The generator's flags that change what the model holds: "auto" attention is a flash-style kernel on CUDA (only
 `_native_math` materializes the scores), "auto" decode the released dtype."""
 RELEASED_CANVAS = (768, 1344, 345)
@@ -76,7 +76,7 @@ def memory_data(args: argparse.Namespace, precision: str) -> dict[str, Any]:
     text_device = "cpu" if args.text_encoder_device == "cpu" else "offload" if args.text_encoder_offload else "device"
     placement = Placement(
         cache.gpu_plans, cache.plan_width, cache.host_cache_bytes, args.text_encoder, text_device,
-        args.num_inference_steps - 1,
+        args.num_inference_steps - 1, _partitions(args),
     )  # fmt: skip
     components = meta_components(preset=args.preset) if args.preset else meta_components(repository=args.checkpoint)
     device = DEVICE_CLASSES[args.device_class]
@@ -87,6 +87,21 @@ def memory_data(args: argparse.Namespace, precision: str) -> dict[str, Any]:
         device_type="cpu" if args.device_class == "cpu" else "cuda",
     )  # fmt: skip
     return memory_report(components, shapes, canvas, placement, device, precision).to_dict()
+
+
+def _partitions(args: argparse.Namespace) -> int:
+    """How many transformer partitions the modeled generator loads: `--partitions` named, else ("auto") both for a
+    preset (the released repository holds transformer/ and transformer_ref/) and a repository's own."""
+    if args.partitions != "auto":
+        names = {p.strip() for p in args.partitions.split(",") if p.strip()}
+        if not names or not names <= {"base", "ref"} or "base" not in names:
+            raise UsageError(f"--partitions must be auto, base or base,ref, got {args.partitions!r}")
+        return len(names)
+    if args.preset:
+        return 2
+    from ditcore.pipeline import repository_partitions
+
+    return len(repository_partitions(args.checkpoint))
 
 
 def _gib(n: int) -> str:
@@ -103,9 +118,11 @@ def print_memory(m: dict[str, Any]) -> None:
                    f"text {t['text']:,})"),
         ("device class", f"{dev['name']}: {_gib(dev['memory_bytes'])}; {dev['note']}"),
     ]  # fmt: skip
-    for w in m["weights"]:
-        rows.append((f"{w['name']} ({w['variant']})", f"{_gib(w['bytes']):>12}  {w['params']:,} params, {w['dtype']}"))
     p = m["placement"]
+    for w in m["weights"]:
+        times = f" x {p['partitions']}" if w["name"] == "transformer" and p["partitions"] > 1 else ""
+        rows.append((f"{w['name']} ({w['variant']}){times}", f"{_gib(w['bytes']):>12}  {w['params']:,} params, "
+                     f"{w['dtype']}{' each (transformer/, transformer_ref/)' if times else ''}"))  # fmt: skip
     rows.append(("slab", f"{_gib(m['slab_bytes']):>12}  {p['gpu_plans']} x {p['plan_width']} pages of "
                          f"{m['page_bytes'] / MIB:.2f} MiB"))  # fmt: skip
     rows.append(("sidecar rebuild", f"{_gib(m['rebuild_bytes']):>12}  the largest plan tensor, streamed"))
@@ -118,6 +135,9 @@ def print_memory(m: dict[str, Any]) -> None:
         fits = "fits" if tot["free"] >= 0 else "DOES NOT FIT"
         rows.append((f"total {mode}", f"{_gib(tot['device']):>12}  generator {_gib(tot['generator'])}{sidecar}; "
                                       f"{fits}, {_gib(tot['free'])} left of {_gib(dev['memory_bytes'])}"))  # fmt: skip
+        if p["partitions"] > 1:
+            rows.append((f"  vs {p['partitions']} one-partition", f"{_gib(tot['separate']):>12}  on "
+                         f"{p['partitions']} devices ({_gib(tot['separate'] - tot['device'])} more)"))  # fmt: skip
     f = m["flops"]
     rows.append(("step time", f"{m['step_s']:,.1f} s modeled: {f['total'] / 1e15:,.2f} PFLOP "
                               f"({100 * f['attention'] / f['total']:.0f}% attention) at MFU {dev['mfu']}"))  # fmt: skip

@@ -55,6 +55,7 @@ def test_make_checkpoint_defaults_are_the_released_precision(
         "precision": "mixed",
         "seed": 0,
         "fingerprint": info.fingerprint,
+        "partitions": {"base": info.partitions["base"].fingerprint, "ref": info.partitions["ref"].fingerprint},
     }
     assert info.precision == "mixed" and info.projection_dtype == torch.bfloat16 and info.has_adaln
     # tiny, seed 0, mixed, 2 shards: the session fixture's repository, file for file

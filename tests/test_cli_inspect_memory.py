@@ -29,16 +29,24 @@ def test_inspect_h3_at_the_released_maximum_canvas(run_cli: CliRunner) -> None:
         ("transformer", "resident"), ("transformer", "cached"), ("text_encoder", "whole"),
         ("text_encoder", "51 layers, no lm_head"), ("vae", "bfloat16"), ("audio_vae", "float32"),
     }  # fmt: skip
-    assert m["slab_bytes"] == 128 * 3 * m["page_bytes"] and m["page_bytes"] == 9_698_304
+    assert m["slab_bytes"] == 128 * 4 * m["page_bytes"] and m["page_bytes"] == 9_698_304
+    assert m["placement"]["partitions"] == 2  # the released repository: transformer/ and transformer_ref/
     act = m["activations"]
     assert act["peak"] == max(act["step"], act["text"], act["decode"]) == act["step"]
     for mode, transformer in (("cached", "cached"), ("resident", "resident")):
         total = m["totals"][mode]
-        held = weights["transformer", transformer] + weights["text_encoder", "51 layers, no lm_head"]
+        held = 2 * weights["transformer", transformer] + weights["text_encoder", "51 layers, no lm_head"]
         held += weights["vae", "bfloat16"] + weights["audio_vae", "float32"]
         assert total["generator"] == held + act["peak"]
         assert total["device"] == total["generator"] + total["sidecar"]
-        assert total["free"] == m["device"]["memory_bytes"] - total["device"] > 0  # both fit one H200
+        assert total["free"] == m["device"]["memory_bytes"] - total["device"] < 0  # two partitions: over one H200
+        one = total["device"] - weights["transformer", transformer]  # one partition's server
+        assert total["separate"] == 2 * one  # two one-partition servers, on two devices
+    one_partition = json.loads(run_cli(["inspect", "--preset", "h3", *MAX, "--partitions", "base", "--json"]).out)
+    for mode in ("cached", "resident"):  # one partition fits one H200, as before
+        assert one_partition["memory"]["totals"][mode]["free"] > 0
+    te_cpu = json.loads(run_cli(["inspect", "--preset", "h3", *MAX, "--text-encoder-device", "cpu", "--json"]).out)
+    assert te_cpu["memory"]["totals"]["cached"]["free"] > 0  # both partitions cached, the text encoder on the CPU
     assert m["totals"]["cached"]["sidecar"] == m["slab_bytes"] + m["rebuild_bytes"]
     assert 32 <= m["step_s"] <= 50  # the estimate for one H200
     assert m["request_s"] == pytest.approx(m["encode_s"] + 49 * m["step_s"] + m["decode_s"])
@@ -46,7 +54,8 @@ def test_inspect_h3_at_the_released_maximum_canvas(run_cli: CliRunner) -> None:
     human = run_cli(["inspect", "--preset", "h3", *MAX])
     assert human.code == 0, human.err
     for part in ("memory model", "104,222 (video 102,816, condition 0, audio 1,150, text 256)",
-                 "transformer (cached)", "text_encoder (51 layers, no lm_head)", "slab", "128 x 3 pages of 9.25 MiB",
+                 "transformer (cached)", "text_encoder (51 layers, no lm_head)", "slab", "128 x 4 pages of 9.25 MiB",
+                 "transformer (cached) x 2", "vs 2 one-partition",
                  "activations", "peak (denoise step)", "total cached", "total resident", "step time",
                  "% attention", "request time"):  # fmt: skip
         assert part in human.out, part

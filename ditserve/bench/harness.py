@@ -34,6 +34,7 @@ class Arm:
     host_cache_gb: float = 8.0
     mode: str = "cached"  # a pair; "resident": a lone resident generator; "sidecar": a lone sidecar
     prefetch: bool = True
+    partitions: str = "auto"  # the generator's --partitions
 
     def __post_init__(self) -> None:
         if self.mode not in ARM_MODES:
@@ -100,7 +101,7 @@ class Services:
                 health.append(f"unix:{self.sock}")
             if arm.mode != "sidecar":
                 gen = [py, "-m", "generator_service", "--listen", self.target, *common]
-                gen += ["--metrics-port", str(self.metrics_ports["generator"])]
+                gen += ["--metrics-port", str(self.metrics_ports["generator"]), "--partitions", arm.partitions]
                 if arm.mode == "resident":
                     gen += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
                 else:

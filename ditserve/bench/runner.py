@@ -97,6 +97,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["media_share"] = scenarios.media_share(ctx)
     ctx.log("11. fl2va plans over repeated requests")
     results["fl2va_cache"] = scenarios.fl2va_cache(ctx, _keyframe_png())
+    ctx.log("14. ref2va plans over repeated requests; one generator with both partitions")
+    results["ref2va_cache"] = scenarios.ref2va_cache(ctx, _references())
     ctx.log("12. a job against a synchronous Generate")
     results["job_overhead"] = job_overhead(ctx)
     ctx.log("13. one replica across 2 ranks")
@@ -113,6 +115,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(report.table(results))
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'} ({meta['seconds']} s)")
     return 0
+
+
+def _references() -> list[dict[str, Any]]:
+    """The ref2va scenario's references: the fl2va keyframe PNG, a 1.25 s MP4 (H.264 + stereo AAC at 32 kHz, noise
+    frames) and a 1 s mono WAV at 32 kHz, made here (ditcore.media writes the MP4: the same encoder as an output)."""
+    import io
+    import wave
+
+    import numpy as np
+
+    from ditcore.media import DecodedMedia, encode
+
+    rng = np.random.RandomState(0)
+    frames = (rng.rand(30, 48, 64, 3) * 255).astype(np.uint8)
+    t = np.arange(40000) / 32000
+    stereo = np.stack([0.3 * np.sin(2 * np.pi * 220 * t), 0.3 * np.sin(2 * np.pi * 330 * t)]).astype(np.float32)
+    with encode(DecodedMedia(frames=frames, audio=stereo, sampling_rate=32000), "mp4") as media:
+        mp4 = media.read_all()
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(32000)
+        w.writeframes((0.3 * np.sin(2 * np.pi * 440 * t[:32000]) * 32767).astype("<i2").tobytes())
+    return [{"data": _keyframe_png(), "kind": "image"}, {"data": mp4, "kind": "video"}, {"data": buf.getvalue()}]
 
 
 def _keyframe_png() -> bytes:

@@ -425,10 +425,64 @@ def fl2va_cache(ctx: BenchContext, keyframe: bytes) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# ------------------------------------------------------------------ 14. ref2va plans and the two partitions
+def ref2va_cache(ctx: BenchContext, references: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeated ref2va requests (an image, an MP4 with its soundtrack and a WAV; the same schedule) and the same
+    schedule image-only: their plans are of the "ref" partition, up to 4 wide with reference audio (3 without), none
+    shared with the t2va plans; after each request's first run builds them, repeats build none. Then the memory of
+    that one generator serving both partitions against a one-partition generator (`--partitions base`): what two
+    one-partition servers would hold beside one two-partition server."""
+    from ditcore.references import Reference
+
+    refs = tuple(Reference(r["data"], r.get("kind", "")) for r in references)
+    with_audio = {**ctx.request("A"), "task": "ref2va", "references": refs}
+    image_only = {**with_audio, "references": refs[:1]}
+    model = ctx.model()
+    keys = {name: model.plan_keys(GenerationRequest(**req)) for name, req in (("audio", with_audio),
+                                                                               ("image", image_only))}  # fmt: skip
+    t2va_keys = set(ctx.plan_keys("A"))
+    runs = max(3, ctx.repeats)
+    with ctx.services(Arm("ref2va", gpu_plans=4 * ctx.forwards)) as svc:
+        recs = [svc.run("A+refs", with_audio, f"ref2va-{i}") for i in range(runs)]
+        recs += [svc.run("A+img", image_only, f"ref2va-img-{i}") for i in range(runs)]
+        both = svc.status()
+        both_rss = _own_bytes(svc.process_memory()["generator"])
+    with ctx.services(Arm("base-only", gpu_plans=4 * ctx.forwards, partitions="base")) as svc:
+        one = svc.status()
+        one_rss = _own_bytes(svc.process_memory()["generator"])
+    ctx.records.extend(recs)
+    first = {0, runs}
+    rebuilds_after = sum(r.cache.built_plans for i, r in enumerate(recs) if i not in first)
+    shared = len((set(keys["audio"]) | set(keys["image"])) & t2va_keys)
+    widths = {name: sorted({k.width for k in ks}) for name, ks in keys.items()}
+    partitions = {p.name: p.memory.transformer_bytes for p in both.partitions}
+    two = int(both.memory.transformer_bytes)
+    components = {c.name: int(c.bytes) for c in both.components}
+    rest = sum(b for n, b in components.items() if not n.startswith("transformer"))
+    separate = 2 * (int(one.memory.transformer_bytes) + rest)  # what two one-partition servers hold together
+    together = two + rest
+    return {
+        "ratio": rebuilds_after,
+        "target": "rebuilds after warm-up = 0; ref2va plans of the ref partition, up to 4 wide, none shared with t2va",
+        "met": bool(rebuilds_after == 0 and max(widths["audio"]) == 4 and max(widths["image"]) == 3 and shared == 0
+                    and {k.partition for ks in keys.values() for k in ks} == {"ref"}
+                    and len({r.sha256 for r in recs[:runs]}) == 1 and len({r.sha256 for r in recs[runs:]}) == 1),
+        "plan_widths": widths, "distinct_plans": {n: len(distinct_keys(ks)) for n, ks in keys.items()},
+        "shared_with_t2va": shared, "built_per_request": [r.cache.built_plans for r in recs],
+        "tiers": [r.tier for r in recs], "latency_s": [round(r.service_s, 4) for r in recs],
+        "memory": {
+            "transformer_bytes_by_partition": partitions, "two_partition_model_bytes": together,
+            "two_one_partition_model_bytes": separate, "two_partition_over_two_servers": round(together / separate, 4),
+            "generator_rss_two_partitions": both_rss, "generator_rss_one_partition": one_rss,
+        },
+    }  # fmt: skip
+
+
 __all__ = [
     "BenchContext",
     "alternating",
     "fl2va_cache",
+    "ref2va_cache",
     "generator_memory",
     "media_share",
     "prepare_latency",

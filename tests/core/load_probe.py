@@ -153,20 +153,26 @@ def main(repo: Path, mode: str, te_device: str = "auto", offload: bool = False) 
     for r in READS:
         comp = _component(r["file"], repo).split("/")[0]
         by_component[comp] = by_component.get(comp, 0) + r["bytes"]
-        if comp == "transformer" and is_plan_tensor(r["name"]):
-            plan_read.append(r["name"])
+        if comp in ("transformer", "transformer_ref") and is_plan_tensor(r["name"]):
+            plan_read.append(f"{comp}/{r['name']}")
     text_read = sorted({r["name"] for r in READS if _component(r["file"], repo).startswith("text_encoder/")})
     return {
         "mode": mode,
         "bytes_read": sum(r["bytes"] for r in READS),
         "bytes_read_by_component": by_component,
         "plan_tensors_read": sorted(set(plan_read)),
-        "plan_bytes_read": sum(r["bytes"] for r in READS if r["name"] in set(plan_read)),
+        "plan_bytes_read": sum(
+            r["bytes"] for r in READS if f"{_component(r['file'], repo).split('/')[0]}/{r['name']}" in set(plan_read)
+        ),
         "text_encoder_tensors_read": text_read,
         "transformer_from_pretrained_calls": len(FROM_PRETRAINED),
         "transformers_built": len(BUILT),
         "plan_tensors_allocated": sorted({n for m in BUILT for n in plan_tensors_held(m)}),
-        "served_plan_tensors": plan_tensors_held(model.transformer),
+        "served_plan_tensors": sorted(
+            f"{folder}/{n}" for folder, t in (("transformer", model.transformer_of("base")),
+                                              ("transformer_ref", model.transformer_of("ref")))
+            for n in plan_tensors_held(t)
+        ),  # fmt: skip
         "rss_before_bytes": rss_before,
         "peak_rss_bytes": peak,
         "peak_rss_delta_bytes": peak - rss_before,

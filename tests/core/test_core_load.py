@@ -59,6 +59,9 @@ def test_cached_load_reads_no_plan_byte_and_never_builds_the_full_transformer(
     stored = stored_bytes(small, "transformer")
     plan = {n: b for n, b in stored.items() if is_plan_tensor(n)}
     assert len(plan) == 2 * (get_preset("small").num_layers + 1)
+    ref = stored_bytes(small, "transformer_ref")  # the second partition, loaded the same way
+    ref_plan = {n: b for n, b in ref.items() if is_plan_tensor(n)}
+    assert cached["bytes_read_by_component"]["transformer_ref"] == sum(ref.values()) - sum(ref_plan.values())
     print(
         f"\nsmall, cached load: {cached['bytes_read']:,} bytes read (transformer "
         f"{cached['bytes_read_by_component']['transformer']:,}), peak RSS +{cached['peak_rss_delta_bytes']:,} "
@@ -66,7 +69,7 @@ def test_cached_load_reads_no_plan_byte_and_never_builds_the_full_transformer(
     )
     assert cached["plan_tensors_read"] == [] and cached["plan_bytes_read"] == 0
     assert cached["transformer_from_pretrained_calls"] == 0
-    assert cached["transformers_built"] == 1  # the one built on meta without plan tensors
+    assert cached["transformers_built"] == 2  # one per partition, each built on meta without plan tensors
     assert cached["plan_tensors_allocated"] == [] and cached["served_plan_tensors"] == []
     # exactly the checkpoint's other transformer tensors, each once
     assert cached["bytes_read_by_component"]["transformer"] == sum(stored.values()) - sum(plan.values())
@@ -77,12 +80,14 @@ def test_the_spies_trip_on_the_resident_load(measured: dict[str, dict[str, Any]]
     """Resident mode keeps diffusers' from_pretrained transformer (the reference): every plan tensor is read and
     held, so the probe that finds none in the cached load does see them here."""
     resident = measured["resident"]
-    stored = stored_bytes(small, "transformer")
-    plan = sorted(n for n in stored if is_plan_tensor(n))
-    assert resident["transformer_from_pretrained_calls"] == 1
+    stored = {folder: stored_bytes(small, folder) for folder in ("transformer", "transformer_ref")}
+    plan = sorted(f"{f}/{n}" for f, names in stored.items() for n in names if is_plan_tensor(n))
+    assert resident["transformer_from_pretrained_calls"] == 2  # both partitions
     assert resident["plan_tensors_read"] == plan
-    assert resident["plan_bytes_read"] == sum(stored[n] for n in plan)
-    assert resident["plan_tensors_allocated"] == plan and resident["served_plan_tensors"] == plan
-    assert resident["bytes_read_by_component"]["transformer"] == sum(stored.values())
+    assert resident["plan_bytes_read"] == sum(stored[p.split("/")[0]][p.split("/")[1]] for p in plan)
+    assert resident["served_plan_tensors"] == plan
+    assert resident["plan_tensors_allocated"] == sorted({p.split("/")[1] for p in plan})
+    for folder, sizes in stored.items():
+        assert resident["bytes_read_by_component"][folder] == sum(sizes.values())
     cached = measured["cached"]
     assert resident["bytes_read"] - cached["bytes_read"] == resident["plan_bytes_read"]

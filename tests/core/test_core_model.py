@@ -81,7 +81,8 @@ def test_cached_model_holds_no_plan_tensor_and_reports_the_saving(repos: dict[st
     cached, resident = load_model(info, "cached"), load_model(info, "resident")
     assert not [n for n in cached.transformer.state_dict() if is_plan_tensor(n)]
     mem, full = cached.memory(), resident.memory()
-    assert mem.plan_tensor_bytes == full.plan_tensor_bytes == info.layout.plan_tensor_bytes(torch.bfloat16)
+    # both partitions' (transformer/ and transformer_ref/, one layout)
+    assert mem.plan_tensor_bytes == full.plan_tensor_bytes == 2 * info.layout.plan_tensor_bytes(torch.bfloat16)
     assert (mem.held_plan_bytes, mem.saved_fraction) == (0, 1.0)
     assert (full.held_plan_bytes, full.saved_fraction) == (full.plan_tensor_bytes, 0.0)
     assert full.transformer_bytes - mem.transformer_bytes == full.plan_tensor_bytes

@@ -111,11 +111,11 @@ def test_bad_references_are_refused_naming_the_index(name: str) -> None:
 
 
 def test_task_and_reference_rules() -> None:
-    with pytest.raises(RequestError, match="^references: ref2va needs at least one"):
+    with pytest.raises(RequestError, match=r"^references: ref2va needs at least one"):
         BASE.validate()
-    with pytest.raises(RequestError, match="^references: t2va takes no references"):
+    with pytest.raises(RequestError, match=r"^references: t2va takes no references"):
         dataclasses.replace(BASE, task="t2va", references=(Reference(IMAGE),)).validate()
-    with pytest.raises(RequestError, match="^first_frame: ref2va takes no keyframe"):
+    with pytest.raises(RequestError, match=r"^first_frame: ref2va takes no keyframe"):
         dataclasses.replace(BASE, references=(Reference(IMAGE),), first_frame=IMAGE).validate()
     unset = dataclasses.replace(BASE, task="", references=(Reference(IMAGE),)).with_task_inferred()
     assert unset.task == "ref2va" and unset.partition == "ref"

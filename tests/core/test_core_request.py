@@ -67,7 +67,7 @@ def test_frame_range_is_five_to_fifteen_seconds_of_17n_plus_5() -> None:
         ({"seed": -1}, "seed", "[0, 2^63-1]"),
         ({"seed": 2**63}, "seed", "[0, 2^63-1]"),
         ({"task": "t2v"}, "task", "allowed: t2va, fl2va"),
-        ({"task": "ref2va"}, "task", "reference partition"),
+        ({"task": "ref2va"}, "references", "ref2va needs at least one image or video reference"),
         ({"task": "fl2va"}, "first_frame", "needs a first_frame and/or a last_frame"),
         ({"first_frame": PNG}, "first_frame", "t2va takes no keyframe"),
         ({"task": "t2va", "last_frame": PNG}, "last_frame", "t2va takes no keyframe"),

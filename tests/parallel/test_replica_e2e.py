@@ -208,7 +208,7 @@ def test_get_status_reports_every_rank_and_its_components(replica: Replica) -> N
     ranks = {r.rank: r for r in status.replica.rank_placements}
     assert sorted(ranks) == [0, 1] and all(r.device == "cpu" for r in ranks.values())
     parts = {r: {c.name: c for c in ranks[r].components} for r in ranks}
-    assert set(parts[0]) == set(parts[1]) == {"transformer", "text_encoder", "vae", "audio_vae"}
+    assert set(parts[0]) == set(parts[1]) == {"transformer", "transformer_ref", "text_encoder", "vae", "audio_vae"}
     assert parts[0]["text_encoder"].bytes > 0 and parts[0]["text_encoder"].placement == "device"
     assert parts[1]["text_encoder"].bytes == 0 and parts[1]["text_encoder"].placement == "rank0"
     assert parts[0]["transformer"].bytes == parts[1]["transformer"].bytes > 0  # each rank: the whole transformer
