@@ -8,6 +8,7 @@ rebuild in between disturbs nothing; and `ditserve generate-local --adaln-mode c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -227,3 +229,41 @@ def test_cli_too_small_gpu_plans_exits_2_naming_the_flag(tiny_ckpt: Path, tmp_pa
     assert code == 2
     assert "--gpu-plans" in captured.err and "at most 4" in captured.err
     assert captured.out == ""
+
+
+def test_ref2va_cached_equals_resident_for_cold_build_slot_hit_and_host_swap_in(
+    models: dict[str, H3Model], repo_source: RebuildSource, tmp_path: Path
+) -> None:
+    """The same for ref2va on the transformer_ref partition (an image and a WAV: plans up to 4 wide, of the "ref"
+    partition), the decoded frames and waveform included; the t2va plans of the same shift stay apart."""
+    from refmedia import image_bytes, wav_bytes
+
+    from ditcore.references import Reference
+
+    refs = (Reference(image_bytes(48, 32, seed=4)), Reference(wav_bytes(1.0, 32000, seed=5)))
+    ra = dataclasses.replace(request(5.0), request_id="ref-a", task="ref2va", references=refs,
+                             output_type="frames_and_wav")  # fmt: skip
+    rb = dataclasses.replace(request(7.0, seed=1), request_id="ref-b", task="ref2va", references=refs)
+    resident, cached = models["resident"], models["cached"]
+    want = {"a": generate(resident, ra), "b": generate(resident, rb)}
+    ka, kb = cached.plan_keys(ra), cached.plan_keys(rb)
+    assert {k.partition for k in (*ka, *kb)} == {"ref"} and max(k.width for k in ka) == 4
+    assert len(set(ka)) == len(set(kb)) == 6 and len(set(ka) | set(kb)) == 11
+    cache = make_cache(repo_source, gpu_plans=6, plan_width=4, host_pages=pages_needed(set(ka) | set(kb)),
+                       shm_dir=tmp_path)  # fmt: skip
+    try:
+        provider = EmbeddedPlanProvider(cache)
+        sources = []
+        for name, req in (("a", ra), ("a", ra), ("b", rb), ("a", ra)):
+            got = generate(cached, req, provider)
+            assert_same_output(got, want[name])
+            if req.decodes:
+                assert got.media is not None and want[name].media is not None
+                assert np.array_equal(got.media.frames, want[name].media.frames)
+                assert np.array_equal(got.media.audio, want[name].media.audio)
+            assert got.cache is not None
+            sources.append((got.cache.built_plans, got.cache.gpu_hit_plans, got.cache.host_hit_plans))
+        assert sources == [(6, 0, 0), (0, 6, 0), (5, 1, 0), (0, 1, 5)]  # cold, slot hit, evicted, host swap-in
+        assert cached.plan_keys(dataclasses.replace(ra, task="t2va", references=())) != ka
+    finally:
+        cache.close()
