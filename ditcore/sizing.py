@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -140,14 +140,18 @@ class Canvas:
     """fl2va keyframes (0, 1 or 2)."""
     decodes: bool = True
     """Whether the request is decoded to video and audio."""
+    references: tuple[Any, ...] = ()
+    """ref2va: every reference's ditcore.references.ReferenceProbe (sizes, frames, durations), in order."""
 
     @classmethod
     def of(cls, request: Any) -> Canvas:
-        """A GenerationRequest's canvas; its text rows bounded by the prompt's UTF-8 bytes."""
+        """A GenerationRequest's canvas; its text rows bounded by the prompt's UTF-8 bytes; a ref2va request's
+        references by their probes (headers and packets, nothing decoded)."""
         keyframes = int(bool(request.first_frame)) + int(bool(request.last_frame))
+        references = tuple(request.probe_references()) if getattr(request, "references", ()) else ()
         return cls(
             request.height, request.width, request.num_frames, len(request.prompt.encode("utf-8")), keyframes,
-            request.decodes,
+            request.decodes, references,
         )  # fmt: skip
 
     def describe(self, tokens: Tokens) -> str:
@@ -287,6 +291,25 @@ class VideoDecoderShape:
 
 
 @dataclass(frozen=True)
+class ReferenceGeometry:
+    """The ref2va geometry configs diffusers' setup step reads (`components.config`): the released defaults, or a
+    repository's (`modular_model_index.json`; the written presets shrink them)."""
+
+    canvas_short_edge: int = 768
+    canvas_max_pixels: int = 768 * 1344
+    reference_image_short_edge: int = 2048
+
+    @classmethod
+    def of_pipeline(cls, pipe: Any) -> ReferenceGeometry:
+        config = pipe.config
+        return cls(
+            int(getattr(config, "canvas_short_edge", cls.canvas_short_edge)),
+            int(getattr(config, "canvas_max_pixels", cls.canvas_max_pixels)),
+            int(getattr(config, "reference_image_short_edge", cls.reference_image_short_edge)),
+        )
+
+
+@dataclass(frozen=True)
 class ModelShapes:
     """What the activation and time model reads from a model: shapes, dtypes, the attention backend."""
 
@@ -303,6 +326,8 @@ class ModelShapes:
     """False when the text encoder runs on the host (its activations are then not on the model's device)."""
     device_type: str = "cuda"
     """Where the activations live: "cuda" or "cpu" (the uint8 conversion of a decode then shares the host)."""
+    references: ReferenceGeometry = field(default_factory=ReferenceGeometry)
+    """Where ref2va's references are put (their rows scale with it)."""
 
     # ------------------------------------------------------------ constructors
     @classmethod
@@ -338,6 +363,7 @@ class ModelShapes:
             attention_backend=model.attention_backend,
             text_on_device=text.placement != "cpu",  # offloaded: weights on the host, compute on the device
             device_type=model.device.type,
+            references=ReferenceGeometry.of_pipeline(pipe),
         )
 
     # ------------------------------------------------------------ sequence
@@ -359,12 +385,55 @@ class ModelShapes:
             canvas.height, canvas.width, factor, image["size"]["shortest_edge"], image["size"]["longest_edge"]
         )
         vision = canvas.keyframes * (LABEL_TOKENS + 2 + (h // factor) * (w // factor))
+        ref_rows, ref_vision = self._reference_rows(canvas, factor)
         return Tokens(
             video=frames * per_frame,
-            condition=canvas.keyframes * per_frame,
+            condition=canvas.keyframes * per_frame + ref_rows,
             audio=MINIMAX_H3_AUDIO_CHANNELS * audio_latent_num_frames(canvas.num_frames),
-            text=canvas.prompt_tokens + vision,
+            text=canvas.prompt_tokens + vision + ref_vision,
         )
+
+    def _reference_rows(self, canvas: Canvas, factor: int) -> tuple[int, int]:
+        """(condition rows, text encoder vision tokens) of a ref2va request's references, as diffusers' setup step
+        puts them: an image at the reference short edge (one latent frame), a video on the canvas its aspect ratio
+        resolves to at 24 fps truncated to the generated frames (latent frames by the VAE's 17 -> 5 grouping; read
+        by the text encoder at 2 fps in pairs), an audio clip or soundtrack at 40 latents per second per stereo
+        channel, up to the generated duration."""
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+            MINIMAX_H3_AUDIO_CHANNELS,
+            MINIMAX_H3_AUDIO_LATENTS_PER_SECOND,
+            resolve_canvas_size,
+        )
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        if not canvas.references:
+            return 0, 0
+        t, d, g = self.transformer, self.video_decoder, self.references
+        multiple = d.spatial * t.patch[2]
+        image = PROCESSOR_CONFIG["image_processor"]
+        rows = vision = 0
+        seconds = canvas.num_frames / 24
+        for ref in canvas.references:
+            if ref.kind == "image":
+                scale = g.reference_image_short_edge / min(ref.width, ref.height)
+                ih = max(multiple, round(ref.height * scale / multiple) * multiple)
+                iw = max(multiple, round(ref.width * scale / multiple) * multiple)
+                rows += (ih // multiple) * (iw // multiple)
+                h, w = smart_resize(ih, iw, factor, image["size"]["shortest_edge"], image["size"]["longest_edge"])
+                vision += LABEL_TOKENS + 2 + (h // factor) * (w // factor)
+            elif ref.kind == "video":
+                frames = min(canvas.num_frames, math.floor(ref.frames * 24 / ref.fps + 0.5))
+                vh, vw = resolve_canvas_size(ref.width, ref.height, multiple, g.canvas_short_edge, g.canvas_max_pixels)
+                latent = max(1, math.ceil(frames * d.chunk_latents / d.clip_frames))
+                rows += latent * (vh // multiple) * (vw // multiple)
+                h, w = smart_resize(vh, vw, factor, image["size"]["shortest_edge"], image["size"]["longest_edge"])
+                blocks = math.ceil(math.ceil(frames / 12) / 2)
+                vision += LABEL_TOKENS + blocks * (LABEL_TOKENS + 2 + (h // factor) * (w // factor))
+            if ref.has_audio:
+                rows += MINIMAX_H3_AUDIO_CHANNELS * round(
+                    min(ref.seconds, seconds) * MINIMAX_H3_AUDIO_LATENTS_PER_SECOND
+                )
+        return rows, vision
 
     def latent_bytes(self, canvas: Canvas) -> int:
         """Bytes of the final latents a request returns (float32 video and audio: a "latents" result's size, less

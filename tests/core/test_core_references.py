@@ -126,3 +126,26 @@ def test_limits_are_the_operators() -> None:
     limits = RequestLimits(max_reference_bytes=1234, max_reference_seconds=7.5).reference_limits()
     assert isinstance(limits, ReferenceLimits)
     assert (limits.max_bytes, limits.max_seconds, limits.max_images, limits.max_references) == (1234, 7.5, 9, 12)
+
+
+def test_the_memory_model_counts_reference_rows() -> None:
+    """ditcore.sizing: a ref2va request's references add condition rows (an image at the reference short edge, a
+    video on its canvas at 24 fps, audio at 40 latents per second per channel) and vision tokens, at the released
+    geometry, from the probes alone."""
+    from ditcore.footprint import meta_components
+    from ditcore.sizing import Canvas, ModelShapes
+
+    shapes = ModelShapes.of_components(meta_components(preset="h3"))
+    plain = GenerationRequest(prompt="a fox", height=768, width=1344, num_frames=345)
+    refs = (Reference(image_bytes(800, 600)), Reference(video_bytes(frames=48, width=320, height=180)),
+            Reference(wav_bytes(5.0)))  # fmt: skip
+    with_refs = dataclasses.replace(plain, task="ref2va", references=refs)
+    a, b = shapes.tokens(Canvas.of(plain)), shapes.tokens(Canvas.of(with_refs))
+    image = (2720 // 32) * (2048 // 32)  # 800 x 600 at a 2048 short edge
+    video = 15 * (768 // 32) * (1344 // 32)  # 48 frames -> 15 latent frames on the 768 x 1344 canvas
+    probes = with_refs.probe_references()
+    audio = sum(2 * round(p.seconds * 40) for p in probes[1:])  # the clip's ~2 s soundtrack, the 5 s WAV: stereo
+    assert audio == pytest.approx(2 * 40 * 7, abs=8)
+    assert (b.video, b.audio) == (a.video, a.audio)
+    assert b.condition - a.condition == image + video + audio
+    assert b.text > a.text
