@@ -482,12 +482,12 @@ __all__ = [
     "BenchContext",
     "alternating",
     "fl2va_cache",
-    "ref2va_cache",
     "generator_memory",
     "media_share",
     "prepare_latency",
     "rebuild_efficiency",
     "rebuild_overlap",
+    "ref2va_cache",
     "repeat_vs_first_seen",
     "steady_state",
 ]

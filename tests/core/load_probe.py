@@ -169,8 +169,11 @@ def main(repo: Path, mode: str, te_device: str = "auto", offload: bool = False) 
         "transformers_built": len(BUILT),
         "plan_tensors_allocated": sorted({n for m in BUILT for n in plan_tensors_held(m)}),
         "served_plan_tensors": sorted(
-            f"{folder}/{n}" for folder, t in (("transformer", model.transformer_of("base")),
-                                              ("transformer_ref", model.transformer_of("ref")))
+            f"{folder}/{n}"
+            for folder, t in (
+                ("transformer", model.transformer_of("base")),
+                ("transformer_ref", model.transformer_of("ref")),
+            )
             for n in plan_tensors_held(t)
         ),  # fmt: skip
         "rss_before_bytes": rss_before,
