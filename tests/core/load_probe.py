@@ -175,7 +175,7 @@ def main(repo: Path, mode: str, te_device: str = "auto", offload: bool = False) 
                 ("transformer_ref", model.transformer_of("ref")),
             )
             for n in plan_tensors_held(t)
-        ),  # fmt: skip
+        ),
         "rss_before_bytes": rss_before,
         "peak_rss_bytes": peak,
         "peak_rss_delta_bytes": peak - rss_before,
