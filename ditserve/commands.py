@@ -171,6 +171,7 @@ def _figures_data(args: argparse.Namespace) -> dict[str, Any]:
             **_figures_row(f.params, f.adaln_params, f.page_numel, precision),
             "has_adaln": None,
             "fingerprint": None,
+            "partitions": {name: None for name in ("base", "ref")},  # the released repository holds both
         }
     if args.dtype:
         raise UsageError("--dtype goes with --preset; a repository's precision is what its files store")
@@ -185,6 +186,7 @@ def _figures_data(args: argparse.Namespace) -> dict[str, Any]:
         **_figures_row(params, adaln, info.layout.page_numel, info.precision),
         "has_adaln": info.has_adaln,
         "fingerprint": info.fingerprint,
+        "partitions": {name: part.fingerprint for name, part in info.partitions.items()},
     }
 
 
@@ -219,6 +221,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if data["has_adaln"] is not None:
         rows.append(("native adaln_proj", "yes" if data["has_adaln"] else "no (cached serving only)"))
     rows.append(("fingerprint", data["fingerprint"] or "-"))
+    folders = {"base": "transformer/: t2va, fl2va", "ref": "transformer_ref/: ref2va"}
+    rows.append(("partitions", ", ".join(f"{n} ({folders[n]}{', ' + fp[:16] if fp else ''})"
+                                        for n, fp in data["partitions"].items())))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
