@@ -312,7 +312,7 @@ def test_locks_pin_everything_with_hashes_and_the_torch_stack_apart() -> None:
         assert stack == (set(entries) if path == lock.CUDA_LOCK else set()), path.name
     # torch and torchvision: exact pins (torchvision names the torch it was built against), locked as pinned
     pinned = {Requirement(r).name: Requirement(r) for r in lock.torch_requirements()}
-    assert set(pinned) == {"torch", "torchvision"}
+    assert set(pinned) == {"torch", "torchvision", "torchaudio"}
     cuda = lock.pins(lock.CUDA_LOCK.read_text())
     for name, req in pinned.items():
         [spec] = req.specifier

@@ -405,7 +405,7 @@ def test_get_status_via_grpcurl(services: Services, svc_ckpt: Path) -> None:
     assert int(slab["page_bytes"]) == info.layout.page_bytes(info.projection_dtype)
     # the cached generator holds none of the checkpoint's adaln_proj / norm_out.linear bytes
     mem = st["memory"]
-    plan_bytes = info.layout.plan_tensor_bytes(info.projection_dtype)
+    plan_bytes = len(info.partitions) * info.layout.plan_tensor_bytes(info.projection_dtype)  # both partitions
     assert int(mem["plan_tensor_bytes"]) == plan_bytes
     assert int(mem["held_plan_bytes"]) == 0 and int(mem["saved_bytes"]) == plan_bytes
     assert mem["saved_fraction"] == 1.0

@@ -23,7 +23,6 @@ from servicekit import REPO_ROOT, process_group, service_env
 from test_e2e_grpcurl import Services, run_grpcurl
 
 from ditcore import latents_sha256, write_repository
-from ditcore.references import Reference
 from ditcore.request import GenerationRequest
 
 pytestmark = pytest.mark.e2e
@@ -45,15 +44,33 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: d / name for name in files}
 
 
-def request_of(media: dict[str, Path]) -> GenerationRequest:
-    refs = tuple(Reference(media[n].read_bytes()) for n in ("img.png", "clip.mp4", "voice.wav"))
-    return GenerationRequest(prompt=PROMPT, num_inference_steps=STEPS, seed=SEED, task="ref2va", references=refs)
+_ORACLE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from oracle import diffusers_request_latents, reference_from_bytes
+from ditcore import latents_sha256
+from ditcore.references import Reference
+from ditcore.request import GenerationRequest
+refs = tuple(Reference(Path(p).read_bytes()) for p in sys.argv[3:])
+req = GenerationRequest(prompt=%r, num_inference_steps=%d, seed=%d, task="ref2va", references=refs)
+video, audio = diffusers_request_latents(Path(sys.argv[2]), req, kinds=["image", "video", "audio"])
+print(latents_sha256(video, audio))
+"""
 
 
 @pytest.fixture(scope="module")
 def oracle_sha(svc_ckpt: Path, media: dict[str, Path]) -> str:
-    video, audio = diffusers_request_latents(svc_ckpt, request_of(media), kinds=["image", "video", "audio"])
-    return latents_sha256(video, audio)
+    """diffusers' own ref2va workflow on the same request, in a fresh interpreter (as the services run: torch's
+    default threads, nothing another test set in this process)."""
+    code = _ORACLE % (PROMPT, STEPS, SEED)
+    files = [media[n] for n in ("img.png", "clip.mp4", "voice.wav")]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent), str(svc_ckpt), *map(str, files)],
+        capture_output=True, text=True, env=service_env(), cwd=REPO_ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()[-1]
 
 
 @pytest.fixture(scope="module")

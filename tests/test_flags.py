@@ -273,7 +273,8 @@ OWN_MEANING = {
     "ditserve/launcher.py": {"--checkpoint", "--metrics-port"},  # demo checkpoint by default; P and P+1
     # generate-local's; ditserve's own logging; update-weights' consent to send its token without TLS (the server's
     # flag of that name is its consent to accept one)
-    "ditserve/cli.py": {"--checkpoint", "--adaln-mode", "--log-level", "--allow-plaintext-admin"},
+    # make-checkpoint --partitions: the partitions to write (the generator's --partitions: those to load)
+    "ditserve/cli.py": {"--checkpoint", "--adaln-mode", "--log-level", "--allow-plaintext-admin", "--partitions"},
     "plancache_service/cli.py": {"--listen"},  # the sidecar's TCP address (SidecarConfig.address)
     "ditserve/remote.py": {"--tls-cert", "--tls-key"},  # the client's certificate
     "ditserve/bench/runner.py": {"--checkpoint", "--device", "--threads"},  # the benchmark's services

@@ -66,10 +66,12 @@ def test_generate_request_carries_every_generation_request_field() -> None:
     fields = gen_pb.GenerateRequest.DESCRIPTOR.fields_by_name
     assert set(fields) == names | {"expected_generation"}
     # explicit presence on everything with a default: an unset field is GenerationRequest's default, not zero;
-    # except where the zero value is the default (UNSPECIFIED enums, empty keyframe bytes = no keyframe)
-    zero_is_default = {"request_id", "task", "prompt", "output_type", "first_frame", "last_frame"}
+    # except where the zero value is the default (UNSPECIFIED enums, empty keyframe bytes = no keyframe, no
+    # references: a repeated field)
+    zero_is_default = {"request_id", "task", "prompt", "output_type", "first_frame", "last_frame", "references"}
     for name in names - zero_is_default:
         assert fields[name].has_presence, name
+    assert fields["references"].is_repeated
     for name in zero_is_default - {"request_id", "prompt"}:
         assert not fields[name].has_presence, name
     # every served task has an enum value, and the client maps onto it

@@ -27,10 +27,10 @@ def test_get_status_lists_each_component(pair: Pair) -> None:
     model = pair.generator.backend.loaded()
     assert list(st.components) == [component_placement(c) for c in model.components()]  # what the model holds
     comps = {c.name: c for c in st.components}
-    assert list(comps) == ["transformer", "text_encoder", "vae", "audio_vae"]
+    assert list(comps) == ["transformer", "transformer_ref", "text_encoder", "vae", "audio_vae"]
     for c in comps.values():
         assert (c.device, c.placement, c.device_bytes) == ("cpu", "device", 0) and c.bytes > 0, c
-    assert comps["transformer"].bytes == st.memory.transformer_bytes
+    assert comps["transformer"].bytes + comps["transformer_ref"].bytes == st.memory.transformer_bytes
     assert (comps["transformer"].dtype, comps["text_encoder"].dtype) == ("bfloat16", "bfloat16")  # released mixed
     assert comps["text_encoder"].note.startswith(
         f"text layers 0..{TEXT_LAYERS - 1} of {TEXT_LAYERS} kept, lm_head dropped"

@@ -245,7 +245,7 @@ def test_get_status_fields(pair: Pair, svc_ckpt: Path, gen_stub: gen_grpc.Genera
     assert st.max_queue_depth == 8 and st.queue_depth == 0
     # the cached transformer holds none of the checkpoint's plan tensors
     m = st.memory
-    assert m.plan_tensor_bytes == info.layout.plan_tensor_bytes(dtype) > 0
+    assert m.plan_tensor_bytes == len(info.partitions) * info.layout.plan_tensor_bytes(dtype) > 0  # both partitions
     assert (m.held_plan_bytes, m.saved_bytes, m.saved_fraction) == (0, m.plan_tensor_bytes, 1.0)
     assert m.transformer_bytes > 0
     assert st.HasField("slab")
