@@ -314,7 +314,7 @@ class H3Model:
     def check_partition(self, request: GenerationRequest) -> None:
         """PartitionNotLoadedError naming the missing folder unless this model runs the request's partition."""
         if request.partition not in self.partitions:
-            folder = "transformer_ref" if request.partition == "ref" else "transformer"
+            folder = PARTITION_FOLDERS[request.partition]
             why = (
                 f"{folder}/: the served repository {self.path} has no '{request.partition}' partition"
                 if request.partition not in self.repository_partitions
