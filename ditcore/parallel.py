@@ -102,9 +102,10 @@ class ParallelSpec:
         """SplitError unless a packed sequence of `rows` rows splits evenly across the ranks."""
         if self.enabled and not self.ulysses_anything and rows % self.degree:
             raise SplitError(
-                f"the request's packed sequence has {rows} rows (video + text + audio), which does not split "
+                f"the request's packed sequence has {rows} rows (video + text + audio, and "
+                f"ref2va's reference rows), which does not split "
                 f"across --ulysses-degree x --ring-degree = {self.degree} ranks: the rows must be a multiple of "
-                f"{self.degree} (change the prompt, num_frames, height or width by a little)"
+                f"{self.degree} (change the prompt, num_frames, height, width or the references by a little)"
             )
 
     def context_parallel_config(self, mesh: Any = None) -> Any:

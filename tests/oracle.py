@@ -163,7 +163,7 @@ def diffusers_request_latents(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers_latents for a GenerationRequest or its dict (request_id, task and output_type ignored; keyframe
     bytes decoded with Pillow; references with diffusers' `from_file`, as `kinds` say, by default each reference's
-    own `kind`), the transformer on `attention_backend` (the run under test's)."""
+    own `kind` or, unset, what its content is), the transformer on `attention_backend` (the run under test's)."""
     fields = request if isinstance(request, dict) else vars(request)
     keys = ("prompt", "num_inference_steps", "seed", "height", "width", "num_frames", "flow_shift", "audio_flow_shift")
     kwargs = {k: fields[k] for k in keys if k in fields}
@@ -172,7 +172,10 @@ def diffusers_request_latents(
             kwargs[name] = pil_image(fields[field])
     refs = fields.get("references") or ()
     if refs:
-        kinds = kinds or [r.kind for r in refs]
+        if kinds is None:  # each reference's kind as ditserve reads it (its own, or by content when unset)
+            from ditcore.references import probe_references
+
+            kinds = [p.kind for p in probe_references(refs)]
         kwargs["references"] = [reference_from_bytes(r.data, k) for r, k in zip(refs, kinds, strict=True)]
     out = diffusers_outputs(repo, **kwargs, attention_backend=attention_backend)
     return out["latents"], out["audio_latents"]

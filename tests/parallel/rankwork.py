@@ -24,23 +24,32 @@ def diffusers_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torc
 
     precision = stored_precision(repo)
     pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
+    transformer = pipe.transformer_ref if request.get("references") else pipe.transformer  # ref2va: its partition
     with mock.patch("torch.accelerator.device_count", return_value=1):
-        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))
+        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))
     return diffusers_request_latents(repo, request)
 
 
 class BuiltPages:
-    """A PlanProvider whose lease holds pages built here by the sidecar's PlanBuilder (no sidecar process)."""
+    """A PlanProvider whose lease holds pages built here by the sidecar's PlanBuilder (no sidecar process), from the
+    checkpoint folder of each key's partition."""
 
     def __init__(self, repo: Path, device: torch.device | None = None) -> None:
+        self.repo, self.device = repo, device if device is not None else torch.device("cpu")
+        self.builders: dict[str, Any] = {}
+
+    def builder(self, partition: str) -> Any:
+        from ditcore.checkpoint import PARTITIONS
         from ditcore.rebuild import PlanBuilder
 
-        self.builder = PlanBuilder(repo / "transformer", device if device is not None else "cpu")
+        if partition not in self.builders:
+            self.builders[partition] = PlanBuilder(self.repo / PARTITIONS[partition], self.device)
+        return self.builders[partition]
 
     def acquire(self, keys: Any) -> Any:
         from ditcore.report import CacheReport
 
-        pages = [self.builder.build_one(k) for k in keys]
+        pages = [self.builder(k.partition).build_one(k) for k in keys]
 
         class Lease:
             report = CacheReport(built_plans=len(keys))

@@ -1,8 +1,9 @@
 """The multi-rank oracle: ditserve's cached transformer (plans from the sidecar's builder, no adaln_proj) under
 ditcore.parallel on 2 gloo ranks is torch.equal, on every rank, to diffusers' own MiniMax-H3 loop run with
 `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` on the same repository and request, in float32 and in
-the released mixed precision. A request whose packed rows do not split is refused by every rank with SplitError
-before any collective (no hang).
+the released mixed precision; so is ref2va on the `transformer_ref` partition (diffusers' own ref2va workflow with
+that transformer parallelised), for image references and for a video with its soundtrack. A request whose packed
+rows do not split (reference rows counted) is refused by every rank with SplitError before any collective (no hang).
 
 Against 1 rank (printed, not required): each rank's attention runs on its half of the heads (Ulysses all-to-all)
 and every linear layer on its half of the rows, so the GEMMs' M and the kernels' blocking differ from the 1-rank
@@ -21,11 +22,23 @@ import torch
 from distkit import run_ranks
 from oracle import diffusers_request_latents
 from rankwork import cp_latents, split_refused
+from refmedia import image_bytes, video_bytes, wav_bytes
 from safetensors.torch import load_file
+
+from ditcore.references import Reference
 
 # 32 x 32 x 124 packs 37 video + 414 audio rows; this prompt is 7 text rows: 458, even
 EVEN = {"prompt": "a red fox jumps", "num_inference_steps": 4, "seed": 3, "height": 32, "width": 32, "num_frames": 124}
 ODD = {**EVEN, "prompt": "a red fox"}  # 4 text rows: 455
+# ref2va on 32 x 32 x 124 with these references: even with this prompt (diffusers' own CP loop asserts it too)
+REF2VA = {
+    "images": {**EVEN, "task": "ref2va", "num_inference_steps": 3, "references": (
+        Reference(image_bytes(80, 48, seed=1)), Reference(image_bytes(40, 60, seed=2, fmt="JPEG")))},
+    "video_with_audio": {**EVEN, "task": "ref2va", "num_inference_steps": 3, "references": (
+        Reference(video_bytes(frames=30, fps=30, audio_rate=32000, seed=3)),)},
+}  # fmt: skip
+REF2VA_ODD = {**EVEN, "task": "ref2va", "num_inference_steps": 3, "references": (
+    Reference(image_bytes(80, 48, seed=1)), Reference(wav_bytes(1.5, 32000, channels=1, seed=5)))}  # 605 rows
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,9 +61,26 @@ def test_two_rank_cached_equals_diffusers_context_parallel(
           f"max |diff| {(one_video.float() - ranks[0]['ditserve_video'].float()).abs().max().item():.3g}")  # fmt: skip
 
 
-def test_rows_that_do_not_split_are_refused_on_every_rank(tiny_ckpt_f32: Path, tmp_path: Path) -> None:
-    out = run_ranks(split_refused, 2, (tiny_ckpt_f32, ODD, 2), tmp_path)
+@pytest.mark.parametrize(("precision", "case"), [("float32", "images"), ("float32", "video_with_audio"),
+                                                 ("mixed", "video_with_audio")])  # fmt: skip
+def test_two_rank_cached_ref2va_equals_diffusers_context_parallel(
+    precision: str, case: str, tiny_ckpt: Path, tiny_ckpt_f32: Path, tmp_path: Path
+) -> None:
+    repo = tiny_ckpt_f32 if precision == "float32" else tiny_ckpt
+    out = run_ranks(cp_latents, 2, (repo, REF2VA[case], 2), tmp_path)
+    ranks = [load_file(out / f"rank{r}.safetensors") for r in range(2)]
+    for r, got in enumerate(ranks):
+        assert torch.equal(got["ditserve_video"], got["diffusers_video"]), f"rank {r} video"
+        assert torch.equal(got["ditserve_audio"], got["diffusers_audio"]), f"rank {r} audio"
+        assert torch.equal(got["ditserve_audio"], ranks[0]["ditserve_audio"]), "ranks return the same latents"
+
+
+@pytest.mark.parametrize(("request_", "rows"), [(ODD, 455), (REF2VA_ODD, 605)], ids=["t2va", "ref2va"])
+def test_rows_that_do_not_split_are_refused_on_every_rank(
+    request_: dict, rows: int, tiny_ckpt_f32: Path, tmp_path: Path
+) -> None:
+    out = run_ranks(split_refused, 2, (tiny_ckpt_f32, request_, 2), tmp_path)
     for r in range(2):
         raised = json.loads((out / f"rank{r}.json").read_text())["raised"]
-        assert raised is not None, f"rank {r} ran a request of 455 rows on 2 ranks"
-        assert "455 rows" in raised and "--ulysses-degree" in raised and "multiple of 2" in raised
+        assert raised is not None, f"rank {r} ran a request of {rows} rows on 2 ranks"
+        assert f"{rows} rows" in raised and "--ulysses-degree" in raised and "multiple of 2" in raised

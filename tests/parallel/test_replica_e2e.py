@@ -2,7 +2,9 @@
 under torchrun's elastic agent, gloo on this host.
 
 - `ditserve generate` through it returns the sha256 of diffusers' own context-parallel loop
-  (`enable_parallelism(ContextParallelConfig(ulysses_degree=2))`) on the same repository and request.
+  (`enable_parallelism(ContextParallelConfig(ulysses_degree=2))`) on the same repository and request; a ref2va
+  request (a video with its soundtrack, the reference travelling to every rank) returns that of
+  diffusers' context-parallel ref2va workflow on `transformer_ref`.
 - A request whose packed rows do not split across 2 ranks is refused INVALID_ARGUMENT naming the flag and the rule.
 - A weight update under load never mixes generations across ranks: every result is exactly A's or B's
   context-parallel latents, as its generation says.
@@ -30,8 +32,10 @@ import torch
 from distkit import run_ranks
 from rankwork import diffusers_only
 from safetensors.torch import load_file
+from refmedia import video_bytes
 from servicekit import SERVING, TOKEN, Weights, free_port, health_status, short_tmpdir, wait_for
 
+from ditcore.references import Reference
 from ditserve.client import GeneratorClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -41,6 +45,9 @@ REQUEST: dict[str, Any] = {"prompt": "a red fox jumps", "num_inference_steps": 4
                            "width": 32, "num_frames": 124}  # fmt: skip
 ODD = {**REQUEST, "prompt": "a red fox"}  # 4 text rows: 455
 LONG = {**REQUEST, "num_inference_steps": 400}
+# a 30-frame clip with its soundtrack: the packed rows split across 2 ranks with this prompt
+REF2VA: dict[str, Any] = {**REQUEST, "num_inference_steps": 3, "task": "ref2va", "references": (
+    Reference(video_bytes(frames=30, fps=30, audio_rate=32000, seed=3)),)}
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -55,6 +62,14 @@ def expected(weights: Weights, tmp_path_factory: pytest.TempPathFactory) -> dict
     """sha256 of diffusers' own 2-rank Ulysses latents of REQUEST on A and on B."""
     out = run_ranks(diffusers_only, 2, ([weights.a, weights.b], REQUEST, 2), tmp_path_factory.mktemp("cp-ref"))
     return {name: digest(load_file(out / f"repo{i}.safetensors")) for i, name in enumerate("ab")}
+
+
+@pytest.fixture(scope="module")
+def expected_ref2va(weights: Weights, tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """generation -> sha256 of diffusers' own 2-rank Ulysses ref2va latents of REF2VA on A (1) and B (2), its
+    transformer_ref parallelised."""
+    out = run_ranks(diffusers_only, 2, ([weights.a, weights.b], REF2VA, 2), tmp_path_factory.mktemp("cp-ref2va"))
+    return {g: digest(load_file(out / f"repo{g - 1}.safetensors")) for g in (1, 2)}
 
 
 class Replica:
@@ -119,6 +134,15 @@ def test_generate_through_two_ranks_returns_diffusers_context_parallel_sha(
     line = json.loads(res.stdout.strip().splitlines()[-1])
     assert line["sha256"] == expected["a"]
     assert line["cache"]["built_plans"] > 0 or line["cache"]["gpu_hit_plans"] > 0
+
+
+def test_ref2va_through_two_ranks_returns_diffusers_context_parallel_sha(
+    replica: Replica, expected_ref2va: dict[int, str]
+) -> None:
+    with GeneratorClient(replica.target) as client:
+        result = client.generate({**REF2VA, "request_id": "ref2va"}, timeout=240)
+    assert result.sha256 == expected_ref2va[result.generation]
+    assert result.cache.built_plans > 0  # the ref partition's plans: none shared with the t2va request before it
 
 
 def test_rows_that_do_not_split_are_refused_at_admission(replica: Replica) -> None:
