@@ -37,8 +37,12 @@ REF2VA = {
     "video_with_audio": {**EVEN, "task": "ref2va", "num_inference_steps": 3, "references": (
         Reference(video_bytes(frames=30, fps=30, audio_rate=32000, seed=3)),)},
 }  # fmt: skip
-REF2VA_ODD = {**EVEN, "task": "ref2va", "num_inference_steps": 3, "references": (
-    Reference(image_bytes(80, 48, seed=1)), Reference(wav_bytes(1.5, 32000, channels=1, seed=5)))}  # 605 rows
+REF2VA_ODD = {
+    **EVEN,
+    "task": "ref2va",
+    "num_inference_steps": 3,
+    "references": (Reference(image_bytes(80, 48, seed=1)), Reference(wav_bytes(1.5, 32000, channels=1, seed=5))),
+}  # 605 rows
 
 pytestmark = pytest.mark.timeout(900)
 

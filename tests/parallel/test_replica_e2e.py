@@ -31,8 +31,8 @@ import pytest
 import torch
 from distkit import run_ranks
 from rankwork import diffusers_only
-from safetensors.torch import load_file
 from refmedia import video_bytes
+from safetensors.torch import load_file
 from servicekit import SERVING, TOKEN, Weights, free_port, health_status, short_tmpdir, wait_for
 
 from ditcore.references import Reference
@@ -46,8 +46,12 @@ REQUEST: dict[str, Any] = {"prompt": "a red fox jumps", "num_inference_steps": 4
 ODD = {**REQUEST, "prompt": "a red fox"}  # 4 text rows: 455
 LONG = {**REQUEST, "num_inference_steps": 400}
 # a 30-frame clip with its soundtrack: the packed rows split across 2 ranks with this prompt
-REF2VA: dict[str, Any] = {**REQUEST, "num_inference_steps": 3, "task": "ref2va", "references": (
-    Reference(video_bytes(frames=30, fps=30, audio_rate=32000, seed=3)),)}
+REF2VA: dict[str, Any] = {
+    **REQUEST,
+    "num_inference_steps": 3,
+    "task": "ref2va",
+    "references": (Reference(video_bytes(frames=30, fps=30, audio_rate=32000, seed=3)),),
+}
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
