@@ -171,6 +171,7 @@ def cmd_update_weights(args: argparse.Namespace) -> int:
                 "weights_path": resp.weights_path,
                 "fingerprint": resp.fingerprint,
                 "phase_ms": dict(resp.phase_ms),
+                "kept_partitions": list(resp.kept_partitions),
             }
         ),
         flush=True,

@@ -35,6 +35,7 @@ from ditruntime.slab import SlabDescriptor
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
 from .errors import PartitionNotServedError, RequestTooLargeForDeviceError
+from .sidecar_port import Committed
 
 if TYPE_CHECKING:
     from .replica import ReplicaLink
@@ -288,8 +289,8 @@ class Backend(ABC):
         """Install `staged` (under `model_lock`); returns the rollback that puts the old model back."""
 
     @abstractmethod
-    def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> tuple[int, str]:
-        """Make the swapped weights generation `previous + 1`; returns (generation, fingerprint)."""
+    def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> Committed:
+        """Make the swapped weights generation `previous + 1`."""
 
     @abstractmethod
     def abort_update(self, path: str) -> None:

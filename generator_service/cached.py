@@ -26,7 +26,7 @@ from ditruntime.slab import check_device, device_uuid
 
 from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
 from .errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
-from .sidecar_port import Attachment, SidecarSession
+from .sidecar_port import Attachment, Committed, SidecarSession
 
 if TYPE_CHECKING:
     from .replica import ReplicaLink
@@ -192,19 +192,19 @@ class CachedBackend(Backend):
 
         return self.swap_everywhere(install)
 
-    def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> tuple[int, str]:
+    def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> Committed:
         """The sidecar's CommitWeightUpdate; if its outcome is unknown, drop the session and serve
         nothing until the sidecar says, on reattach, which generation it holds."""
         crash_point("update:before_commit")
         try:
-            generation, fp = self.link.commit_update(previous, path, timeout_s)
+            done = self.link.commit_update(previous, path, timeout_s)
         except CommitOutcomeUnknownError:
             self.link.reattach()
             raise
         crash_point("update:after_commit")
-        self.link.adopt(generation, path, fp)
+        self.link.adopt(done.generation, path, done.fingerprint)
         self.committed_everywhere()
-        return generation, fp
+        return done
 
     def abort_update(self, path: str) -> None:
         self.link.abort_update(path)

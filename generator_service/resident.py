@@ -18,6 +18,7 @@ from ditcore.model import RunOptions
 
 from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
 from .errors import UpdateError
+from .sidecar_port import Committed
 
 if TYPE_CHECKING:
     from .replica import ReplicaLink
@@ -143,11 +144,11 @@ class ResidentBackend(Backend):
 
         return self.swap_everywhere(install)
 
-    def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> tuple[int, str]:
+    def commit_update(self, previous: int, path: str, fingerprint: str, timeout_s: float) -> Committed:
         self._generation = previous + 1
         self._fingerprint = fingerprint
         self.committed_everywhere()
-        return self._generation, fingerprint
+        return Committed(self._generation, fingerprint)  # no plans to keep
 
     def abort_update(self, path: str) -> None:
         self.aborted_everywhere()

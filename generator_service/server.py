@@ -333,6 +333,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             weights_path=result.weights_path,
             fingerprint=result.fingerprint,
             phase_ms=result.phase_ms,
+            kept_partitions=list(result.kept_partitions),
         )
 
     def UploadReference(

@@ -41,7 +41,7 @@ from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
 from .errors import CommitOutcomeUnknownError, LeaseCheckError, SidecarError, SidecarUnavailableError
 from .health import ServingState
-from .sidecar_port import Attachment, RemoteLease, SidecarSession
+from .sidecar_port import Attachment, Committed, RemoteLease, SidecarSession
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class SidecarClient(SidecarSession):
             raise domain_error(e, from_generation, "from_generation") from e
         return str(resp.fingerprint)
 
-    def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> tuple[int, str]:
+    def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> Committed:
         req = pb.CommitWeightUpdateRequest(from_generation=from_generation, weights_path=weights_path)
         try:
             resp = self._stub.CommitWeightUpdate(req, timeout=timeout_s, metadata=self._admin_metadata)
@@ -289,7 +289,7 @@ class SidecarClient(SidecarSession):
             if e.code() in ANSWER_LOST:
                 raise CommitOutcomeUnknownError(e.code().name) from e
             raise domain_error(e, from_generation, "from_generation") from e
-        return int(resp.generation), str(resp.fingerprint)
+        return Committed(int(resp.generation), str(resp.fingerprint), tuple(resp.kept_partitions))
 
     def abort_update(self, weights_path: str) -> None:
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,15 @@ from ditruntime.slab import (
 )
 
 from .errors import LeaseCheckError, SidecarUnavailableError
+
+
+class Committed(NamedTuple):
+    """A committed weight update: the new generation, its fingerprint, and the partitions whose plans were kept
+    (their `adaln_proj` unchanged: their cached plans were restamped, not dropped; () in resident mode)."""
+
+    generation: int
+    fingerprint: str
+    kept_partitions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,8 +200,8 @@ class SidecarSession(ABC):
         """The sidecar checks the new checkpoint (nothing served changes); returns its fingerprint."""
 
     @abstractmethod
-    def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> tuple[int, str]:
-        """(new generation, fingerprint). Raises CommitOutcomeUnknownError when the answer was lost."""
+    def commit_update(self, from_generation: int, weights_path: str, timeout_s: float) -> Committed:
+        """The sidecar's commit. Raises CommitOutcomeUnknownError when the answer was lost."""
 
     @abstractmethod
     def abort_update(self, weights_path: str) -> None:

@@ -38,6 +38,7 @@ from .backend import Backend, StagedWeights
 from .errors import UpdateError
 from .executor import Executor
 from .health import ServingState
+from .sidecar_port import Committed
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class UpdateResult:
     weights_path: str
     fingerprint: str
     phase_ms: dict[str, float]
+    kept_partitions: tuple[str, ...] = ()
+    """Partitions whose cached plans were kept (their adaln_proj unchanged; cached mode)."""
 
 
 def resolve_weights_path(root: Path | None, weights_path: str) -> Path:
@@ -123,9 +126,9 @@ class UpdateCoordinator:
             phases.mark("drain")
             staged = backend.stage(info)
             phases.mark("load")
-            generation, fingerprint = self._install(previous, staged, str(path))
+            done = self._install(previous, staged, str(path))
             phases.mark("commit")
-            return UpdateResult(generation, previous, str(path), fingerprint, phases.ms)
+            return UpdateResult(done.generation, previous, str(path), done.fingerprint, phases.ms, done.kept_partitions)
         except BaseException:
             backend.abort_update(str(path))
             raise
@@ -143,11 +146,11 @@ class UpdateCoordinator:
             self.executor.pause()
             try:
                 self._drain("update aborted")
-                generation, fingerprint = self._install(previous, staged, path)
+                done = self._install(previous, staged, path)
             finally:
                 self.executor.resume()
             ms = round((time.perf_counter() - t0) * 1000, 3)
-            return UpdateResult(generation, previous, path, fingerprint, {"total_ms": ms})
+            return UpdateResult(done.generation, previous, path, done.fingerprint, {"total_ms": ms})
 
     def _drain(self, outcome: str) -> None:
         """Wait for the running request (UpdateError ABORTED, DRAIN_TIMEOUT, when it does not finish in time)."""
@@ -164,7 +167,7 @@ class UpdateCoordinator:
             f"--step-time-factor, + its decode, + 30 s; --drain-timeout-s sets a fixed bound); {outcome}",
         )  # fmt: skip
 
-    def _install(self, previous: int, staged: StagedWeights, path: str) -> tuple[int, str]:
+    def _install(self, previous: int, staged: StagedWeights, path: str) -> Committed:
         """Swap `staged` in and commit it; on any failure the old model goes back."""
         backend = self.backend
         with backend.model_lock:

@@ -27,6 +27,7 @@ import grpc
 import pytest
 import torch
 from clikit import CliRunner
+from refmedia import image_bytes
 from safetensors.torch import load_file, save_file
 from servicekit import (
     NOT_SERVING,
@@ -197,6 +198,31 @@ def test_update_to_b_and_back_to_a(pairs: StartPair, weights: Weights) -> None:
     assert (state["generation"], real(state["weights_path"])) == (3, real(weights.a))
     assert pair.state().pending_weights_path == ""
     assert pair.health() == SERVING and pair.sidecar_health() == SERVING
+
+
+def test_an_update_that_keeps_transformer_ref_keeps_its_plans(pairs: StartPair, weights: Weights) -> None:
+    """C is A with B's transformer/: the update to C reports kept_partitions ["ref"], a warm ref2va request is
+    served from the kept plans (nothing built) with the same bits, and t2va serves C's base partition. The update
+    on to B keeps the base plans (C's transformer/ is B's) and drops the ref ones."""
+    c = copy_into_root(weights, weights.a, "C-")
+    shutil.rmtree(c / "transformer")
+    shutil.copytree(weights.b / "transformer", c / "transformer")
+    ref2va = {**REQ_FOX, "task": "ref2va", "references": [image_bytes(64, 48, seed=7)]}
+    pair = pairs(weights.a, plan_width=4)  # ref2va's widths
+    before = pair.generate(ref2va)
+    assert before.generation == 1 and before.cache.built_plans > 0
+    up = pair.update(c.name)
+    assert (up.generation, list(up.kept_partitions), up.fingerprint) == (2, ["ref"], fingerprint(c))
+    after = pair.generate(ref2va)
+    assert (after.generation, after.sha256) == (2, before.sha256)
+    assert after.cache.built_plans == 0 and after.cache.gpu_hit_plans > 0
+    r = pair.generate(REQ_FOX)
+    assert (r.generation, r.sha256) == (2, ref_sha(c, REQ_FOX))
+    up = pair.update("B")  # C's transformer/ is B's: the base plans stay, the ref ones go
+    assert (up.generation, list(up.kept_partitions)) == (3, ["base"])
+    r = pair.generate(REQ_FOX)
+    assert (r.generation, r.sha256, r.cache.built_plans) == (3, ref_sha(weights.b, REQ_FOX), 0)
+    assert pair.generate(ref2va).cache.built_plans > 0
 
 
 def test_resident_update_to_b_and_refusals(pairs: StartPair, weights: Weights) -> None:
@@ -612,7 +638,9 @@ def test_update_weights_cli(
     lines = ok.json_lines()
     assert len(lines) == 1, ok.out
     out = lines[0]
-    assert set(out) == {"generation", "previous_generation", "weights_path", "fingerprint", "phase_ms"}
+    assert set(out) == {"generation", "previous_generation", "weights_path", "fingerprint", "phase_ms",
+                        "kept_partitions"}  # fmt: skip
+    assert out["kept_partitions"] == []  # B's transformer_ref differs from A's too
     assert (out["generation"], out["previous_generation"]) == (2, 1)
     assert real(out["weights_path"]) == real(weights.b)
     assert out["fingerprint"] == fingerprint(weights.b)

@@ -267,7 +267,7 @@ def test_a_generator_whose_prepare_deadline_passes_releases_by_request_id_and_an
         assert cache.stats().leases_held == 0 and client.attachment is att  # same session, no lease left
 
         client.prepare_update(att.generation, str(tiny_ckpt_b))
-        generation, _ = client.commit_update(att.generation, str(tiny_ckpt_b), timeout_s=GUARD_S)
+        generation = client.commit_update(att.generation, str(tiny_ckpt_b), timeout_s=GUARD_S).generation
         assert generation == att.generation + 1
     finally:
         client.close()

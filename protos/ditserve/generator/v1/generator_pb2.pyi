@@ -313,7 +313,7 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, weights_path: _Optional[str] = ..., expected_generation: _Optional[int] = ..., request_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("generation", "previous_generation", "weights_path", "fingerprint", "phase_ms")
+    __slots__ = ("generation", "previous_generation", "weights_path", "fingerprint", "phase_ms", "kept_partitions")
     class PhaseMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -326,12 +326,14 @@ class UpdateWeightsResponse(_message.Message):
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PHASE_MS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     previous_generation: int
     weights_path: str
     fingerprint: str
     phase_ms: _containers.ScalarMap[str, float]
-    def __init__(self, generation: _Optional[int] = ..., previous_generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., phase_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    kept_partitions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., previous_generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., phase_ms: _Optional[_Mapping[str, float]] = ..., kept_partitions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
