@@ -24,6 +24,7 @@ largest references sent first with UploadReference (a client stream of chunks), 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -186,9 +187,15 @@ SCHEDULE_HEADER = "x-ditserve-schedule"
 
 def schedule_affinity_key(request: GenerationRequest | Mapping[str, Any]) -> str:
     """task/num_inference_steps/flow_shift/audio_flow_shift, e.g. `t2va/50/12/3`: a request's plan keys depend on
-    these alone, so requests with equal keys share every plan on one checkpoint."""
+    these alone (and, for ref2va, on whether a reference brings audio: its rows sit at t = 1.0 and widen every
+    plan, so that schedule is `ref2va+audio/...`), so requests with equal keys share every plan on one checkpoint.
+    References that cannot be read get the plain key (the server refuses them)."""
     req = as_request(request)
-    return f"{req.task}/{req.num_inference_steps}/{req.flow_shift:g}/{req.audio_flow_shift:g}"
+    task = req.task
+    if task == "ref2va":
+        with contextlib.suppress(RequestError):
+            task += "+audio" if req.has_reference_audio() else ""
+    return f"{task}/{req.num_inference_steps}/{req.flow_shift:g}/{req.audio_flow_shift:g}"
 
 
 def _timings(t: pb.StageTimings) -> dict[str, float]:
