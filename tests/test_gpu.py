@@ -1,6 +1,7 @@
 """CUDA paths: device slab, IPC sharing across processes, pinned host tier, cached == resident on the GPU (in
-process through the embedded cache, and through a sidecar + generator process pair sharing the slab by CUDA IPC).
-Marked `gpu`: skipped without CUDA (run them where a GPU is lent)."""
+process through the embedded cache, for t2va and for ref2va on the transformer_ref partition, and through a
+sidecar + generator process pair sharing the slab by CUDA IPC). `cached_equals_resident` runs on any device (dry-run
+it on the CPU). Marked `gpu`: skipped without CUDA (run them where a GPU is lent)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from refmedia import image_bytes, video_bytes, wav_bytes
 from servicekit import FOX_REQUEST, RAIN_REQUEST, ProcessGroup, distinct_plans
 
 from ditcore import GenerationRequest, generate, load_model, validate_checkpoint, write_repository
+from ditcore.references import Reference
 from ditruntime.slab import READY, SlabMapping, check_device, device_uuid, map_slab
 from ditserve.client import GeneratorClient
 from plancache_service.cache import PlanCache
@@ -133,28 +136,51 @@ def _request(req: dict[str, Any], **overrides: Any) -> GenerationRequest:
     return GenerationRequest.from_dict({**req, "num_inference_steps": 5, "num_frames": 124, **overrides})
 
 
-@pytest.mark.parametrize("precision", ["mixed", "float32"])
-def test_cached_equals_resident_on_cuda(tmp_path: Path, precision: str) -> None:
-    ckpt = write_repository(tmp_path / "ck", "tiny", seed=0, dtype=precision, shards=2)
+def cached_equals_resident(
+    ckpt: Path, first: GenerationRequest, other: GenerationRequest, device: str
+) -> GenerationRequest | None:
+    """`first`, `first`, `other`, `first` (cold, slot hit, cold evicting it, host swap-in) through the embedded
+    cache with slots for one request: cached latents torch.equal to resident ones on `device` every time."""
     info = validate_checkpoint(ckpt)
-    resident = load_model(info, "resident", "cuda")
-    cached = load_model(info, "cached", "cuda")
-    fox, rain = _request(FOX_REQUEST), _request(RAIN_REQUEST)
-    slots = len(set(cached.plan_keys(fox)))
-    assert len(set(cached.plan_keys(rain))) == slots
+    resident = load_model(info, "resident", device)
+    cached = load_model(info, "cached", device)
+    slots = len(set(cached.plan_keys(first)))
+    assert len(set(cached.plan_keys(other))) == slots
     page = info.layout.page_bytes(info.projection_dtype)
-    config = CacheConfig(gpu_plans=slots, host_cache_bytes=64 * page, device="cuda")
-    cache = PlanCache(config, RebuildSource(info, torch.device("cuda")))
+    config = CacheConfig(gpu_plans=slots, host_cache_bytes=64 * page, device=device)
+    cache = PlanCache(config, RebuildSource(info, torch.device(device)))
     try:
         provider = EmbeddedPlanProvider(cache)
         b = None
-        for req in (fox, fox, rain, fox):  # cold, slot hit, cold (evicts), host swap-in
+        for req in (first, first, other, first):
             a, b = generate(resident, req), generate(cached, req, provider)
             assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio), b.cache
-        assert b is not None and b.cache is not None and b.cache.host_hit_plans > 0 and cache.host_pinned
+        assert b is not None and b.cache is not None and b.cache.host_hit_plans > 0
+        assert cache.host_pinned == (device == "cuda")
         assert cached.memory().held_plan_bytes == 0 and cached.memory().saved_fraction == 1.0
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("precision", ["mixed", "float32"])
+def test_cached_equals_resident_on_cuda(tmp_path: Path, precision: str) -> None:
+    ckpt = write_repository(tmp_path / "ck", "tiny", seed=0, dtype=precision, shards=2)
+    cached_equals_resident(ckpt, _request(FOX_REQUEST), _request(RAIN_REQUEST), "cuda")
+
+
+REF2VA_REFERENCES = (  # an image, a clip with its soundtrack, a WAV: the 4-wide plans
+    Reference(image_bytes(80, 48, seed=1)), Reference(video_bytes(frames=30, fps=30, audio_rate=32000, seed=3)),
+    Reference(wav_bytes(1.5, 32000, seed=5)),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["mixed", "float32"])
+def test_cached_ref2va_equals_resident_on_cuda(tmp_path: Path, precision: str) -> None:
+    """Both partitions on the GPU: ref2va through the transformer_ref partition's plans (4 wide)."""
+    ckpt = write_repository(tmp_path / "ck", "tiny", seed=0, dtype=precision, shards=2)
+    fox = _request(FOX_REQUEST, task="ref2va", references=REF2VA_REFERENCES)
+    rain = _request(RAIN_REQUEST, task="ref2va", references=REF2VA_REFERENCES)
+    cached_equals_resident(ckpt, fox, rain, "cuda")
 
 
 def test_service_pair_on_cuda_equals_resident(procs: ProcessGroup, svc_ckpt: Path) -> None:
