@@ -307,8 +307,8 @@ class GenerationRequest:
         if unknown:
             raise RequestError(unknown[0], f"unknown field; allowed fields: {', '.join(names)}")
         refs = data.get("references")
-        if isinstance(refs, list | tuple):  # a list of Reference (or of bare bytes: read by content)
-            data = {**data, "references": tuple(Reference(r) if isinstance(r, bytes) else r for r in refs)}
+        if isinstance(refs, list | tuple):  # Reference, bare bytes (read by content) or {"data": ..., "kind": ...}
+            data = {**data, "references": tuple(_reference(i, r) for i, r in enumerate(refs))}
         return dataclasses.replace(defaults or cls(), **data)
 
     # ---------------------------------------------------------------- validation
@@ -357,6 +357,18 @@ class GenerationRequest:
         if self.references:
             self.probe_references(limits)
         return self
+
+
+def _reference(index: int, ref: Any) -> Any:
+    """One entry of a JSON-like "references" list as a Reference (anything else is left to validate's type check)."""
+    if isinstance(ref, bytes | bytearray):
+        return Reference(bytes(ref))
+    if isinstance(ref, dict):
+        extra = sorted(set(ref) - {"data", "kind"})
+        if extra or "data" not in ref:
+            raise RequestError(f"references[{index}]", 'a reference mapping has "data" (bytes) and "kind" (optional)')
+        return Reference(ref["data"], ref.get("kind", ""))
+    return ref
 
 
 def infer_task(task: str | None, has_keyframes: bool, has_references: bool = False) -> str:

@@ -9,6 +9,8 @@
         start = client.generate({"prompt": "a red fox", "first_frame": Path("fox.png").read_bytes()})  # fl2va
         refs = (Reference(Path("fox.png").read_bytes()), Reference(Path("clip.mp4").read_bytes()))
         guided = client.generate({"prompt": "a red fox", "references": refs})   # ref2va (ditcore.references)
+        voice = {"data": Path("voice.wav").read_bytes(), "kind": "audio"}   # a mapping works too
+        voiced = client.generate({"prompt": "a red fox", "references": [*refs, voice]})
 
 A request is a `GenerationRequest` or a mapping of its fields; in a mapping, a missing (or empty) "task" is inferred
 (ref2va with references, fl2va with a first_frame or last_frame, else t2va), and a missing (or empty) "request_id" becomes a fresh

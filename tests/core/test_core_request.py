@@ -115,6 +115,23 @@ def test_from_dict_takes_defaults_and_refuses_unknown_keys() -> None:
         assert info.value.field == gone
 
 
+def test_from_dict_reads_references_as_reference_bytes_or_mappings() -> None:
+    from ditcore.references import Reference
+
+    png_bytes = png(64, 48)
+    req = GenerationRequest.from_dict({"prompt": "p", "references": [png_bytes, Reference(png_bytes, "image"),
+                                       {"data": png_bytes}, {"data": png_bytes, "kind": "image"}]})  # fmt: skip
+    assert req.references == (Reference(png_bytes), Reference(png_bytes, "image"), Reference(png_bytes),
+                              Reference(png_bytes, "image"))  # fmt: skip
+    for bad in ({"kind": "image"}, {"data": png_bytes, "type": "image"}):
+        with pytest.raises(RequestError, match='"data" .* and "kind"') as info:
+            GenerationRequest.from_dict({"prompt": "p", "references": [png_bytes, bad]})
+        assert info.value.field == "references[1]"
+    with pytest.raises(RequestError, match="wrong type") as info:
+        GenerationRequest.from_dict({"prompt": "p", "task": "ref2va", "references": ["fox.png"]}).validate()
+    assert info.value.field == "references"
+
+
 def test_pipeline_inputs_are_what_diffusers_blocks_take() -> None:
     assert GOOD.pipeline_inputs() == {
         "prompt": "a red fox", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 50,
