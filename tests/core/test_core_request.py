@@ -124,7 +124,7 @@ def test_from_dict_reads_references_as_reference_bytes_or_mappings() -> None:
     assert req.references == (Reference(png_bytes), Reference(png_bytes, "image"), Reference(png_bytes),
                               Reference(png_bytes, "image"))  # fmt: skip
     for bad in ({"kind": "image"}, {"data": png_bytes, "type": "image"}):
-        with pytest.raises(RequestError, match='"data" .* and "kind"') as info:
+        with pytest.raises(RequestError, match=r'"data" .* and "kind"') as info:
             GenerationRequest.from_dict({"prompt": "p", "references": [png_bytes, bad]})
         assert info.value.field == "references[1]"
     with pytest.raises(RequestError, match="wrong type") as info:
