@@ -42,7 +42,7 @@ from .errors import UsageError
 from .jobs_cli import add_jobs_parser
 from .launcher import add_serve_flags, serve
 from .memory_view import add_memory_flags
-from .openai_cli import add_openai_api_parser
+from .openai.cli import add_openai_api_parser
 from .remote import add_client_flags, cmd_generate, cmd_update_weights
 from .requests_io import add_request_flags
 

@@ -1,6 +1,6 @@
 """Python client of the generator service.
 
-    from ditserve.client import GeneratorClient
+    from .client import GeneratorClient
     with GeneratorClient("127.0.0.1:50051") as client:
         result = client.generate({"prompt": "a red fox", "num_inference_steps": 20})
         print(result.sha256, result.video.shape, result.audio.shape, result.cache)

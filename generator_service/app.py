@@ -22,22 +22,22 @@ from ditcore.parallel import Ranks, Replica, collective_backend, init_process_gr
 from ditruntime.paths import hold_lock, prepare_dir, require_dir
 from ditruntime.tls import mutual_tls_channel_credentials
 
-from .backend import Backend
-from .cached import CachedBackend, CachedWeights
+from .backends.base import Backend
+from .backends.cached import CachedBackend, CachedWeights
+from .backends.resident import ResidentBackend
+from .backends.sidecar_client import SidecarClient
 from .config import GeneratorConfig
-from .executor import Executor
+from .execution.executor import Executor
+from .execution.registry import RunRegistry
 from .health import ServingState
-from .job_server import classify_error, decode_request
-from .job_service import JobService
-from .job_store import JobStore
-from .job_types import JobsPolicy
+from .jobs.results import ResultStore
+from .jobs.service import JobService
+from .jobs.store import JobStore
+from .jobs.types import JobsPolicy
 from .metrics import GeneratorMetrics, register_job_gauges, register_state_gauges
-from .registry import JobRegistry
-from .replica import EXIT_REPLICA_LOST, Follower, ReplicaLink, follow
-from .resident import ResidentBackend
-from .results import ResultStore
-from .server import GeneratorServer, HealthPublisher
-from .sidecar_client import SidecarClient
+from .replica.link import EXIT_REPLICA_LOST, Follower, ReplicaLink, follow
+from .serving.jobs_servicer import classify_error, decode_request
+from .serving.server import GeneratorServer, HealthPublisher
 from .updates import UpdateCoordinator
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def exit_for_restart(state: ServingState, delay_s: float = 2.0) -> Callable[[str
 
 
 def run_follower(cfg: GeneratorConfig) -> int:
-    """A replica rank other than 0: no server; it runs every request's loop with rank 0 (generator_service.replica)."""
+    """A replica rank other than 0: no server; it runs every request's loop with rank 0 (generator_service.replica.link)."""
     replica = join_replica(cfg, ranks_from_env())
     checkpoint = cfg.checkpoint if cfg.adaln_mode == "resident" else None
     return follow(Follower(replica, cfg.adaln_mode, cfg.run_options, cfg.limits, checkpoint))
@@ -124,13 +124,13 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     )  # fmt: skip
     register_state_gauges(metrics.registry, backend, executor)
     updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
-    registry = JobRegistry(executor)
+    registry = RunRegistry(executor)
     jobs, jobs_dir = build_jobs(cfg, registry, metrics)
     register_job_gauges(metrics.registry, jobs)
     return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher, registry, jobs, jobs_dir.close)
 
 
-def build_jobs(cfg: GeneratorConfig, registry: JobRegistry, metrics: GeneratorMetrics) -> tuple[JobService, JobsDir]:
+def build_jobs(cfg: GeneratorConfig, registry: RunRegistry, metrics: GeneratorMetrics) -> tuple[JobService, JobsDir]:
     """The jobs core on its store and results directory. Without a state dir (a config built in code, or
     `ditserve generator` without --state-dir) they live in a temporary directory removed at stop: jobs then do not
     survive a restart (`ditserve serve` always names one). An embedded (SQLite) store is one generator's: its

@@ -47,29 +47,10 @@ from ditruntime.auth import (
 )
 from ditruntime.flags import check_bounds, flag
 
-from .jobs_config import JobsConfig
+from .execution.policy import GB, MIB, SizingPolicy
+from .jobs.config import JobsConfig
 
 TOKEN_ENV = ADMIN_TOKEN_ENV
-MIB = 2**20
-GB = 1000**3
-
-LIMITED_FIELDS = {
-    "num_frames": "max_num_frames",
-    "height": "max_height",
-    "width": "max_width",
-    "prompt": "max_prompt_bytes",
-}
-"""Request field -> the GeneratorConfig (and RequestLimits) field that may tighten H3's own rule for it."""
-
-
-@dataclass(frozen=True)
-class SizingPolicy:
-    """The generator's use of ditcore.sizing (GeneratorConfig's `memory_check`, `memory_reserve_bytes`,
-    `step_time_factor`)."""
-
-    memory_check: bool = True
-    memory_reserve_bytes: int = 1 * GB
-    step_time_factor: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -172,7 +153,7 @@ class GeneratorConfig:
         "--workers less this many (default %(default)s)", low=1, high=4095,
     )  # fmt: skip
     """Threads of `workers` that Generate and GenerateStream never take: Health, GetStatus, UpdateWeights and
-    reflection always find one, however many clients stall (generator_service.streams). A Generate call beyond
+    reflection always find one, however many clients stall (generator_service.serving.streams). A Generate call beyond
     `workers - control_workers` is refused at once (RESOURCE_EXHAUSTED, HANDLERS_BUSY)."""
     max_concurrent_rpcs: int = flag(
         256, "RPCs in flight before the server answers RESOURCE_EXHAUSTED itself (default %(default)s)",
@@ -363,7 +344,7 @@ class GeneratorConfig:
     sidecar_tls_key: Path | None = flag(None, "PEM private key of --sidecar-tls-cert (required with TCP --sidecar)")
     """TCP sidecar only: the PEM private key of sidecar_tls_cert."""
     jobs: JobsConfig = field(default_factory=JobsConfig)
-    """The jobs API: its store, results and retention (generator_service.jobs_config)."""
+    """The jobs API: its store, results and retention (generator_service.jobs.config)."""
 
     @property
     def sidecar_tcp(self) -> bool:

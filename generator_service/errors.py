@@ -135,7 +135,7 @@ class LeaseCheckError(GeneratorError):
 
 class ReplicaUnavailableError(GeneratorError):
     """A rank of this replica is gone (its process died or the group broke): the request fails, the replica goes
-    NOT_SERVING and restarts as a unit (generator_service.replica)."""
+    NOT_SERVING and restarts as a unit (generator_service.replica.link)."""
 
     reason = "REPLICA_RANK_LOST"
     grpc_code = "UNAVAILABLE"

@@ -11,12 +11,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ditruntime.errors import ServiceError
 
-from .backend import Backend
-from .executor import Executor
-from .job_schema import STATES
-from .job_service import JobService
-from .job_types import JobsObserver
-from .jobs import Job, JobResult
+from .backends.base import Backend
+from .execution.executor import Executor
+from .execution.runs import Run, RunResult
+from .jobs.schema import STATES
+from .jobs.service import JobService
+from .jobs.types import JobsObserver
 
 P = "ditserve_generator"
 STAGES = ("queue", "prepare", "encode", "denoise", "decode", "mux", "total")
@@ -51,7 +51,7 @@ class GeneratorMetrics:
             "--stream-stall-s; transfer: past --stream-transfer-s)", ["reason"], registry=r,
         )  # fmt: skip
 
-    def on_finish(self, job: Job, result: JobResult | None, error: BaseException | None) -> None:
+    def on_finish(self, run: Run, result: RunResult | None, error: BaseException | None) -> None:
         if result is None:
             self.outcomes.labels(error.reason if isinstance(error, ServiceError) else type(error).__name__).inc()
             return

@@ -34,11 +34,11 @@ from ditcore import CheckpointNotFoundError
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.faults import crash_point
 
-from .backend import Backend, StagedWeights
+from .backends.base import Backend, StagedWeights
+from .backends.sidecar_port import Committed
 from .errors import UpdateError
-from .executor import Executor
+from .execution.executor import Executor
 from .health import ServingState
-from .sidecar_port import Committed
 
 log = logging.getLogger(__name__)
 

@@ -43,13 +43,13 @@ OPTIONAL = {
     "av": "PyAV, for MP4 output: the check's requests ask for latents",
     "matplotlib": "ditserve bench's chart",
     "grpc_tools": "protos.generate, which regenerates the code (a dev tool)",
-    "fastapi": "ditserve.openai_api, the /v1/videos facade (the check does not serve it)",
-    "uvicorn": "ditserve.openai_api's HTTP server",
-    "starlette": "FastAPI's own toolkit, which ditserve.openai_api imports for its exception and threadpool",
+    "fastapi": "ditserve.openai.app, the /v1/videos facade (the check does not serve it)",
+    "uvicorn": "ditserve.openai.app's HTTP server",
+    "starlette": "FastAPI's own toolkit, which ditserve.openai.app imports for its exception and threadpool",
     "psycopg": "a PostgreSQL job store (--job-store postgresql://...; the check's is SQLite)",
 }
 """Modules the code imports that the check never reaches, and why."""
-SKIP_MODULES = ("protos.generate", "ditserve.openai_api")
+SKIP_MODULES = ("protos.generate", "ditserve.openai.app")
 """Project modules not imported (their imports are OPTIONAL); `__main__` modules are never imported either."""
 
 

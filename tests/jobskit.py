@@ -13,8 +13,8 @@ from servicekit import wait_for
 
 from generator_service.app import build_server
 from generator_service.config import GeneratorConfig
-from generator_service.jobs_config import JobsConfig
-from generator_service.server import GeneratorServer
+from generator_service.jobs.config import JobsConfig
+from generator_service.serving.server import GeneratorServer
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
 QUICK = {"prompt": "a red fox", "num_inference_steps": 3}

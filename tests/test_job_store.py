@@ -1,4 +1,4 @@
-"""generator_service.job_store on both backends: SQLite (a temp file) and a real PostgreSQL server (tests/pgkit.py).
+"""generator_service.jobs.store on both backends: SQLite (a temp file) and a real PostgreSQL server (tests/pgkit.py).
 
 Scenario tests with an expected-state helper (`expect`); the concurrency tests race real threads (and, for claims,
 two JobStore instances, as two replica processes would) and check the outcome, never the timing.
@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from pgkit import reset_database
 
 from generator_service.errors import IdempotencyConflictError, JobQueueFullError
-from generator_service.job_schema import JobRecord, jobs
-from generator_service.job_store import JobStore
-from generator_service.results import ContentRef
+from generator_service.jobs.results import ContentRef
+from generator_service.jobs.schema import JobRecord, jobs
+from generator_service.jobs.store import JobStore
 
 T0 = 1000.0  # the tests' clock: epoch seconds, chosen, never read
 LEASE_S = 30.0

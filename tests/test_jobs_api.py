@@ -19,7 +19,7 @@ from grpc_status import rpc_status
 from jobskit import QUICK, jobs_server, jobs_stub
 from servicekit import error_info, wait_for
 
-from generator_service.server import GeneratorServer
+from generator_service.serving.server import GeneratorServer
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 

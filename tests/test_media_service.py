@@ -33,8 +33,8 @@ from servicekit import (
     wait_for,
 )
 
-from generator_service import executor as executor_mod
 from generator_service.config import MIB
+from generator_service.execution import mux as mux_mod
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 
 FPS = 24
@@ -199,14 +199,14 @@ def test_next_request_denoises_while_one_muxes(pair: Pair, monkeypatch: pytest.M
     """Muxing needs no model: the executor hands a decoded job to the mux thread and runs the next one meanwhile;
     the muxing job keeps its queue slot until its result is sent."""
     muxing, next_stepped = threading.Event(), threading.Event()
-    real_encode = executor_mod.encode
+    real_encode = mux_mod.encode
 
     def held_encode(media: Any, output_type: str, check: Any = None) -> Any:
         muxing.set()
         assert next_stepped.wait(30), "the next request did not step while this one muxed"
         return real_encode(media, output_type, check)
 
-    monkeypatch.setattr(executor_mod, "encode", held_encode)
+    monkeypatch.setattr(mux_mod, "encode", held_encode)
     first = pair.stub.Generate.future(to_proto({**BASE, "request_id": "mux-a", "output_type": "mp4"}), timeout=120)
     assert muxing.wait(60), "the first request never reached its mux"
     assert pair.status().queue_depth == 1  # muxing
@@ -229,7 +229,7 @@ def test_mux_failure_is_internal_and_the_server_serves_on(pair: Pair, monkeypatc
     def broken(media: Any, output_type: str, check: Any = None) -> Any:
         raise RuntimeError("this PyAV/FFmpeg build has no H.264 encoder")
 
-    monkeypatch.setattr(executor_mod, "encode", broken)
+    monkeypatch.setattr(mux_mod, "encode", broken)
     with pytest.raises(grpc.RpcError) as ei:
         pair.stub.Generate(to_proto({**BASE, "request_id": "mux-broken", "output_type": "mp4"}), timeout=120)
     assert ei.value.code() == grpc.StatusCode.INTERNAL, ei.value

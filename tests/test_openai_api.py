@@ -21,7 +21,7 @@ from PIL import Image
 from servicekit import free_port, wait_for
 
 from ditserve.jobs_client import JobsClient
-from ditserve.openai_api import create_app
+from ditserve.openai.app import create_app
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client's notice of OpenAI's

@@ -11,7 +11,7 @@ import pytest
 from ditcore import RequestError
 from ditruntime.errors import ServiceError
 from ditruntime.rpc_errors import to_status
-from ditserve.openai_map import (
+from ditserve.openai.mapping import (
     ApiError,
     create_body,
     frames_for_seconds,

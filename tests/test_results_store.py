@@ -1,4 +1,4 @@
-"""generator_service.results: content-addressed result files, written atomically, kept once, kept while read."""
+"""generator_service.jobs.results: content-addressed result files, written atomically, kept once, kept while read."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from generator_service.results import CHUNK_BYTES, TEMP_PREFIX, ContentMissingError, ContentRef, ResultStore
+from generator_service.jobs.results import CHUNK_BYTES, TEMP_PREFIX, ContentMissingError, ContentRef, ResultStore
 
 BIG = bytes(range(256)) * (CHUNK_BYTES // 256 * 3 + 7)  # a bit over 3 MiB: several copy chunks
 

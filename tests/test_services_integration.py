@@ -42,8 +42,9 @@ from servicekit import (
 from ditcore import GenerationRequest, validate_checkpoint
 from ditcore.request import MAX_KEYFRAME_PIXELS, MAX_PROMPT_BYTES, MAX_SIDE
 from ditserve.client import GeneratorClient, request_to_proto
-from generator_service import executor as executor_mod
 from generator_service.config import MIB
+from generator_service.execution import runner as runner_mod
+from generator_service.execution.runs import Run
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb
@@ -522,7 +523,7 @@ def test_cancel_stream_stops_executor_within_one_step(slow_pair: Pair, monkeypat
     backend = slow_pair.generator.backend
     checks: list[float] = []  # one per denoise step (the executor checks the session every step)
     cancelled_at: list[int] = []
-    real_alive, real_cancel = backend.alive, executor_mod.Job.cancel
+    real_alive, real_cancel = backend.alive, Run.cancel
     lock = threading.Lock()
 
     def alive(lease: Any) -> bool:
@@ -537,7 +538,7 @@ def test_cancel_stream_stops_executor_within_one_step(slow_pair: Pair, monkeypat
         real_cancel(job)
 
     monkeypatch.setattr(backend, "alive", alive)
-    monkeypatch.setattr(executor_mod.Job, "cancel", cancel)
+    monkeypatch.setattr(Run, "cancel", cancel)
 
     with slow_pair.channel() as ch:
         stub = gen_grpc.GeneratorStub(ch)
@@ -600,7 +601,7 @@ def test_next_request_is_prefetched_while_one_denoises(
     first = narrow_request(6, request_id="prefetch-first", flow_shift=2.75, audio_flow_shift=2.75)
     second = {**FOX_REQUEST, "request_id": "prefetch-second", "flow_shift": 9.5}
     both_leased = threading.Event()
-    real_generate = executor_mod.generate
+    real_generate = runner_mod.generate
 
     def held_after_step_1(model: Any, request: GenerationRequest, plans: Any = None, on_step: Any = None, **kw: Any):
         def step(done: int, total: int) -> None:
@@ -611,7 +612,7 @@ def test_next_request_is_prefetched_while_one_denoises(
 
         return real_generate(model, request, plans, on_step=step, **kw)
 
-    monkeypatch.setattr(executor_mod, "generate", held_after_step_1)
+    monkeypatch.setattr(runner_mod, "generate", held_after_step_1)
     with pair.channel() as ch:
         stub = gen_grpc.GeneratorStub(ch)
         _, events, it = _start_stream(stub, first)

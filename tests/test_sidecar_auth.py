@@ -37,7 +37,7 @@ from ditruntime.peercred import PeerCred, PeerRefusedError, check_peer, peer_cre
 from generator_service import cli as generator_cli
 from generator_service.app import build_server as build_generator
 from generator_service.config import GeneratorConfig
-from generator_service.server import GeneratorServer
+from generator_service.serving.server import GeneratorServer
 from plancache_service import cli as plancache_cli
 from plancache_service.app import build_server as build_sidecar
 from plancache_service.config import CacheConfig, SidecarConfig

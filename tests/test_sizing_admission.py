@@ -16,12 +16,13 @@ from servicekit import NOT_SERVING, REQ_FOX, Pair, StartPair, Weights, backgroun
 from ditcore import GenerationRequest
 from ditcore import generate as real_generate
 from ditruntime.memory import MemoryBudget
-from generator_service import backend as backend_mod
-from generator_service import executor as executor_mod
+from generator_service.backends import base as backend_mod
+from generator_service.backends.resident import ResidentBackend
 from generator_service.config import GeneratorConfig
-from generator_service.executor import DRAIN_SLACK_S, Executor
-from generator_service.jobs import Failed, Finished, Job
-from generator_service.resident import ResidentBackend
+from generator_service.execution import runner as runner_mod
+from generator_service.execution.executor import Executor
+from generator_service.execution.queue import DRAIN_SLACK_S
+from generator_service.execution.runs import Failed, Finished, Run
 from plancache_service.sidecar import Sidecar
 
 GUARD_S = 120
@@ -150,7 +151,7 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[StepGate]:
 
         return real_generate(model, request, plans, on_step=step, **kw)
 
-    monkeypatch.setattr(executor_mod, "generate", generate)
+    monkeypatch.setattr(runner_mod, "generate", generate)
     try:
         yield gate
     finally:
@@ -162,15 +163,15 @@ def resident(svc_ckpt: Path) -> ResidentBackend:
     return ResidentBackend(svc_ckpt, backend_mod.torch.device("cpu"))
 
 
-def _running(resident: ResidentBackend, clock: Clock, steps: int) -> tuple[Executor, Job]:
+def _running(resident: ResidentBackend, clock: Clock, steps: int) -> tuple[Executor, Run]:
     executor = Executor(resident, 4, prefetch=False, clock=clock)
     executor.start()
-    job = Job(GenerationRequest.from_dict({**REQ_FOX, "request_id": "drained", "num_inference_steps": steps + 1}))
+    job = Run(GenerationRequest.from_dict({**REQ_FOX, "request_id": "drained", "num_inference_steps": steps + 1}))
     executor.submit(job)
     return executor, job
 
 
-def _outcome(job: Job) -> Any:
+def _outcome(job: Run) -> Any:
     while True:
         event = job.events.get(timeout=GUARD_S)
         if isinstance(event, Finished | Failed):

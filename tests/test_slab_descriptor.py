@@ -38,9 +38,9 @@ from ditruntime.slab import (
     map_slab,
     validate_descriptor,
 )
+from generator_service.backends.sidecar_client import SidecarClient
+from generator_service.backends.sidecar_port import Attachment
 from generator_service.health import ServingState
-from generator_service.sidecar_client import SidecarClient
-from generator_service.sidecar_port import Attachment
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,10 +33,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ditcore import CacheReport, GenerationRequest, PlanKey, generate, load_model
 from ditruntime.slab import ROW_WORDS, SlabDescriptor, SlabMapping
 from ditserve.client import request_to_proto
+from generator_service.backends.sidecar_client import SidecarClient
 from generator_service.errors import CancelledError
-from generator_service.jobs import Failed, Job
+from generator_service.execution.runs import Failed, Run
 from generator_service.metrics import P
-from generator_service.sidecar_client import SidecarClient
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 
@@ -114,15 +114,15 @@ def test_a_failed_jobs_error_keeps_no_frame_locals_and_the_executor_keeps_nothin
 ) -> None:
     """The executor's part, whatever the frames held: the Failed event's error keeps its traceback (the logs print it)
     but none of its finished frames' locals, and the idle executor thread holds neither the job nor its event."""
-    failed: list[tuple[Job, Failed]] = []
-    emit = Job.emit
+    failed: list[tuple[Run, Failed]] = []
+    emit = Run.emit
 
-    def recording_emit(job: Job, event: Any) -> None:
+    def recording_emit(job: Run, event: Any) -> None:
         emit(job, event)
         if isinstance(event, Failed):
             failed.append((job, event))
 
-    monkeypatch.setattr(Job, "emit", recording_emit)
+    monkeypatch.setattr(Run, "emit", recording_emit)
     ch, call, it = _open_stream(pair.target, {**LONG_REQUEST, "request_id": "leak-frames"})
     with ch:
         _read_until_step(it, 1)
@@ -137,7 +137,7 @@ def test_a_failed_jobs_error_keeps_no_frame_locals_and_the_executor_keeps_nothin
     assert "generate_latents" in "".join(traceback.format_exception(event.error))
     executor = pair.generator.executor
     wait_for(lambda: executor.queue_depth == 0, 10, "the executor to be idle")
-    stack = sys._current_frames()[executor._thread.ident]
+    stack = sys._current_frames()[executor.threads[0].ident]
     held = [
         (f.f_code.co_name, name)
         for f in _callers(stack)

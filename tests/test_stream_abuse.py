@@ -27,8 +27,8 @@ import ditcore.request
 from ditcore.media import DecodedMedia, EncodedMedia
 from generator_service.app import build_server
 from generator_service.config import GeneratorConfig
-from generator_service.jobs import JobResult
-from generator_service.server import GeneratorServer
+from generator_service.execution.runs import RunResult
+from generator_service.serving.server import GeneratorServer
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
@@ -58,7 +58,7 @@ def _stub(port: int) -> tuple[grpc.Channel, pb_grpc.GeneratorStub]:
 
 def _results_alive() -> int:
     gc.collect()
-    return sum(isinstance(o, JobResult) for o in gc.get_objects())
+    return sum(isinstance(o, RunResult) for o in gc.get_objects())
 
 
 def test_stalled_readers_cannot_freeze_health_or_status_and_are_cancelled(server: GeneratorServer) -> None:
@@ -165,7 +165,7 @@ def test_a_keyframe_flood_against_a_full_queue_decodes_no_pixel(
 
 def _media_alive() -> list[str]:
     gc.collect()
-    kinds = (JobResult, DecodedMedia, EncodedMedia)
+    kinds = (RunResult, DecodedMedia, EncodedMedia)
     return [type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds)]
 
 

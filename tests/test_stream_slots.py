@@ -12,12 +12,12 @@ import torch
 from servicekit import REQ_FOX, wait_for
 
 from ditcore import GenerationRequest
+from generator_service.backends.resident import ResidentBackend
 from generator_service.config import GeneratorConfig
 from generator_service.errors import CancelledError, HandlersBusyError
-from generator_service.executor import Executor
-from generator_service.jobs import Failed, Finished, Job
-from generator_service.resident import ResidentBackend
-from generator_service.streams import HandlerSlots, SendWatchdog
+from generator_service.execution.executor import Executor
+from generator_service.execution.runs import Failed, Finished, Run
+from generator_service.serving.streams import HandlerSlots, SendWatchdog
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,11 @@ def backend(svc_ckpt: Path) -> Iterator[ResidentBackend]:
     b.close()
 
 
-def _job(i: int) -> Job:
-    return Job(GenerationRequest.from_dict({**REQ_FOX, "request_id": f"j{i}", "seed": i}))
+def _job(i: int) -> Run:
+    return Run(GenerationRequest.from_dict({**REQ_FOX, "request_id": f"j{i}", "seed": i}))
 
 
-def _final(job: Job) -> object:
+def _final(job: Run) -> object:
     while True:
         event = job.events.get(timeout=120)
         if isinstance(event, (Failed, Finished)):

@@ -52,7 +52,7 @@ from servicekit import (
 
 from ditcore import GenerationRequest, fingerprint, generate, load_model, validate_checkpoint, write_repository
 from ditcore.plans import INDEX_FILE, is_plan_tensor
-from generator_service import executor as executor_mod
+from generator_service.execution import runner as runner_mod
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 
 INDEX = f"transformer/{INDEX_FILE}"
@@ -418,7 +418,7 @@ class Gate:
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     g = Gate()
-    real_generate = executor_mod.generate
+    real_generate = runner_mod.generate
 
     def gated(model: Any, request: GenerationRequest, plans: Any = None, on_step: Any = None, **kw: Any) -> Any:
         if not request.request_id.startswith("gated-"):
@@ -433,7 +433,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
 
         return real_generate(model, request, plans, on_step=step, **kw)
 
-    monkeypatch.setattr(executor_mod, "generate", gated)
+    monkeypatch.setattr(runner_mod, "generate", gated)
     try:
         yield g
     finally:

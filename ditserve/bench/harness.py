@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ditcore.report import CacheReport
-from ditserve.client import GeneratorClient
-from ditserve.launcher import terminate, wait_healthy
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
+from ..client import GeneratorClient
+from ..launcher import terminate, wait_healthy
 from .measure import process_memory
 
 ARM_MODES = ("cached", "resident", "sidecar")

@@ -12,10 +12,10 @@ from typing import Any
 
 import grpc
 
-from ditserve.client import request_to_proto
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
+from ..client import request_to_proto
 from .harness import Arm
 from .scenarios import BenchContext
 

@@ -507,8 +507,9 @@ def replica_two_ranks(ctx: BenchContext) -> dict[str, Any]:
     from ditcore.parallel import ParallelSpec, SplitError
     from ditcore.request import prompt_tokens
     from ditcore.sizing import Canvas, ModelShapes
-    from ditserve.client import GeneratorClient
-    from ditserve.launcher import terminate, wait_healthy
+
+    from ..client import GeneratorClient
+    from ..launcher import terminate, wait_healthy
 
     torch.set_num_threads(ctx.threads)
     model = ctx.model()

@@ -33,9 +33,10 @@ class Command:
 def commands() -> list[Command]:
     """`ditserve` itself, then each subcommand in the order `ditserve --help` lists them; `plancache` and
     `generator` hand their argv to the services' own parsers, so those are the ones read."""
-    from ditserve.cli import SERVICE_COMMANDS, _parser
     from generator_service.cli import build_parser as generator_parser
     from plancache_service.cli import build_parser as plancache_parser
+
+    from ..cli import SERVICE_COMMANDS, _parser
 
     own = {"plancache": plancache_parser(), "generator": generator_parser()}
     assert set(own) == set(SERVICE_COMMANDS), "a service command without its parser here"

@@ -159,7 +159,7 @@ def test_infer_task_and_json_safe_dict() -> None:
 
 
 def test_the_pixels_x_frames_budget_is_the_released_envelope_and_names_its_flag() -> None:
-    from generator_service.executor import check_request
+    from generator_service.execution.admission import check_request
 
     released = GenerationRequest(prompt="a fox", height=768, width=1344, num_frames=345)
     released.validate()  # the released envelope itself is inside

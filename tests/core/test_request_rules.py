@@ -179,13 +179,13 @@ def test_the_default_token_limit_admits_every_prompt_within_the_byte_limit(token
 
 @pytest.fixture(scope="module")
 def backend(tiny_ckpt: Path) -> Any:
-    from generator_service.resident import ResidentBackend
+    from generator_service.backends.resident import ResidentBackend
 
     return ResidentBackend(tiny_ckpt, torch.device("cpu"))
 
 
 def test_the_backend_counts_with_the_served_tokenizer_and_admission_names_the_flag(backend: Any) -> None:
-    from generator_service.backend import check_prompt_tokens as admit
+    from generator_service.backends.base import check_prompt_tokens as admit
 
     tokenizer = backend.model().pipe.tokenizer
     request = dataclasses.replace(GOOD, prompt="a red fox on a snowy hill")

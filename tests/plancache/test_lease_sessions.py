@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from generator_service.backends.sidecar_client import SidecarClient
 from generator_service.errors import SidecarUnavailableError
 from generator_service.health import ServingState
-from generator_service.sidecar_client import SidecarClient
 from plancache_service.app import build_server
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig, SidecarConfig

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import GeneratorError
+from ..errors import GeneratorError
 
 CHUNK_BYTES = 1 << 20
 """Copy and hash 1 MiB at a time: big enough for the disk, small enough to never hold a result in memory."""

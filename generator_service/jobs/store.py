@@ -24,9 +24,9 @@ import sqlalchemy as sa
 from sqlalchemy import event, func
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from .errors import IdempotencyConflictError, JobQueueFullError
-from .job_schema import SCHEMA_VERSION, STATES, TERMINAL, JobRecord, jobs, meta_table, metadata
+from ..errors import IdempotencyConflictError, JobQueueFullError
 from .results import ContentRef
+from .schema import SCHEMA_VERSION, STATES, TERMINAL, JobRecord, jobs, meta_table, metadata
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 """How long a SQLite writer waits for another's (short) transaction before failing: far above any of ours."""

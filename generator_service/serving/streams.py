@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .errors import HandlersBusyError
+from ..errors import HandlersBusyError
 
 log = logging.getLogger(__name__)
 

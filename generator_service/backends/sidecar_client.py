@@ -39,8 +39,8 @@ from ditruntime.slab import SlabMapping, descriptor_from_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
-from .errors import CommitOutcomeUnknownError, LeaseCheckError, SidecarError, SidecarUnavailableError
-from .health import ServingState
+from ..errors import CommitOutcomeUnknownError, LeaseCheckError, SidecarError, SidecarUnavailableError
+from ..health import ServingState
 from .sidecar_port import Attachment, Committed, RemoteLease, SidecarSession
 
 log = logging.getLogger(__name__)

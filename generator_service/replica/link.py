@@ -61,8 +61,8 @@ from ditruntime.slab import SlabMapping, descriptor_from_proto, descriptor_to_pr
 from protos.ditserve.plancache.v1 import plancache_pb2 as cpb
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
-from .errors import GeneratorError, LeaseCheckError, ReplicaUnavailableError
-from .sidecar_port import Attachment, check_rows
+from ..backends.sidecar_port import Attachment, check_rows
+from ..errors import GeneratorError, LeaseCheckError, ReplicaUnavailableError
 
 log = logging.getLogger(__name__)
 

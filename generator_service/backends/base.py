@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -34,11 +34,9 @@ from ditruntime.memory import MemoryBudget
 from ditruntime.slab import SlabDescriptor
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
-from .errors import PartitionNotServedError, RequestTooLargeForDeviceError
+from ..errors import PartitionNotServedError, RequestTooLargeForDeviceError
+from .replica_port import ReplicaPort
 from .sidecar_port import Committed
-
-if TYPE_CHECKING:
-    from .replica import ReplicaLink
 
 SWAP_INSTALL, SWAP_ROLLBACK, SWAP_DROP, SWAP_RETIRE = (
     rpb.SWAP_ACTION_INSTALL, rpb.SWAP_ACTION_ROLLBACK, rpb.SWAP_ACTION_DROP, rpb.SWAP_ACTION_RETIRE,
@@ -105,7 +103,7 @@ class Backend(ABC):
         device: torch.device,
         model_lock: threading.RLock,
         free_memory: MemoryReader | None = None,
-        replica: ReplicaLink | None = None,
+        replica: ReplicaPort | None = None,
     ) -> None:
         self.device = device
         self.model_lock = model_lock
@@ -113,7 +111,7 @@ class Backend(ABC):
         self._sizer: tuple[H3Model, RequestSizer] | None = None
         self.replica = replica
         """Rank 0's link to the other ranks of its replica (None: one device): every model it loads runs on every
-        rank, and every weight change is made on every rank or none (generator_service.replica)."""
+        rank, and every weight change is made on every rank or none (generator_service.replica.link)."""
 
     def load(self, info: CheckpointInfo, options: RunOptions) -> H3Model:
         """Load `info` in this backend's mode on its device (on a replica: as rank 0 of it)."""

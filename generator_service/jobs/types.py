@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from ditcore import GenerationRequest
 
-from .job_schema import TERMINAL, JobRecord
-from .jobs import Job
+from ..execution.runs import Run
+from .schema import TERMINAL, JobRecord
 
 DISPATCH_AHEAD = 1
 """Jobs of ours waiting in the executor's queue at most: one, whose plans prefetch while the running one denoises."""
@@ -67,7 +67,7 @@ class JobView:
 class LiveJob:
     """A job of ours the executor holds: what its events have said so far."""
 
-    job: Job
+    run: Run
     created_at: float = 0.0  # the store's clock (epoch seconds)
     started_at: float | None = None
     state: str = "queued"

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import ResultsFullError
-from .job_store import JobStore
+from ..errors import ResultsFullError
 from .results import ResultStore
+from .store import JobStore
 
 
 class Retention:

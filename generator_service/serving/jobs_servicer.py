@@ -1,6 +1,6 @@
-"""The Jobs gRPC adapter: proto <-> the jobs core (generator_service.job_service), every error through the one
+"""The Jobs gRPC adapter: proto <-> the jobs core (generator_service.jobs.service), every error through the one
 mapping (ditruntime.rpc_errors). WatchJob and GetJobContent are streams: they take a request-handler slot (as
-GenerateStream does) and GetJobContent's sends are watched for stalled readers (generator_service.streams)."""
+GenerateStream does) and GetJobContent's sends are watched for stalled readers (generator_service.serving.streams)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from ditruntime.rpc_errors import abort, classify
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-from .errors import HandlersBusyError
-from .job_schema import STATES
-from .job_service import JobService
-from .job_types import JobView, NewJob
-from .proto_convert import request_from_proto, resolve_uploads
+from ..errors import HandlersBusyError
+from ..jobs.schema import STATES
+from ..jobs.service import JobService
+from ..jobs.types import JobView, NewJob
+from .convert import request_from_proto, resolve_uploads
 from .streams import HandlerSlots, SendWatchdog
 from .uploads import UploadStore
 

@@ -31,20 +31,21 @@ from ditruntime.rpc_errors import abort
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-from .backend import Backend
-from .config import GeneratorConfig
-from .errors import HandlersBusyError, ResultTooLargeError
-from .executor import Executor, check_request
-from .health import ServingState
-from .job_server import SERVICE_NAME as JOBS_SERVICE
-from .job_server import JobsServicer
-from .job_service import JobService
-from .jobs import Decoding, Failed, Finished, Job, JobResult, PlansReady, Queued, StepDone
-from .metrics import GeneratorMetrics
-from .proto_convert import OUTPUT_ENUMS, reference_kind, request_from_proto, resolve_uploads, tensor_from_proto
-from .registry import JobRegistry
+from ..backends.base import Backend
+from ..config import GeneratorConfig
+from ..errors import HandlersBusyError, ResultTooLargeError
+from ..execution.admission import check_request
+from ..execution.executor import Executor
+from ..execution.registry import RunRegistry
+from ..execution.runs import Decoding, Failed, Finished, PlansReady, Queued, Run, RunResult, StepDone
+from ..health import ServingState
+from ..jobs.service import JobService
+from ..metrics import GeneratorMetrics
+from ..updates import UpdateCoordinator, resolve_weights_path
+from .convert import OUTPUT_ENUMS, reference_kind, request_from_proto, resolve_uploads, tensor_from_proto
+from .jobs_servicer import SERVICE_NAME as JOBS_SERVICE
+from .jobs_servicer import JobsServicer
 from .streams import HandlerSlots, SendWatchdog, StreamWatch
-from .updates import UpdateCoordinator, resolve_weights_path
 from .uploads import UploadStore
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def server_credentials(cfg: GeneratorConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(pair)
 
 
-def _latents(res: JobResult) -> list[tuple[str, torch.Tensor]]:
+def _latents(res: RunResult) -> list[tuple[str, torch.Tensor]]:
     """The latents a result carries (output type "latents" only: a media result carries the file instead)."""
     if res.media is not None:
         return []
@@ -78,7 +79,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return t.contiguous().view(-1).numpy().data.cast("B")
 
 
-def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
+def _tensors(res: RunResult, with_data: bool) -> list[pb.Tensor]:
     """The latents as tensors; their data only `with_data` (a unary result: a stream sends it in chunks)."""
     return [
         pb.Tensor(
@@ -89,7 +90,7 @@ def _tensors(res: JobResult, with_data: bool) -> list[pb.Tensor]:
     ]  # fmt: skip
 
 
-def _payload_bytes(res: JobResult) -> int:
+def _payload_bytes(res: RunResult) -> int:
     """Bytes a streamed result sends in chunks after its header: the media file's, or all tensors'."""
     if res.media is not None:
         return res.media.size
@@ -97,7 +98,7 @@ def _payload_bytes(res: JobResult) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def response_from_result(res: JobResult, mode: pb.AdalnMode, with_data: bool = True) -> pb.GenerateResponse:
+def response_from_result(res: RunResult, mode: pb.AdalnMode, with_data: bool = True) -> pb.GenerateResponse:
     """The whole result (`with_data`), or a streamed result's header: no tensor or media bytes, and total_bytes
     says how many follow in chunks."""
     r = res.result
@@ -145,7 +146,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         metrics: GeneratorMetrics,
         slots: HandlerSlots,
         watchdog: SendWatchdog,
-        registry: JobRegistry,
+        registry: RunRegistry,
         uploads: UploadStore,
     ) -> None:
         self.cfg = cfg
@@ -159,24 +160,24 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         self.watchdog = watchdog
         self.mode = _MODES[backend.mode]
 
-    def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext, unary: bool) -> Job:
+    def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext, unary: bool) -> Run:
         try:
             request, expected = request_from_proto(resolve_uploads(msg, self.uploads))
             if unary:
                 self._check_unary_size(request)
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
-            job = Job(request, expected_generation=expected, deadline=deadline)
-            context.add_callback(lambda: self._ended(job))  # client cancel / disconnect stops the executor
-            self.registry.submit(job)
+            run = Run(request, expected_generation=expected, deadline=deadline)
+            context.add_callback(lambda: self._ended(run))  # client cancel / disconnect stops the executor
+            self.registry.submit(run)
         except (RequestError, ServiceError) as e:
             abort(context, e)
-        return job
+        return run
 
-    def _ended(self, job: Job) -> None:
+    def _ended(self, run: Run) -> None:
         """The RPC ended (sent, failed, cancelled, or its client went away): stop the job and free its slot."""
-        self.registry.cancel(job)
-        self.registry.release(job)
+        self.registry.cancel(run)
+        self.registry.release(run)
 
     def _too_large(self, size: int, what: str) -> ResultTooLargeError:
         limit = self.cfg.max_message_bytes
@@ -202,17 +203,17 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         try:
             with self.slots.take():
-                job = self._submit(request, context, unary=True)
+                run = self._submit(request, context, unary=True)
                 try:
-                    return self._unary_result(job, context)
+                    return self._unary_result(run, context)
                 finally:
-                    self.registry.release(job)  # grpc sends the returned message on its own
+                    self.registry.release(run)  # grpc sends the returned message on its own
         except HandlersBusyError as e:
             abort(context, e)
 
-    def _unary_result(self, job: Job, context: grpc.ServicerContext) -> pb.GenerateResponse:
+    def _unary_result(self, run: Run, context: grpc.ServicerContext) -> pb.GenerateResponse:
         while True:
-            match job.events.get():
+            match run.events.get():
                 case Failed(error):
                     abort(context, error)
                 case Finished(result):
@@ -234,28 +235,28 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         except HandlersBusyError as e:
             abort(context, e)
         watch = self.watchdog.watch(request.request.request_id or "(unnamed)", context.cancel)
-        job: Job | None = None
+        run: Run | None = None
         try:
-            job = self._submit(request.request, context, unary=False)
-            watch.name = job.request.request_id
-            for message in self._stream(job, context, watch):
+            run = self._submit(request.request, context, unary=False)
+            watch.name = run.request.request_id
+            for message in self._stream(run, context, watch):
                 watch.sending()
                 yield message
                 watch.sent()
         finally:
             watch.close()
-            if job is not None:
-                self.registry.release(job)
+            if run is not None:
+                self.registry.release(run)
             self.slots.release()
 
     def _stream(
-        self, job: Job, context: grpc.ServicerContext, watch: StreamWatch
+        self, run: Run, context: grpc.ServicerContext, watch: StreamWatch
     ) -> Iterator[pb.GenerateStreamResponse]:
         while True:
-            match job.events.get():
+            match run.events.get():
                 case Queued(position):
                     yield pb.GenerateStreamResponse(
-                        queued=pb.Queued(request_id=job.request.request_id, position=position)
+                        queued=pb.Queued(request_id=run.request.request_id, position=position)
                     )
                 case PlansReady(report, generation):
                     yield pb.GenerateStreamResponse(
@@ -278,7 +279,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                             result.media.close()  # a stalled or cancelled stream leaves no spooled file behind
                     return
 
-    def _chunks(self, res: JobResult) -> Iterator[pb.GenerateStreamResponse]:
+    def _chunks(self, res: RunResult) -> Iterator[pb.GenerateStreamResponse]:
         """The result's bytes in order, `chunk_bytes` at a time: the media file ("media", read from its spooled
         file chunk by chunk), or each tensor (sliced from the tensor's own memory). Nothing is copied whole."""
         step = self.cfg.chunk_bytes
@@ -446,7 +447,7 @@ class GeneratorServer:
         metrics: GeneratorMetrics,
         state: ServingState,
         publisher: HealthPublisher,
-        registry: JobRegistry,
+        registry: RunRegistry,
         jobs: JobService,
         release_jobs_dir: Callable[[], None] = lambda: None,
     ) -> None:

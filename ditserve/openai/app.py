@@ -10,7 +10,7 @@
 | `GET /v1/videos/{id}/content` | the MP4 (`variant=thumbnail`: its first frame as PNG) | 200, 400, 401, 404, 409 |
 | `DELETE /v1/videos/{id}` | cancel and delete | 200, 401, 404 |
 
-Stateless: every call is a Jobs RPC (ditserve.openai_map maps both ways), so the facade may restart, or run as
+Stateless: every call is a Jobs RPC (ditserve.openai.mapping maps both ways), so the facade may restart, or run as
 several copies, without losing anything. Errors have OpenAI's body shape, FastAPI's own (no such route, a query
 value of the wrong type) too; an unknown create field is refused naming it.
 """
@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .jobs_client import JobsClient
-from .openai_map import ApiError, create_body, from_rpc_error, reference_image, video_object
+from ..jobs_client import JobsClient
+from .mapping import ApiError, create_body, from_rpc_error, reference_image, video_object
 
 MAX_LIST = 100
 

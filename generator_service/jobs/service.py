@@ -1,10 +1,10 @@
 """The jobs API's core: jobs that outlive their connection, on this generator's one executor (no grpc here).
 
-A job is stored before it is answered (CreateJob), `queued` in the job store (generator_service.job_store). The
+A job is stored before it is answered (CreateJob), `queued` in the job store (generator_service.jobs.store). The
 dispatcher thread claims the oldest queued job when the executor has room and no other job of ours waits there (so
 the next job's plans prefetch while one runs, and Generate calls keep their turn), and submits it; from then on the
 job's events drive its record: `running` when the executor takes it, progress after every finished step, the decode
-and mux stages, then `succeeded` (its result stored as a content-addressed file first: generator_service.results),
+and mux stages, then `succeeded` (its result stored as a content-addressed file first: generator_service.jobs.results),
 `failed` or `cancelled`. The recorder thread writes them, so the executor never waits on the store.
 
 Restart: on start, every job this replica held and did not finish is queued again where it was (its seq), so queued
@@ -31,12 +31,15 @@ from typing import BinaryIO
 
 import safetensors.torch
 
-from .errors import JobNotFoundError, JobQueueFullError, JobStateError, NotServingError, OffsetError, QueueFullError
-from .executor import Executor
-from .job_retention import Retention
-from .job_schema import TERMINAL, JobRecord
-from .job_store import JobStore
-from .job_types import (
+from ..errors import JobNotFoundError, JobQueueFullError, JobStateError, NotServingError, OffsetError, QueueFullError
+from ..execution.executor import Executor
+from ..execution.registry import RunRegistry
+from ..execution.runs import Decoding, Failed, Finished, Muxing, Run, RunEvent, RunResult, Started, StepDone
+from .results import ContentRef, ResultStore
+from .retention import Retention
+from .schema import TERMINAL, JobRecord
+from .store import JobStore
+from .types import (
     DISPATCH_AHEAD,
     LATENTS_CONTENT,
     Classifier,
@@ -47,9 +50,6 @@ from .job_types import (
     LiveJob,
     NewJob,
 )
-from .jobs import Decoding, Failed, Finished, Job, JobEvent, JobResult, Muxing, Started, StepDone
-from .registry import JobRegistry
-from .results import ContentRef, ResultStore
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class JobService:
         self,
         store: JobStore,
         results: ResultStore,
-        registry: JobRegistry,
+        registry: RunRegistry,
         decode: Decoder,
         classify: Classifier,
         policy: JobsPolicy,
@@ -77,7 +77,7 @@ class JobService:
         self._cond = threading.Condition()
         self._version = 0  # bumped on every change this replica makes (watchers wait on it)
         self._live: dict[str, LiveJob] = {}
-        self._records: queue.Queue[tuple[Job, JobEvent] | None] = queue.Queue()
+        self._records: queue.Queue[tuple[Run, RunEvent] | None] = queue.Queue()
         self._stopping = False
         self._retention = Retention(store, results, policy.ttl_s, policy.results_max_bytes, self.now, self._changed)
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="jobs-dispatch", daemon=True)
@@ -111,14 +111,14 @@ class JobService:
         return self._clock()
 
     def retention(self) -> None:
-        """One retention pass now (the dispatcher runs one every 10 s): generator_service.job_retention."""
+        """One retention pass now (the dispatcher runs one every 10 s): generator_service.jobs.retention."""
         self._retention.run()
 
     # ---------------------------------------------------------------- the API
     def create(self, new: NewJob, idempotency_key: str | None) -> tuple[JobView, bool]:
         """Check the request as Generate would (but the queue's capacity), store it queued; or, for an idempotent
         retry, return the job the first call made."""
-        self.executor.check(Job(new.request, expected_generation=new.expected_generation))
+        self.executor.check(Run(new.request, expected_generation=new.expected_generation))
         self._retention.check_room(self.executor.retry_after_s)
         job_id = new_job_id()
         request_bytes = new.request_bytes
@@ -239,14 +239,14 @@ class JobService:
             state, stage, done, total = overlay.state, overlay.stage, overlay.steps_done, overlay.steps_total or total
         position = None
         if state == "queued":
-            position = self._position(record, overlay.job if overlay is not None else None)
+            position = self._position(record, overlay.run if overlay is not None else None)
         return JobView(record, state, stage, done, total, position)
 
-    def _position(self, record: JobRecord, job: Job | None) -> int:
+    def _position(self, record: JobRecord, run: Run | None) -> int:
         """Jobs that start before it: its place in the executor's queue, or the store's queued jobs ahead of it
         (ours waiting in the executor among them) plus the Generate calls waiting there."""
-        if job is not None:
-            here = self.executor.position(job)
+        if run is not None:
+            here = self.executor.position(run)
             if here is not None:
                 return here
         ahead = self.store.queue_position(record.job_id) or 0
@@ -295,12 +295,12 @@ class JobService:
         except Exception as e:
             self._finish_failed(record.job_id, e)
             return True
-        job = Job(request, job_id=record.job_id, expected_generation=expected)
+        run = Run(request, job_id=record.job_id, expected_generation=expected)
         with self._cond:
-            self._live[record.job_id] = LiveJob(job, record.created_at, steps_total=record.steps_total)
-        job.subscribe(self._on_event)
+            self._live[record.job_id] = LiveJob(run, record.created_at, steps_total=record.steps_total)
+        run.subscribe(self._on_event)
         try:
-            self.registry.submit(job)
+            self.registry.submit(run)
         except (QueueFullError, NotServingError):  # a Generate call took the room, or we are stopping
             with self._cond:
                 self._live.pop(record.job_id, None)
@@ -317,15 +317,15 @@ class JobService:
             self._cancel_here(job_id)
 
     def _cancel_here(self, job_id: str) -> None:
-        job = self.registry.get(job_id)
-        if job is not None:
-            self.registry.cancel(job)  # withdrawn now (Failed follows), or stopped at its next check
+        run = self.registry.get(job_id)
+        if run is not None:
+            self.registry.cancel(run)  # withdrawn now (Failed follows), or stopped at its next check
 
     # ---------------------------------------------------------------- events -> records
-    def _on_event(self, job: Job, event: JobEvent) -> None:
+    def _on_event(self, run: Run, event: RunEvent) -> None:
         """On the executor's (or mux) thread: the live overlay now, the store by the recorder."""
         with self._cond:
-            live = self._live.get(job.job_id)
+            live = self._live.get(run.job_id)
             if live is not None:
                 match event:
                     case Started():
@@ -342,61 +342,61 @@ class JobService:
             self._version += 1
             self._cond.notify_all()
         if isinstance(event, Started | StepDone | Decoding | Muxing | Finished | Failed):
-            self._records.put((job, event))
+            self._records.put((run, event))
 
     def _record_loop(self) -> None:
         while True:
             item = self._records.get()
             if item is None:
                 return
-            job, event = item
+            run, event = item
             try:
-                self._record(job, event)
+                self._record(run, event)
             except Exception:
-                log.exception("jobs: recording %s for %s failed", type(event).__name__, job.job_id)
-            del job, event, item  # nothing of a result waits here for the next event
+                log.exception("jobs: recording %s for %s failed", type(event).__name__, run.job_id)
+            del run, event, item  # nothing of a result waits here for the next event
 
-    def _record(self, job: Job, event: JobEvent) -> None:
+    def _record(self, run: Run, event: RunEvent) -> None:
         replica = self.policy.replica
         match event:
             case Started():
-                self.store.mark_running(job.job_id, replica, self._clock())
+                self.store.mark_running(run.job_id, replica, self._clock())
             case StepDone() | Decoding() | Muxing():
                 if self._records.empty():  # a later event says more: write only the last
-                    self._write_progress(job.job_id)
+                    self._write_progress(run.job_id)
             case Finished(result):
-                self._store_result(job, result)
+                self._store_result(run, result)
             case Failed(error):
-                if self._stopping and not job.cancelled.is_set():
-                    self._forget(job)  # dropped by the stopping executor: queued again by the next start
+                if self._stopping and not run.cancelled.is_set():
+                    self._forget(run)  # dropped by the stopping executor: queued again by the next start
                     return
-                state = self._finish_failed(job.job_id, error)
-                self._forget(job, state)
+                state = self._finish_failed(run.job_id, error)
+                self._forget(run, state)
 
-    def _store_result(self, job: Job, res: JobResult) -> None:
+    def _store_result(self, run: Run, res: RunResult) -> None:
         state = "succeeded"
         try:
-            ref = self._write_content(job, res)
+            ref = self._write_content(run, res)
             result = {
-                "sha256": res.result.sha256, "generation": res.generation, "output_type": job.request.output_type,
+                "sha256": res.result.sha256, "generation": res.generation, "output_type": run.request.output_type,
                 "timings_ms": res.timings_ms, "attention_backend": res.result.attention_backend,
                 "cache": res.result.cache.to_dict() if res.result.cache is not None else None,
             }  # fmt: skip
-            self.store.finish(job.job_id, self.policy.replica, state="succeeded", now=self._clock(), result=result,
+            self.store.finish(run.job_id, self.policy.replica, state="succeeded", now=self._clock(), result=result,
                               content=ref)  # fmt: skip
-            log.info("job %s succeeded: %s (%d bytes, sha256 %s)", job.job_id, ref.filename, ref.size,
-                     ref.sha256[:16], extra={"job_id": job.job_id, "sha256": ref.sha256})  # fmt: skip
-            self._remove_if_deleted(job.job_id)
+            log.info("job %s succeeded: %s (%d bytes, sha256 %s)", run.job_id, ref.filename, ref.size,
+                     ref.sha256[:16], extra={"job_id": run.job_id, "sha256": ref.sha256})  # fmt: skip
+            self._remove_if_deleted(run.job_id)
         except Exception as e:
-            log.exception("job %s: storing its result failed", job.job_id)
-            state = self._finish_failed(job.job_id, e)  # removes it too, if deleted
+            log.exception("job %s: storing its result failed", run.job_id)
+            state = self._finish_failed(run.job_id, e)  # removes it too, if deleted
         finally:
             if res.media is not None:
                 res.media.close()
-            self._forget(job, state)
+            self._forget(run, state)
 
-    def _write_content(self, job: Job, res: JobResult) -> ContentRef:
-        rid = job.request.request_id
+    def _write_content(self, run: Run, res: RunResult) -> ContentRef:
+        rid = run.request.request_id
         if res.media is not None:
             m = res.media
             return self.results.put_bytes(m.chunks(), m.content_type, f"{rid}{m.suffix}")
@@ -423,10 +423,10 @@ class JobService:
         self._remove_if_deleted(job_id)
         return state
 
-    def _forget(self, job: Job, state: str = "") -> None:
-        self.registry.release(job)
+    def _forget(self, run: Run, state: str = "") -> None:
+        self.registry.release(run)
         with self._cond:
-            live = self._live.pop(job.job_id, None)
+            live = self._live.pop(run.job_id, None)
         if state and live is not None and live.started_at is not None:
             self.observer.ran(state, max(0.0, self._clock() - live.started_at))
         self._changed()  # watchers see it, and the dispatcher (waiting on the same condition) may take the next

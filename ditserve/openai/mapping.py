@@ -1,4 +1,4 @@
-"""OpenAI's Videos API <-> ditserve's Jobs: the pure mapping the HTTP facade (ditserve.openai_api) uses.
+"""OpenAI's Videos API <-> ditserve's Jobs: the pure mapping the HTTP facade (ditserve.openai.app) uses.
 
 - A create body (`prompt`, `model`, `seconds`, `size`, plus H3's own fields under their proto names) becomes a
   GenerateRequest: `seconds` -> the nearest valid `num_frames` (17n + 5 at 24 fps, 5 to 15 s), `size` "WIDTHxHEIGHT"

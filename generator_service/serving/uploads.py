@@ -22,7 +22,7 @@ from ditcore import RequestError
 from ditcore.keyframes import MediaError
 from ditcore.references import Reference, ReferenceLimits, probe_reference
 
-from .errors import GeneratorError
+from ..errors import GeneratorError
 
 ID_PREFIX = "upl_"
 

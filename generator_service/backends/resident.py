@@ -9,19 +9,16 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ditcore import CheckpointInfo, GenerationRequest, H3Model, RequestError, validate_checkpoint
 from ditcore.model import RunOptions
 
-from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
-from .errors import UpdateError
+from ..errors import UpdateError
+from .base import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
+from .replica_port import ReplicaPort
 from .sidecar_port import Committed
-
-if TYPE_CHECKING:
-    from .replica import ReplicaLink
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -43,7 +40,7 @@ class ResidentBackend(Backend):
         device: torch.device,
         free_memory: MemoryReader | None = None,
         options: RunOptions | None = None,
-        replica: ReplicaLink | None = None,
+        replica: ReplicaPort | None = None,
     ) -> None:
         super().__init__(device, threading.RLock(), free_memory, replica)
         info = validate_checkpoint(checkpoint, require_adaln=True)

@@ -35,7 +35,7 @@ from ditruntime.slab import (
     SlabMapping,
 )
 
-from .errors import LeaseCheckError, SidecarUnavailableError
+from ..errors import LeaseCheckError, SidecarUnavailableError
 
 
 class Committed(NamedTuple):

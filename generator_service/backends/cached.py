@@ -14,7 +14,6 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,12 +23,10 @@ from ditcore.plans import PlanKey, distinct_keys, dtype_name
 from ditruntime.faults import crash_point
 from ditruntime.slab import check_device, device_uuid
 
-from .backend import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
-from .errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
+from ..errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
+from .base import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
+from .replica_port import ReplicaPort
 from .sidecar_port import Attachment, Committed, SidecarSession
-
-if TYPE_CHECKING:
-    from .replica import ReplicaLink
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +35,7 @@ class CachedWeights:
     """The cached-mode model and which checkpoint it came from; `on_attach` vets each session."""
 
     def __init__(
-        self, device: torch.device, options: RunOptions | None = None, replica: ReplicaLink | None = None
+        self, device: torch.device, options: RunOptions | None = None, replica: ReplicaPort | None = None
     ) -> None:
         self.device = device
         self.options = options if options is not None else RunOptions()  # every model loaded here runs so

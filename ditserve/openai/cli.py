@@ -1,5 +1,5 @@
 """`ditserve openai-api`: its flags and the command (the app itself, and its FastAPI import, is
-ditserve.openai_api's, loaded only when the command runs)."""
+ditserve.openai.app's, loaded only when the command runs)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from ditruntime.auth import read_token_file
 
-from .errors import UsageError
-from .jobs_client import JobsClient
-from .remote import add_client_flags, credentials_from_args
+from ..errors import UsageError
+from ..jobs_client import JobsClient
+from ..remote import add_client_flags, credentials_from_args
 
 API_KEY_ENV = "DITSERVE_OPENAI_API_KEY"
 
@@ -40,7 +40,7 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 def cmd_openai_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .openai_api import create_app
+    from .app import create_app
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
