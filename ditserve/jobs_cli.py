@@ -24,7 +24,8 @@ from google.protobuf.json_format import MessageToDict
 
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
-from .client import IntegrityError, request_to_proto
+from .client_requests import request_to_proto
+from .client_results import IntegrityError
 from .errors import UsageError
 from .jobs_client import JobsClient
 from .progress import Progress, add_progress_flag, progress_enabled

@@ -15,7 +15,9 @@ from ditcore import GenerationRequest
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-from .client import IntegrityError, open_channel, request_to_proto
+from .client import open_channel
+from .client_requests import request_to_proto
+from .client_results import IntegrityError
 
 
 class JobsClient:

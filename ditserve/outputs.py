@@ -130,7 +130,7 @@ def write_media(path: Path, chunks: Iterable[bytes | bytearray]) -> Path:
 
 
 class HeldMedia(Protocol):
-    """An encoded result file held as one buffer (ditserve.client.ClientMedia, the client's side)."""
+    """An encoded result file held as one buffer (ditserve.client_results.ClientMedia, the client's side)."""
 
     @property
     def data(self) -> bytes | bytearray: ...

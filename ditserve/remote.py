@@ -20,7 +20,8 @@ import grpc
 from ditcore import GenerationRequest, GenerationResult
 from ditruntime.auth import is_loopback_host, listen_host, read_token_file
 
-from .client import ClientResult, GeneratorClient, IntegrityError
+from .client import GeneratorClient
+from .client_results import ClientResult, IntegrityError
 from .errors import UsageError
 from .outputs import write_output
 from .progress import Progress, progress_enabled

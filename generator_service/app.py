@@ -35,7 +35,9 @@ from .jobs.service import JobService
 from .jobs.store import JobStore
 from .jobs.types import JobsPolicy
 from .metrics import GeneratorMetrics, register_job_gauges, register_state_gauges
-from .replica.link import EXIT_REPLICA_LOST, Follower, ReplicaLink, follow
+from .replica.follower import Follower, follow
+from .replica.link import ReplicaLink
+from .replica.work import EXIT_REPLICA_LOST
 from .serving.jobs_servicer import classify_error, decode_request
 from .serving.server import GeneratorServer, HealthPublisher
 from .updates import UpdateCoordinator
@@ -86,7 +88,7 @@ def exit_for_restart(state: ServingState, delay_s: float = 2.0) -> Callable[[str
 
 
 def run_follower(cfg: GeneratorConfig) -> int:
-    """A replica rank other than 0: no server; it runs every request's loop with rank 0 (generator_service.replica.link)."""
+    """A replica rank other than 0: no server; it runs every request's loop with rank 0 (generator_service.replica.follower)."""
     replica = join_replica(cfg, ranks_from_env())
     checkpoint = cfg.checkpoint if cfg.adaln_mode == "resident" else None
     return follow(Follower(replica, cfg.adaln_mode, cfg.run_options, cfg.limits, checkpoint))

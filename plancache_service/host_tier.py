@@ -1,6 +1,6 @@
 """Host tier: plan pages kept in host memory, with LRU at group (schedule) granularity.
 
-Bookkeeping only: `tiers.HostMemoryTier` allocates the page buffer (`device.HostBuffer`, pages
+Bookkeeping only: `tiers.HostMemoryTier` allocates the page buffer (`host_buffer.HostBuffer`, pages
 in chunks of whole pages) and does the copies through the cache's `Copier`. A group is one
 request's ordered distinct plan keys: a rebuild pass streams every layer however few plans miss,
 so a partial hit saves nothing and the unit of retention is the whole group. Plans shared by
@@ -22,7 +22,7 @@ import torch
 
 from ditcore.plans import PlanKey
 
-from .device import HostBuffer
+from .host_buffer import HostBuffer
 
 Group = tuple[PlanKey, ...]
 

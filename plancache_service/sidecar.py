@@ -1,5 +1,5 @@
-"""The sidecar's core (no gRPC): one generator session over a PlanCache, the weight
-generation, its persistence, and the two-phase weight update.
+"""The sidecar's core (no gRPC): one generator session over a PlanCache and its leases, whether plans are served,
+and the weight generation (its two-phase update and persistence: `updates.WeightUpdates`).
 
 A session is tied to an open Attach stream: `attach()` opens it (refused while another is
 live) with a slab export of its own (`SlabMemory.export`), `detach()` retires that export from
@@ -19,10 +19,10 @@ ends, or whose request id ReleasePlans named meanwhile (the caller gave up on th
 connection), releases its lease at once instead and fails (SessionError, LeaseAbandonedError); `release_request`
 releases a granted lease by (session, request id) when its answer was lost (`Sidecar.prepare`).
 
-Weight updates: `prepare_update` validates the new rebuild source and changes nothing served; `commit_update`
-persists (generation + 1, path, digests) first, then invalidates every tier and retargets rebuilds
-(docs/architecture.md, "Weight generations and UpdateWeights"). Whether plans are served is one state here (`serving`);
-every change of it goes to the `on_serving_change` listener given at construction.
+Weight updates (`updates.WeightUpdates`): `prepare_update` validates the new rebuild source and changes nothing
+served; `commit_update` persists (generation + 1, path, digests) first, then invalidates every tier and retargets
+rebuilds (docs/architecture.md, "Weight generations and UpdateWeights"). Whether plans are served is one state here
+(`serving`); every change of it goes to the `on_serving_change` listener given at construction.
 """
 
 from __future__ import annotations
@@ -38,13 +38,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
 
-from ditcore.checkpoint import CheckpointError
 from ditcore.plans import PlanKey
 from ditcore.sizing import MAX_STEP_BOUND_S
-from ditruntime.errors import GenerationMismatchError
-from ditruntime.faults import crash_point
 from ditruntime.slab import SlabDescriptor
 
 from .cache import CacheStats, Lease, PartitionState, PlanCache
@@ -56,10 +52,9 @@ from .errors import (
     LeaseAbandonedError,
     SessionError,
     UnknownLeaseError,
-    UpdateConflictError,
 )
-from .rebuild import RebuildSource, open_checkpoint
-from .state import PersistedState, save_state
+from .rebuild import RebuildSource
+from .updates import Committed, UpdateOutcomes, WeightUpdates
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +77,6 @@ class SessionInfo:
     def slab(self) -> SlabDescriptor:
         """The first slab's descriptor (the single-device case)."""
         return self.slabs[0]
-
-
-@dataclass
-class UpdateOutcomes:
-    """Weight-update outcomes at the sidecar since it started (the metrics' `outcome` label)."""
-
-    prepared: int = 0
-    committed: int = 0
-    aborted: int = 0
-    refused: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,14 +134,6 @@ class SidecarState:
     partitions: tuple[PartitionState, ...] = ()
 
 
-class Committed(NamedTuple):
-    """A committed weight update: the new generation, its fingerprint, and the partitions whose plans it kept."""
-
-    generation: int
-    fingerprint: str
-    kept_partitions: tuple[str, ...]
-
-
 class Sidecar:
     def __init__(
         self,
@@ -185,14 +162,10 @@ class Sidecar:
         self.state_dir = state_dir
         self._on_serving_change = on_serving_change
         self._lock = threading.Lock()
-        self._update_lock = threading.Lock()
         self._session: SessionInfo | None = None
         self._export: SlabExport | None = None
         self._not_serving = ""
-        self._pending: RebuildSource | None = None
-        self.update_outcomes = UpdateOutcomes()
-        if state_dir is not None:
-            self._persist(cache.generation, cache.source)
+        self.updates = WeightUpdates(cache, state_dir)  # writes the state file (generation, source) first
 
     # ---------------------------------------------------------------- sessions
     def attach(self, client_name: str, peer_pid: int | None = None) -> SessionInfo:
@@ -225,7 +198,7 @@ class Sidecar:
                 return 0
             client_name = self._session.client_name
             self._session = None  # from here no prepare of this session grants a lease (`_end_prepare`)
-            self._pending = None
+            self.updates.discard()
             self._abandoned.clear()
             export, self._export = self._export, None
             pid = peer_pid if peer_pid is not None else self._peer_pids.pop(session_id, None)
@@ -430,75 +403,28 @@ class Sidecar:
 
     # ---------------------------------------------------------------- weight updates
     def prepare_update(self, from_generation: int, weights_path: str) -> RebuildSource:
-        """Validate a new rebuild source: a MiniMax-H3 repository with native adaln_proj whose transformer config and
-        precision match the served one (`CheckpointInfo.incompatibility`). Changes nothing served."""
-        with self._update_lock:
-            if from_generation != self.cache.generation:
-                raise GenerationMismatchError(self.cache.generation, from_generation, field="from_generation")
-            if self._pending is not None:
-                raise UpdateConflictError(f"an update to {self._pending.path} is already prepared; commit or abort it")
-            try:
-                info = open_checkpoint(weights_path)
-                reason = self.cache.source.info.incompatibility(info)
-                if reason is not None:
-                    raise CheckpointError(f"{weights_path}: {reason}")
-                self._pending = self.cache.source.like(info)
-            except CheckpointError as e:
-                self.update_outcomes.refused += 1
-                log.warning("refused weight update to %s: %s", weights_path, e)
-                raise
-            self.update_outcomes.prepared += 1
-            log.info("prepared weight update to %s (fingerprint %s)", weights_path, info.fingerprint[:16])
-            return self._pending
+        """Validate a new rebuild source (`WeightUpdates.prepare`); changes nothing served."""
+        return self.updates.prepare(from_generation, weights_path)
 
     def commit_update(self, from_generation: int, weights_path: str) -> Committed:
-        """Persist generation + 1 with the prepared source, then retarget: the plans of every partition whose files
-        changed are dropped, an unchanged partition's stay (PlanCache.retarget)."""
-        with self._update_lock:
-            pending = self._pending
-            if pending is None or str(pending.path) != str(Path(weights_path)):
-                raise UpdateConflictError(f"no prepared update to {weights_path}; call PrepareWeightUpdate first")
-            if from_generation != self.cache.generation:
-                raise GenerationMismatchError(self.cache.generation, from_generation, field="from_generation")
-            pending.check_unchanged()
-            self.reap()  # a retired session's leases block the retarget until they are reaped
-            new_generation = self.cache.generation + 1
-
-            def persist() -> None:
-                crash_point("sidecar:before_commit")
-                self._persist(new_generation, pending)
-                crash_point("sidecar:after_persist")
-
-            kept = tuple(sorted(self.cache.retarget(pending, new_generation, before=persist)))
-            self._pending = None
-            self.set_not_serving("")
-            self.update_outcomes.committed += 1
-            log.info(
-                "committed generation %d: %s (plans kept for unchanged partitions: %s)",
-                new_generation, pending.path, ", ".join(kept) or "none",
-            )  # fmt: skip
-            return Committed(new_generation, pending.fingerprint, kept)
+        """Persist generation + 1, then retarget (`WeightUpdates.commit`); plans are served again."""
+        return self.updates.commit(
+            from_generation, weights_path, reap=self.reap, serve=lambda: self.set_not_serving("")
+        )
 
     def abort_update(self, weights_path: str = "") -> bool:
-        with self._update_lock:
-            if self._pending is None or (weights_path and str(self._pending.path) != str(Path(weights_path))):
-                return False
-            log.info("aborted weight update to %s", self._pending.path)
-            self._pending = None
-            self.update_outcomes.aborted += 1
-            return True
+        return self.updates.abort(weights_path)
 
-    def _persist(self, generation: int, source: RebuildSource) -> None:
-        if self.state_dir is not None and not save_state(
-            self.state_dir, PersistedState(generation, str(source.path), source.digests)
-        ):
-            log.debug("state file unchanged (generation %d): not rewritten", generation)
+    @property
+    def update_outcomes(self) -> UpdateOutcomes:
+        """Weight-update outcomes since the sidecar started (the metrics' `outcome` label)."""
+        return self.updates.outcomes
 
     # ---------------------------------------------------------------- state
     def state(self) -> SidecarState:
         self.reap()
         stats = self.cache.stats()
-        pending = self._pending
+        pending = self.updates.pending
         return SidecarState(
             generation=self.cache.generation,
             weights_path=str(self.cache.source.path),

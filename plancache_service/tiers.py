@@ -28,7 +28,8 @@ from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
 
 from .config import CacheConfig
-from .device import Copier, MemoryBudget, allocate_host_pages, host_memory_budget
+from .device import Copier
+from .host_buffer import MemoryBudget, allocate_host_pages, host_memory_budget
 from .host_tier import HostTier
 from .rebuild import RebuildSource
 

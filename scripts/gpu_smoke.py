@@ -5,7 +5,7 @@ anything is measured: one line per problem, exit 1 on any (2 when torch is outsi
 
 1. torch: its version must be in SUPPORTED_TORCH (else REFUSED, exit 2, before anything imports it further).
 2. Every module the check needs: each third-party module imported anywhere in the code the check runs (the
-   project's packages, scripts/gpu_check.py and gpu_probe*.py, the `gpu`-marked tests and their helpers; found by
+   project's packages, scripts/gpu_check*.py and gpu_probe*.py, the `gpu`-marked tests and their helpers; found by
    reading their imports, function-level ones too, so the list cannot drift), each imported name resolved (diffusers'
    lazy names load their module), then every project module. One MISSING line per module that cannot be imported,
    naming what is missing and who imports it; a BROKEN line per one that fails otherwise.
@@ -73,9 +73,9 @@ def torch_supported(version: str) -> bool:
 
 # ---------------------------------------------------------------------------- what the check imports
 def checked_files() -> list[Path]:
-    """The code the check runs: the project, its two scripts, the `gpu`-marked tests and the tests' helpers."""
+    """The code the check runs: the project, its scripts, the `gpu`-marked tests and the tests' helpers."""
     files = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
-    files += sorted((ROOT / "scripts").glob("gpu_check.py")) + sorted((ROOT / "scripts").glob("gpu_probe*.py"))
+    files += sorted((ROOT / "scripts").glob("gpu_check*.py")) + sorted((ROOT / "scripts").glob("gpu_probe*.py"))
     tests = ROOT / "tests"
     for p in sorted(tests.rglob("*.py")):
         helper = not p.name.startswith("test_") and "bench" not in p.relative_to(tests).parts

@@ -1,16 +1,34 @@
 #!/usr/bin/env bash
 # The project's checks: install (if needed), lock files current, protos, lint, format check, type
-# check, import layers, default test suite.
-# Extra arguments go to pytest (e.g. scripts/test.sh -m bench).
+# check, import layers, then the default test suite on two workers, printing its 25 slowest tests.
+#   scripts/test.sh            what CI runs (the README's test command)
+#   scripts/test.sh --quick    the inner loop: lint, format check, import layers and the quick tier (the tests that
+#                              start no process: `-m "not processes"`, tests/processguard.py keeps the marker true)
+# Extra arguments go to pytest (e.g. scripts/test.sh -m bench, scripts/test.sh tests/core -n 0).
+# DITSERVE_TEST_WORKERS: pytest-xdist workers (default 2; 0 runs in this process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=0
+if [[ "${1:-}" == "--quick" ]]; then
+  quick=1
+  shift
+fi
 bash scripts/bootstrap.sh
 VENV=${DITSERVE_VENV:-.venv}
-"$VENV/bin/python" scripts/lock.py --check
-"$VENV/bin/python" -m protos.generate --check
-"$VENV/bin/buf" lint protos
-"$VENV/bin/ruff" check .
-"$VENV/bin/ruff" format --check .
-"$VENV/bin/mypy"
-"$VENV/bin/lint-imports" --no-cache
-exec "$VENV/bin/python" -m pytest "$@"
+if ((quick)); then
+  "$VENV/bin/ruff" check .
+  "$VENV/bin/ruff" format --check .
+  "$VENV/bin/lint-imports" --no-cache
+  tier=(-m "not processes and not bench and not slow")
+else
+  "$VENV/bin/python" scripts/lock.py --check
+  "$VENV/bin/python" -m protos.generate --check
+  "$VENV/bin/buf" lint protos
+  "$VENV/bin/ruff" check .
+  "$VENV/bin/ruff" format --check .
+  "$VENV/bin/mypy"
+  "$VENV/bin/lint-imports" --no-cache
+  tier=()
+fi
+# loadfile: a module's tests share one worker, so its module-scoped servers start once
+exec "$VENV/bin/python" -m pytest -n "${DITSERVE_TEST_WORKERS:-2}" --dist loadfile --durations=25 "${tier[@]}" "$@"

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import processguard
 import pytest
 import torch
 from clikit import CliRunner, run_cli_inprocess, run_cli_subprocess
@@ -23,15 +24,32 @@ from servicekit import Pair, ProcessGroup, StartPair, Weights, process_group, up
 
 from ditcore import write_repository
 
+PROCESS_FIXTURES = frozenset({"procs", "proc_pair", "run_cli_proc", "pg_url"})
+"""Fixtures that start OS processes: a test using one is marked `processes` (the quick tier leaves it out)."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` are skipped (and reported as skipped) on machines without CUDA."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    """Tests marked `gpu` are skipped (and reported as skipped) on machines without CUDA. End-to-end tests and tests
+    using a process-starting fixture are marked `processes`."""
+    skip = (
+        None
+        if torch.cuda.is_available()
+        else pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    )
     for item in items:
-        if "gpu" in item.keywords:
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        if "e2e" in item.keywords or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """While `item` runs (its fixtures' setup and teardown included), a process it starts must be declared: a test
+    that is not marked `processes` and starts one fails, naming the command (processguard), so `--quick` really is
+    the tier that starts none."""
+    with processguard.running(item.nodeid, item.get_closest_marker("processes") is not None):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

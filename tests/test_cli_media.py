@@ -28,7 +28,9 @@ from PIL import Image
 from servicekit import Pair
 
 from ditcore import GenerationRequest, H3Model, generate, load_model
-from ditserve.client import ClientResult, GeneratorClient, IntegrityError, request_to_proto
+from ditserve.client import GeneratorClient
+from ditserve.client_requests import request_to_proto
+from ditserve.client_results import ClientResult, IntegrityError
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 FPS = 24

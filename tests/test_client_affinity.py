@@ -1,6 +1,6 @@
-"""`ditserve.client.schedule_affinity_key`, the `x-ditserve-schedule` header: equal keys exactly when two requests'
-plan keys are equal on one checkpoint (ditcore.pipeline.ScheduleKeys is the judge), ref2va's audio references
-included; unreadable references get the plain key (the server refuses them, naming the field)."""
+"""`ditserve.client_requests.schedule_affinity_key`, the `x-ditserve-schedule` header: equal keys exactly when two
+requests' plan keys are equal on one checkpoint (ditcore.pipeline.ScheduleKeys is the judge), ref2va's audio
+references included; unreadable references get the plain key (the server refuses them, naming the field)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from refmedia import image_bytes, video_bytes, wav_bytes
 
 from ditcore.pipeline import ScheduleKeys
 from ditcore.references import Reference
-from ditserve.client import as_request, schedule_affinity_key
+from ditserve.client_requests import as_request, schedule_affinity_key
 
 BASE: dict[str, Any] = {"prompt": "a red fox", "num_inference_steps": 4, "height": 32, "width": 32}
 REQUESTS: dict[str, dict[str, Any]] = {

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from ditcore import GenerationRequest, latents_sha256
-from ditserve.client import MEDIA_CHUNK, GeneratorClient, IntegrityError, as_request, request_to_proto
+from ditserve.client import GeneratorClient
+from ditserve.client_requests import as_request, request_to_proto
+from ditserve.client_results import MEDIA_CHUNK, IntegrityError
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 CHUNK = 1 << 20

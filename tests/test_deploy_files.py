@@ -28,6 +28,8 @@ from generator_service import cli as generator_cli
 from plancache_service.app import build_server
 from plancache_service.cli import build_parser, config_from_args
 
+pytestmark = pytest.mark.processes  # the entrypoint, the healthcheck script, openssl, validate_deploy.sh
+
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 K8S = DOCKER / "k8s"

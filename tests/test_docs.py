@@ -45,6 +45,7 @@ DOCS = doc_files()
 
 
 # ----------------------------------------------------------------------------- generated pages
+@pytest.mark.processes
 def test_generated_docs_are_current() -> None:
     """What CI checks: the committed docs/flags.md and docs/errors.md are what the script writes now."""
     proc = subprocess.run(

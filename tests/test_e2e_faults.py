@@ -41,7 +41,8 @@ from servicekit import (
 )
 
 from ditcore import GenerationRequest
-from ditserve.client import GeneratorClient, request_to_proto
+from ditserve.client import GeneratorClient
+from ditserve.client_requests import request_to_proto
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 

@@ -21,8 +21,9 @@ from ditruntime.slab import READY, SlabMapping, check_device, device_uuid, map_s
 from ditserve.client import GeneratorClient
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
-from plancache_service.device import SlabMemory, allocate_host_pages
+from plancache_service.device import SlabMemory
 from plancache_service.embedded import EmbeddedPlanProvider
+from plancache_service.host_buffer import allocate_host_pages
 from plancache_service.rebuild import RebuildSource
 
 pytestmark = pytest.mark.gpu

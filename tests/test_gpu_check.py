@@ -27,6 +27,8 @@ from types import ModuleType
 import pytest
 import torch
 
+pytestmark = pytest.mark.processes  # runs scripts/gpu_check.py
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"

@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.processes  # runs scripts/gpu_probe.py
+
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "scripts" / "gpu_probe.py"
 

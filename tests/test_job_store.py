@@ -19,7 +19,7 @@ from pgkit import reset_database
 
 from generator_service.errors import IdempotencyConflictError, JobQueueFullError
 from generator_service.jobs.results import ContentRef
-from generator_service.jobs.schema import JobRecord, jobs
+from generator_service.jobs.schema import Job, jobs
 from generator_service.jobs.store import JobStore
 
 T0 = 1000.0  # the tests' clock: epoch seconds, chosen, never read
@@ -49,14 +49,14 @@ def store(url: str) -> Iterator[JobStore]:
 
 def add(
     store: JobStore, i: int, *, key: str | None = None, sha: str = SHA_A, now: float = T0, max_queued: int = 1000
-) -> tuple[JobRecord, bool]:
+) -> tuple[Job, bool]:
     return store.create(
         job_id=jid(i), request=b"\x0a\x03req" + bytes([i % 256]), request_sha256=sha, idempotency_key=key,
         spec={"prompt": f"p{i}", "num_inference_steps": 4}, steps_total=3, now=now + i, max_queued=max_queued,
     )  # fmt: skip
 
 
-def expect(store: JobStore, job_id: str, **want: Any) -> JobRecord:
+def expect(store: JobStore, job_id: str, **want: Any) -> Job:
     """The record (deleted or not), after checking the named fields."""
     record = store.get_any(job_id)
     assert record is not None, f"{job_id} is gone"
@@ -97,7 +97,7 @@ def race(n: int, fn: Callable[[int], Any]) -> list[Any]:
 
 # ----------------------------------------------------------------------------- records and paging
 def test_record_names_every_column() -> None:
-    assert {f.name for f in fields(JobRecord)} == set(jobs.c.keys())
+    assert {f.name for f in fields(Job)} == set(jobs.c.keys())
 
 
 def test_create_then_get_returns_the_stored_record(store: JobStore) -> None:

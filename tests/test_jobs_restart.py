@@ -16,7 +16,7 @@ import pytest
 from servicekit import ProcessGroup, free_port, wait_for
 from test_e2e_grpcurl import run_grpcurl
 
-from ditserve.launcher import wait_http
+from ditserve.supervise import wait_http
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 LONG = {"prompt": "a red fox", "output_type": "OUTPUT_TYPE_MP4", "num_inference_steps": 300, "seed": 3}

@@ -34,7 +34,8 @@ from ditruntime.auth import (
 from ditruntime.flags import LaunchOptions, from_args
 from ditruntime.obs import MetricsServer
 from ditserve import cli as ditserve_cli
-from ditserve.launcher import Child, build_children, child_configs, warnings
+from ditserve.launcher import build_children, child_configs, warnings
+from ditserve.supervise import Child
 from generator_service import cli as generator_cli
 from generator_service.config import GeneratorConfig
 from plancache_service import cli as plancache_cli

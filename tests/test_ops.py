@@ -30,6 +30,8 @@ from plancache_service.rebuild import RebuildSource
 from plancache_service.sidecar import Sidecar
 from protos.ditserve.generator.v1 import generator_pb2 as gpb
 
+pytestmark = pytest.mark.processes  # openssl makes the certificates
+
 STEPS = 5
 """Transformer forwards per request: STEPS + 1 grid points, STEPS distinct plans. Every request's first plan is the
 same (video and audio both at t = 0), so two requests with other shifts share one plan."""

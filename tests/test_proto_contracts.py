@@ -16,7 +16,7 @@ from ditcore.report import CacheReport
 from ditcore.request import TASKS
 from ditruntime.convert import FieldMismatchError, from_proto, to_proto
 from ditruntime.slab import ROW_WORDS, CudaIpcHandle, SlabDescriptor, descriptor_from_proto, descriptor_to_proto
-from ditserve.client import request_to_proto
+from ditserve.client_requests import request_to_proto
 from generator_service.serving.convert import request_from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.plancache.v1 import plancache_pb2 as cache_pb

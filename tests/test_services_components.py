@@ -10,7 +10,7 @@ import pytest
 from servicekit import Pair
 
 from ditcore.repo import TEXT_LAYERS
-from generator_service.serving.server import component_placement
+from generator_service.serving.status import component_placement
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 

@@ -41,7 +41,8 @@ from servicekit import (
 
 from ditcore import GenerationRequest, validate_checkpoint
 from ditcore.request import MAX_KEYFRAME_PIXELS, MAX_PROMPT_BYTES, MAX_SIDE
-from ditserve.client import GeneratorClient, request_to_proto
+from ditserve.client import GeneratorClient
+from ditserve.client_requests import request_to_proto
 from generator_service.config import MIB
 from generator_service.execution import runner as runner_mod
 from generator_service.execution.runs import Run

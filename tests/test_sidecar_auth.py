@@ -47,6 +47,8 @@ from protos.ditserve.generator.v1 import generator_pb2_grpc as gen_grpc
 from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.processes  # openssl makes the certificates
+
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 SMALL_CACHE = CacheConfig(gpu_plans=16, host_cache_bytes=0)
 FRESH = [("grpc.use_local_subchannel_pool", 1)]

@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ditcore import CacheReport, GenerationRequest, PlanKey, generate, load_model
 from ditruntime.slab import ROW_WORDS, SlabDescriptor, SlabMapping
-from ditserve.client import request_to_proto
+from ditserve.client_requests import request_to_proto
 from generator_service.backends.sidecar_client import SidecarClient
 from generator_service.errors import CancelledError
 from generator_service.execution.runs import Failed, Run

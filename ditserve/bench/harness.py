@@ -19,7 +19,7 @@ from ditcore.report import CacheReport
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 from ..client import GeneratorClient
-from ..launcher import terminate, wait_healthy
+from ..supervise import terminate, wait_healthy
 from .measure import process_memory
 
 ARM_MODES = ("cached", "resident", "sidecar")

@@ -15,9 +15,9 @@ import grpc
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-from ..client import request_to_proto
+from ..client_requests import request_to_proto
+from .context import BenchContext
 from .harness import Arm
-from .scenarios import BenchContext
 
 JOB_OVERHEAD_TARGET = 1.25
 """Job / Generate at the quick preset's ~1 s requests; the fixed cost (a few store writes, one file) vanishes at the

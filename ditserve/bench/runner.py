@@ -22,7 +22,7 @@ from ditcore.checkpoint import is_repository_dir
 from ditcore.repo import DTYPES
 from ditruntime.paths import prepare_dir
 
-from . import report, scenarios
+from . import context, replica, report, scenarios
 from .harness import Record
 from .jobs_scenario import job_overhead
 
@@ -68,7 +68,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             except PresetError as e:
                 raise SystemExit(f"ditserve bench: --preset: {e}") from e
     records: list[Record] = []
-    ctx = scenarios.BenchContext(
+    ctx = context.BenchContext(
         checkpoint=ckpt, num_inference_steps=steps, device=args.device, threads=threads, workdir=out,
         repeats=2 if args.quick else 3, records=records, log=lambda m: print(m, file=sys.stderr, flush=True),
     )  # fmt: skip
@@ -102,7 +102,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ctx.log("12. a job against a synchronous Generate")
     results["job_overhead"] = job_overhead(ctx)
     ctx.log("13. one replica across 2 ranks")
-    results["replica"] = scenarios.replica_two_ranks(ctx)
+    results["replica"] = replica.replica_two_ranks(ctx)
     meta = {
         "checkpoint": str(ckpt), "preset": info.preset, "precision": info.precision,
         "num_inference_steps": steps, "forwards": ctx.forwards, "device": args.device, "threads": threads,

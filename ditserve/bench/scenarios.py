@@ -2,7 +2,7 @@
 least `ratio`, `target` and `met`, plus its raw numbers; all ratios come from this one run.
 
 A request of `num_inference_steps` N runs N - 1 transformer forwards, one plan key per forward (`H3Model.plan_keys`).
-The schedules below give width-2 keys (video and audio timesteps differ) that no two schedules share, except the
+The schedules (`context.SCHEDULES`) give width-2 keys (video and audio timesteps differ) that no two schedules share, except the
 first step's (t = 0 for every schedule), so "a new schedule" means N - 2 plans to build.
 """
 
@@ -11,16 +11,13 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
-from ditcore import GenerationRequest, H3Model, PlanBuilder, generate, load_model, validate_checkpoint
-from ditcore.plans import PlanKey, distinct_keys
+from ditcore import GenerationRequest, PlanBuilder, generate, validate_checkpoint
+from ditcore.plans import distinct_keys
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
 from plancache_service.embedded import EmbeddedPlanProvider
@@ -28,73 +25,12 @@ from plancache_service.rebuild import RebuildSource
 from protos.ditserve.plancache.v1 import plancache_pb2 as ppb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as ppb_grpc
 
+from .context import BenchContext
 from .harness import Arm, Record, Services
 from .measure import memcpy_bandwidth, read_plan_tensors_seconds
 
-SCHEDULES = {  # label -> (flow_shift, audio_flow_shift); distinct shifts give width-2 plans
-    "A": (5.0, 3.0),
-    "B": (4.0, 2.0),
-    "C": (6.0, 2.5),
-    "D": (7.0, 3.5),
-    "E": (3.0, 1.5),
-    "F": (8.0, 4.0),
-    "G": (2.5, 1.2),
-}
-PROMPT = "a red fox runs through a snowy forest at dawn"
 MEMORY_TARGET = 0.95
 """Share of the checkpoint's plan-tensor bytes a cached generator must not hold."""
-
-
-@dataclass
-class BenchContext:
-    checkpoint: Path
-    num_inference_steps: int
-    device: str
-    threads: int
-    workdir: Path
-    repeats: int
-    records: list[Record]
-    log: Callable[[str], None]
-    _model: H3Model | None = field(default=None, repr=False)
-
-    @property
-    def forwards(self) -> int:
-        """Transformer forwards (= plan keys, = slots a schedule needs at most) per request."""
-        return self.num_inference_steps - 1
-
-    def request(self, label: str) -> dict[str, Any]:
-        """GenerationRequest fields of schedule `label` (request_id set per run); the default 32x32, 124 frames."""
-        fs, afs = SCHEDULES[label]
-        return {
-            "task": "t2va", "prompt": PROMPT, "num_inference_steps": self.num_inference_steps,
-            "flow_shift": fs, "audio_flow_shift": afs,
-        }  # fmt: skip
-
-    def generation_request(self, label: str, request_id: str = "bench-0") -> GenerationRequest:
-        return GenerationRequest(request_id=request_id, **self.request(label))
-
-    def model(self) -> H3Model:
-        """This process's cached H3Model of the checkpoint (loaded once): plan keys and the embedded runs."""
-        if self._model is None:
-            torch.set_num_threads(self.threads)
-            self._model = load_model(validate_checkpoint(self.checkpoint), "cached", self.device)
-        return self._model
-
-    def plan_keys(self, label: str) -> list[PlanKey]:
-        return self.model().plan_keys(self.generation_request(label))
-
-    def services(self, arm: Arm) -> Services:
-        self.log(f"  starting arm {arm.name}")
-        return Services(self.checkpoint, arm, self.device, self.threads, self.workdir)
-
-    def run(self, svc: Services, labels: list[str]) -> list[Record]:
-        out = []
-        for i, label in enumerate(labels):
-            rec = svc.run(label, self.request(label), f"{svc.arm.name}-{i}-{label}")
-            self.log(f"    {rec.request_id}: {rec.latency_s:.2f} s, {rec.tier}, {rec.cache}")
-            out.append(rec)
-        self.records.extend(out)
-        return out
 
 
 def _sidecar_stats(svc: Services) -> ppb.CacheStats:
@@ -479,7 +415,6 @@ def ref2va_cache(ctx: BenchContext, references: list[dict[str, Any]]) -> dict[st
 
 
 __all__ = [
-    "BenchContext",
     "alternating",
     "fl2va_cache",
     "generator_memory",
@@ -491,105 +426,3 @@ __all__ = [
     "repeat_vs_first_seen",
     "steady_state",
 ]
-
-
-# ------------------------------------------------------------------ 13. one replica across 2 ranks
-def replica_two_ranks(ctx: BenchContext) -> dict[str, Any]:
-    """A 2-rank replica on this host (`ditserve serve --nproc 2`, gloo): its output against one rank's (the embedded
-    cached path, bitwise the served one), the sidecar's rebuild sharded across 2 slab devices against one, and the
-    plan-tensor bytes each device reads. On a 2-core host both "devices" share the same two cores, so the sharded
-    rebuild can at best overlap reading with computing; the target (<= 0.6) is for devices with cores of their own."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from ditcore.parallel import ParallelSpec, SplitError
-    from ditcore.request import prompt_tokens
-    from ditcore.sizing import Canvas, ModelShapes
-
-    from ..client import GeneratorClient
-    from ..launcher import terminate, wait_healthy
-
-    torch.set_num_threads(ctx.threads)
-    model = ctx.model()
-    info = model.info
-    # a request whose packed rows split across 2 ranks: the bench prompt, extended by a word until they do
-    fields = ctx.request("A")
-    spec = ParallelSpec(ulysses_degree=2)
-    for extra in ("", " now", " again", " now again"):
-        fields["prompt"] = PROMPT + extra
-        tokens = prompt_tokens(model.pipe.tokenizer, fields["prompt"])
-        req = GenerationRequest(request_id="replica-1", **fields)
-        rows = ModelShapes.of_model(model).tokens(Canvas(req.height, req.width, req.num_frames, tokens)).total
-        try:
-            spec.check_rows(rows)
-            break
-        except SplitError:
-            continue
-    cfg = CacheConfig(gpu_plans=ctx.forwards + 8, host_cache_bytes=0, device=ctx.device)
-    cache = PlanCache(cfg, RebuildSource(info, torch.device(ctx.device)))
-    try:
-        one = generate(model, req, EmbeddedPlanProvider(cache))
-    finally:
-        cache.close()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    run_dir = ctx.workdir / "replica-run"
-    argv = [sys.executable, "-m", "ditserve", "serve", "--nproc", "2", "--device", ctx.device, "--checkpoint",
-            str(ctx.checkpoint), "--run-dir", str(run_dir), "--port", str(port), "--no-metrics", "--gpu-plans",
-            str(ctx.forwards + 8), "--host-cache-gb", "0"]  # fmt: skip
-    with open(ctx.workdir / "replica-serve.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        wait_healthy(f"127.0.0.1:{port}", 300, proc)
-        with GeneratorClient(f"127.0.0.1:{port}") as client:
-            two = client.generate({**fields, "request_id": "replica-2"}, timeout=600)
-            repeat = client.generate({**fields, "request_id": "replica-3"}, timeout=600)
-    finally:
-        terminate(proc)
-    equal = two.sha256 == one.sha256
-    rebuild = _sharded_rebuild(ctx, info)
-    return {
-        "ratio": rebuild["ratio"],
-        "target": "2-rank sharded rebuild / 1-rank <= 0.6 (devices with cores of their own); bytes per rank = 1/2",
-        "met": bool(rebuild["ratio"] <= 0.6 and rebuild["bytes_ratio"] <= 0.5 + 1e-9),
-        "output_equal_to_one_rank": equal,
-        "output_note": "equal" if equal else "not equal: each rank attends over its half of the heads and runs every "
-        "linear layer on its half of the rows (Ulysses), so GEMM shapes and reduction orders differ from one rank; "
-        "the replica equals diffusers' own 2-rank context-parallel loop (tests/parallel)",
-        "replica_sha256": two.sha256, "one_rank_sha256": one.sha256,
-        "replica_repeat_identical": repeat.sha256 == two.sha256,
-        "replica_denoise_s": round(two.timings_ms.get("denoise_ms", 0.0) / 1000, 4),
-        "one_rank_denoise_s": round(one.timings_ms.get("denoise", 0.0) / 1000, 4),
-        "prompt": fields["prompt"], **{k: v for k, v in rebuild.items() if k != "ratio"},
-    }  # fmt: skip
-
-
-def _sharded_rebuild(ctx: BenchContext, info: Any) -> dict[str, Any]:
-    """Schedule A's first-seen group built by a 1-device source and by a 2-device (sharded) one; best of repeats."""
-    keys = distinct_keys(ctx.plan_keys("A"))[1:]
-    results = {}
-    for count in (1, 2):
-        source = RebuildSource(info, [torch.device(ctx.device)] * count)
-        outs = [[torch.empty(k.width, info.layout.page_numel, dtype=source.dtype, device=d) for k in keys]
-                for d in source.devices]  # fmt: skip
-        source.build_all(keys, outs)  # warm-up
-        before = list(source.bytes_read)
-        times = []
-        for _ in range(ctx.repeats):
-            t0 = time.perf_counter()
-            source.build_all(keys, outs)
-            times.append(time.perf_counter() - t0)
-        per_pass = [(b - a) // (ctx.repeats) for a, b in zip(before, source.bytes_read, strict=True)]
-        results[count] = (min(times), per_pass, source.shard_mode, outs)
-    (t1, bytes1, _, outs1), (t2, bytes2, mode, outs2) = results[1], results[2]
-    same = all(torch.equal(a, b) for a, b in zip(outs1[0], outs2[0], strict=True)) and all(
-        torch.equal(a, b) for a, b in zip(outs2[0], outs2[1], strict=True)
-    )
-    return {
-        "ratio": round(t2 / t1, 3), "rebuild_1_s": round(t1, 4), "rebuild_2_s": round(t2, 4), "shard_mode": mode,
-        "plans": len(keys), "bytes_read_1": bytes1[0], "bytes_read_per_rank_2": bytes2,
-        "bytes_ratio": round(max(bytes2) / bytes1[0], 4), "sharded_pages_identical": same,
-    }  # fmt: skip

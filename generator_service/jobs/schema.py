@@ -1,5 +1,5 @@
 """The job store's schema: the `jobs` and `meta` tables (SQLAlchemy Core, one layout for SQLite and PostgreSQL) and
-a row as a `JobRecord`. No grpc here."""
+a row as a `Job`, the durable record the jobs API serves. No grpc here."""
 
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ jobs = sa.Table(
 
 
 @dataclass(frozen=True)
-class JobRecord:
-    """One row of `jobs`, `spec` and `result` parsed."""
+class Job:
+    """A durable job: one row of `jobs`, `spec` and `result` parsed. (The executor's unit of work is a `Run`:
+    generator_service.execution.runs.)"""
 
     seq: int  # global order: queue order and ListJobs' paging
     job_id: str
@@ -91,7 +92,7 @@ class JobRecord:
     content_available: bool
 
     @classmethod
-    def from_row(cls, row: sa.Row[Any]) -> JobRecord:
+    def from_row(cls, row: sa.Row[Any]) -> Job:
         m = dict(row._mapping)
         m["spec"] = json.loads(m["spec"])
         m["result"] = json.loads(m["result"]) if m["result"] is not None else None

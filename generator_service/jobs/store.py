@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 
 from ..errors import IdempotencyConflictError, JobQueueFullError
 from .results import ContentRef
-from .schema import SCHEMA_VERSION, STATES, TERMINAL, JobRecord, jobs, meta_table, metadata
+from .schema import SCHEMA_VERSION, STATES, TERMINAL, Job, jobs, meta_table, metadata
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 """How long a SQLite writer waits for another's (short) transaction before failing: far above any of ours."""
@@ -84,7 +84,7 @@ class JobStore:
     def create(
         self, *, job_id: str, request: bytes, request_sha256: str, idempotency_key: str | None, spec: dict[str, Any],
         steps_total: int, now: float, max_queued: int,
-    ) -> tuple[JobRecord, bool]:  # fmt: skip
+    ) -> tuple[Job, bool]:  # fmt: skip
         """A new queued record (True); or, for a used `idempotency_key` and the same request, the existing one
         (False). IdempotencyConflictError for another request under the key; JobQueueFullError at `max_queued`
         queued jobs (on PostgreSQL concurrent creates may pass it by their number: the count is not locked)."""
@@ -118,19 +118,19 @@ class JobStore:
                 raise
             return _idempotent(existing, idempotency_key, request_sha256), False
 
-    def get(self, job_id: str) -> JobRecord | None:
+    def get(self, job_id: str) -> Job | None:
         """The job; None when unknown or deleted."""
         record = self.get_any(job_id)
         return None if record is None or record.deleted else record
 
-    def get_any(self, job_id: str) -> JobRecord | None:
+    def get_any(self, job_id: str) -> Job | None:
         """The job, deleted or not; None when unknown."""
         with self._tx() as conn:
             return _one(conn, c.job_id == job_id)
 
     def list(
         self, *, states: Sequence[str] = (), limit: int, after_seq: int | None = None, oldest_first: bool = False
-    ) -> list[JobRecord]:
+    ) -> list[Job]:
         """Up to `limit` jobs (not deleted), newest first (seq descending) or oldest first, in `states` (all when
         empty), after `after_seq` (the previous page's last seq)."""
         q = sa.select(jobs).where(~c.deleted).order_by(c.seq if oldest_first else c.seq.desc()).limit(limit)
@@ -139,7 +139,7 @@ class JobStore:
         if after_seq is not None:
             q = q.where(c.seq > after_seq if oldest_first else c.seq < after_seq)
         with self._tx() as conn:
-            return [JobRecord.from_row(r) for r in conn.execute(q)]
+            return [Job.from_row(r) for r in conn.execute(q)]
 
     def queue_position(self, job_id: str) -> int | None:
         """Queued jobs (not deleted) before this one; None unless it is queued."""
@@ -151,7 +151,7 @@ class JobStore:
             return int(conn.execute(ahead).scalar_one())
 
     # ---------------------------------------------------------------- the owner's side
-    def claim_next(self, replica: str, lease_s: float, now: float) -> JobRecord | None:
+    def claim_next(self, replica: str, lease_s: float, now: float) -> Job | None:
         """Hold the oldest job nobody holds (queued, or one whose claim expired: queued again, progress reset) for
         `lease_s`; None when there is none. First cancels the cancel-requested jobs nobody holds."""
         free = sa.or_(c.replica.is_(None), c.claim_expires_at < now)
@@ -195,7 +195,7 @@ class JobStore:
     def finish(
         self, job_id: str, replica: str, *, state: str, now: float, error: tuple[str, str, str] | None = None,
         result: dict[str, Any] | None = None, content: ContentRef | None = None,
-    ) -> JobRecord | None:  # fmt: skip
+    ) -> Job | None:  # fmt: skip
         """The final state (stage done; `replica` stays as who ran it) if `replica` holds the job and it is not
         final yet; else None (another replica took it over, or it already ended)."""
         if state not in TERMINAL:
@@ -249,7 +249,7 @@ class JobStore:
             return int(conn.execute(jobs.update().where(where).values(**values)).rowcount)
 
     # ---------------------------------------------------------------- cancel and delete
-    def request_cancel(self, job_id: str, now: float) -> JobRecord | None:
+    def request_cancel(self, job_id: str, now: float) -> Job | None:
         """A queued job nobody holds: cancelled now. Another live job: `cancel_requested` (its holder stops it; if a
         concurrent claim wins, the claimed job gets that). A final one: unchanged. None when unknown."""
         with self._tx(write=True) as conn:
@@ -262,7 +262,7 @@ class JobStore:
                 )
             return _one(conn, c.job_id == job_id)
 
-    def mark_deleted(self, job_id: str) -> JobRecord | None:
+    def mark_deleted(self, job_id: str) -> Job | None:
         """Mark the job deleted (and, if live, cancel-requested); None when unknown or already deleted."""
         live = sa.case((_LIVE, sa.true()), else_=c.cancel_requested)
         with self._tx(write=True) as conn:
@@ -271,7 +271,7 @@ class JobStore:
                 return None
             return _one(conn, c.job_id == job_id)
 
-    def remove(self, job_id: str) -> JobRecord | None:
+    def remove(self, job_id: str) -> Job | None:
         """Delete a final job's row; what it was. None when unknown or still live (never removed while it runs)."""
         with self._tx(write=True) as conn:
             record = _one(conn, c.job_id == job_id, for_update=True)
@@ -280,7 +280,7 @@ class JobStore:
             conn.execute(jobs.delete().where(c.job_id == job_id))
             return record
 
-    def deleted_terminal(self) -> builtins.list[JobRecord]:
+    def deleted_terminal(self) -> builtins.list[Job]:
         """Deleted jobs that have stopped: to remove."""
         return self._select(sa.and_(c.deleted, ~_LIVE), c.seq)
 
@@ -291,11 +291,11 @@ class JobStore:
         with self._tx() as conn:
             return int(conn.execute(q).scalar_one())
 
-    def expired(self, before: float) -> builtins.list[JobRecord]:
+    def expired(self, before: float) -> builtins.list[Job]:
         """Final jobs that finished before `before` (epoch seconds)."""
         return self._select(sa.and_(~_LIVE, c.finished_at < before), c.seq)
 
-    def content_oldest_first(self) -> builtins.list[JobRecord]:
+    def content_oldest_first(self) -> builtins.list[Job]:
         """Succeeded jobs (not deleted) with available content, the earliest finished first."""
         return self._select(sa.and_(c.state == "succeeded", c.content_available, ~c.deleted), c.finished_at, c.seq)
 
@@ -315,9 +315,9 @@ class JobStore:
         with self._tx() as conn:
             return int(conn.execute(sa.select(func.coalesce(func.sum(files.c.content_bytes), 0))).scalar_one())
 
-    def _select(self, where: sa.ColumnElement[bool], *order: sa.ColumnElement[Any]) -> builtins.list[JobRecord]:
+    def _select(self, where: sa.ColumnElement[bool], *order: sa.ColumnElement[Any]) -> builtins.list[Job]:
         with self._tx() as conn:
-            return [JobRecord.from_row(r) for r in conn.execute(sa.select(jobs).where(where).order_by(*order))]
+            return [Job.from_row(r) for r in conn.execute(sa.select(jobs).where(where).order_by(*order))]
 
 
 def _engine(url: str) -> Engine:
@@ -348,18 +348,18 @@ def _engine(url: str) -> Engine:
     return engine
 
 
-def _one(conn: Connection, where: sa.ColumnElement[bool], for_update: bool = False) -> JobRecord | None:
+def _one(conn: Connection, where: sa.ColumnElement[bool], for_update: bool = False) -> Job | None:
     q = sa.select(jobs).where(where)
     row = conn.execute(q.with_for_update() if for_update else q).first()
-    return JobRecord.from_row(row) if row is not None else None
+    return Job.from_row(row) if row is not None else None
 
 
-def _must(record: JobRecord | None) -> JobRecord:
+def _must(record: Job | None) -> Job:
     assert record is not None, "a row just written is there"
     return record
 
 
-def _idempotent(existing: JobRecord, key: str, request_sha256: str) -> JobRecord:
+def _idempotent(existing: Job, key: str, request_sha256: str) -> Job:
     """The job a retry under `key` returns, or the conflict."""
     meta = {"idempotency_key": key, "job_id": existing.job_id}
     if existing.deleted:

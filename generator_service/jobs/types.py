@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ditcore import GenerationRequest
 
 from ..execution.runs import Run
-from .schema import TERMINAL, JobRecord
+from .schema import TERMINAL, Job
 
 DISPATCH_AHEAD = 1
 """Jobs of ours waiting in the executor's queue at most: one, whose plans prefetch while the running one denoises."""
@@ -47,7 +47,7 @@ class NewJob:
 class JobView:
     """A job as the API shows it: its record, with this replica's live state over it and its queue position."""
 
-    record: JobRecord
+    record: Job
     state: str
     stage: str
     steps_done: int

@@ -13,14 +13,14 @@ import torch
 
 from ditcore import GenerationRequest, load_model, validate_checkpoint
 from ditcore.report import CacheReport
-from ditserve.bench import report, scenarios
+from ditserve.bench import context, report, scenarios
 from ditserve.bench.harness import Record, tier_of
 from ditserve.bench.measure import PROC_FIELDS, memcpy_bandwidth, process_memory, read_plan_tensors_seconds
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 
-def _ctx(ckpt: Path, tmp_path: Path, steps: int = 8) -> scenarios.BenchContext:
-    return scenarios.BenchContext(
+def _ctx(ckpt: Path, tmp_path: Path, steps: int = 8) -> context.BenchContext:
+    return context.BenchContext(
         checkpoint=ckpt, num_inference_steps=steps, device="cpu", threads=1, workdir=tmp_path,
         repeats=2, records=[], log=lambda m: None,
     )  # fmt: skip
@@ -30,7 +30,7 @@ def test_requests_are_valid_h3_requests_with_one_key_per_forward(tiny_ckpt: Path
     ctx = _ctx(tiny_ckpt, tmp_path)
     assert ctx.forwards == 7
     keys = {}
-    for label in scenarios.SCHEDULES:
+    for label in context.SCHEDULES:
         req = ctx.generation_request(label, f"r-{label}").validate()
         assert req.task == "t2va" and req.num_inference_steps == 8
         assert GenerationRequest.from_dict({**ctx.request(label), "request_id": f"r-{label}"}) == req

@@ -17,6 +17,8 @@ from ditcore.checkpoint import read_shard_header
 from ditcore.plans import is_plan_tensor
 from ditcore.repo import get_preset, write_repository
 
+pytestmark = pytest.mark.processes  # a fresh interpreter measures the load
+
 PROBE = Path(__file__).with_name("load_probe.py")
 MODES = ("cached", "resident")
 

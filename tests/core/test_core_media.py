@@ -380,6 +380,7 @@ def test_output_type_for_path(path: str | Path, expected: str | None) -> None:
     assert expected is None or expected in OUTPUT_TYPES
 
 
+@pytest.mark.processes
 def test_import_is_cheap_and_layered() -> None:
     code = "import sys, ditcore.keyframes, ditcore.media; print(sorted(m for m in ('av', 'grpc') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

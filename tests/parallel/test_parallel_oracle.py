@@ -44,7 +44,7 @@ REF2VA_ODD = {
     "references": (Reference(image_bytes(80, 48, seed=1)), Reference(wav_bytes(1.5, 32000, channels=1, seed=5))),
 }  # 605 rows
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.processes]  # the ranks are processes
 
 
 @pytest.mark.parametrize("precision", ["float32", "mixed"])

@@ -198,6 +198,7 @@ def _cache_counts(stdout: str) -> list[tuple[int, int, int]]:
     return [(c["built_plans"], c["gpu_hit_plans"], c["host_hit_plans"]) for c in caches]
 
 
+@pytest.mark.processes
 def test_cli_generate_local_cached_alternating_schedules_hit_the_slab(tiny_ckpt: Path, tmp_path: Path) -> None:
     reqs = _alternating()
     file = _write_requests(tmp_path / "reqs.jsonl", reqs)

@@ -19,7 +19,7 @@ import torch
 
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
-from plancache_service.device import (
+from plancache_service.host_buffer import (
     HostBuffer,
     MemoryBudget,
     allocate_host_pages,

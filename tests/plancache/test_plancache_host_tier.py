@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ditcore.plans import PlanKey
-from plancache_service.device import HostBuffer
+from plancache_service.host_buffer import HostBuffer
 from plancache_service.host_tier import HostTier
 
 PAGE_NUMEL = 3

@@ -94,6 +94,7 @@ def test_zero_grace_and_a_session_without_leases_end_at_once(make: MakeCache) ->
     assert sidecar.detach(session.session_id) == 0 and sidecar.retired() == []
 
 
+@pytest.mark.processes
 def test_process_gone_probe_and_the_flag() -> None:
     assert not process_gone(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -1,0 +1,163 @@
+"""Ranks 1..N-1 of a replica: `Follower` handles rank 0's work items until told to stop, and `follow` is such a
+rank's main loop (the protocol: generator_service.replica.link). No grpc here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ditcore import H3Model, RequestError, RequestLimits, generate, load_model, validate_checkpoint
+from ditcore.model import RunOptions
+from ditcore.parallel import Replica, ReplicaLostError, SplitError
+from ditruntime.slab import SlabMapping, descriptor_from_proto
+from protos.ditserve.plancache.v1 import plancache_pb2 as cpb
+from protos.ditserve.replica.v1 import replica_pb2 as rpb
+
+from ..errors import LeaseCheckError
+from .leases import Fixed, Lockstep, RankLease
+from .work import EXIT_REPLICA_LOST, RankStoppedError, keys_from_work, rank_report, request_from_work
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Served:
+    model: H3Model | None = None
+    staged: H3Model | None = None
+    previous: H3Model | None = None
+
+
+class Follower:
+    """A rank other than 0: handles rank 0's work items until told to stop (see generator_service.replica.link)."""
+
+    def __init__(
+        self, replica: Replica, mode: str, options: RunOptions, limits: RequestLimits, checkpoint: Any = None
+    ) -> None:
+        if replica.leader:
+            raise ValueError("rank 0 serves; Follower is for the other ranks")
+        self.replica = replica
+        self.mode = mode
+        self.options = options
+        self.limits = limits
+        self.served = _Served()
+        self.mapping: SlabMapping | None = None
+        self.epoch = -1
+        if mode == "resident":  # rank 0 loads the same checkpoint at start (ResidentBackend)
+            self.served.model = self._load(validate_checkpoint(checkpoint, require_adaln=True))
+
+    def _load(self, info: Any) -> H3Model:
+        return load_model(info, self.mode, self.replica.device, self.options, self.replica)
+
+    def serve(self) -> int:
+        """Handle work until Stop (returns 0); a broken group raises ReplicaLostError."""
+        log.info("replica rank %d of %d on %s: following rank 0", self.replica.rank, self.replica.world_size,
+                 self.replica.device)  # fmt: skip
+        while True:
+            work = rpb.RankWork.FromString(self.replica.broadcast_bytes(None))
+            kind = work.WhichOneof("work")
+            if kind is None:
+                continue  # keep-alive
+            if kind == "stop":
+                log.info("replica rank %d: stopping", self.replica.rank)
+                return 0
+            if kind == "run":
+                self._run(work.run)
+                continue
+            if kind == "describe":
+                self.replica.gather_bytes(rank_report(self.replica, self.served.model).SerializeToString())
+                continue
+            status = ""
+            try:
+                if kind == "attach":
+                    self._attach(work.attach)
+                elif kind == "stage":
+                    self.served.staged = self._load(validate_checkpoint(work.stage.weights_path, require_adaln=False))
+                else:
+                    self._swap(work.swap.action)
+            except Exception as e:
+                log.exception("replica rank %d: %s failed", self.replica.rank, kind)
+                status = f"{type(e).__name__}: {e}"
+            self.replica.gather_status(status)
+
+    def _attach(self, msg: rpb.Attach) -> None:
+        session = cpb.Session.FromString(msg.session)
+        desc = descriptor_from_proto(session.slabs[self.replica.rank])
+        old, self.mapping = self.mapping, None
+        if old is not None:
+            old.close()
+        self.mapping = SlabMapping.open(desc, self.replica.device)
+        model = self.served.model
+        if model is None or model.info.fingerprint != msg.fingerprint:
+            info = validate_checkpoint(msg.weights_path, require_adaln=False)
+            if info.fingerprint != msg.fingerprint:
+                raise ValueError(f"{msg.weights_path}: fingerprint {info.fingerprint[:16]} differs from rank 0's")
+            self.served.model = self._load(info)
+        self.epoch = msg.epoch
+
+    def _swap(self, action: rpb.SwapAction) -> None:
+        s = self.served
+        if action == rpb.SWAP_ACTION_INSTALL:
+            if s.staged is None:
+                raise ValueError("no staged weights to install")
+            s.previous, s.model, s.staged = s.model, s.staged, None
+        elif action == rpb.SWAP_ACTION_ROLLBACK:
+            if s.previous is not None:
+                s.model, s.previous = s.previous, None
+        elif action == rpb.SWAP_ACTION_DROP:
+            s.staged = None
+        elif action == rpb.SWAP_ACTION_RETIRE:
+            s.previous = None
+
+    def _ready(self, msg: rpb.Run) -> tuple[H3Model, Any]:
+        """The model and lease a Run needs, or the reason this rank cannot run it."""
+        model = self.served.model
+        if model is None:
+            raise LeaseCheckError("no weights loaded on this rank")
+        if model.info.fingerprint != msg.fingerprint:
+            raise LeaseCheckError(
+                f"this rank serves weights {model.info.fingerprint[:16]}, rank 0 runs {msg.fingerprint[:16]}"
+            )
+        if self.mode == "resident":
+            return model, None
+        if self.mapping is None or msg.epoch != self.epoch:
+            raise LeaseCheckError(f"the lease is of session epoch {msg.epoch}, this rank mapped {self.epoch}")
+        lease = RankLease(self.mapping, keys_from_work(msg), list(msg.slots), msg.generation)
+        lease.check_rows()
+        return model, lease
+
+    def _run(self, msg: rpb.Run) -> None:
+        request = request_from_work(msg.request)
+        try:
+            model, lease = self._ready(msg)
+            status = ""
+        except Exception as e:
+            status = f"{type(e).__name__}: {e}"
+        if any(self.replica.gather_status(status)):
+            return  # some rank cannot run it: none does
+        try:
+            generate(model, request, Fixed(lease) if lease is not None else None, Lockstep(self.replica, None),
+                     self.limits)  # fmt: skip
+            if lease is not None:
+                lease.check_rows()
+            status = ""
+        except (RankStoppedError, SplitError, RequestError, LeaseCheckError) as e:  # every rank stops there
+            status = "" if isinstance(e, RankStoppedError) else f"{type(e).__name__}: {e}"
+        except ReplicaLostError:
+            raise
+        except Exception:
+            log.exception("replica rank %d: request %s failed on this rank alone", self.replica.rank,
+                          request.request_id)  # fmt: skip
+            raise
+        self.replica.gather_status(status)
+
+
+def follow(follower: Follower) -> int:
+    """A rank's main loop: exit 0 on Stop, EXIT_REPLICA_LOST when the group broke or this rank failed alone."""
+    try:
+        return follower.serve()
+    except Exception:
+        log.exception("replica rank %d: the replica broke; exiting for a restart as a unit", follower.replica.rank)
+        logging.shutdown()
+        os._exit(EXIT_REPLICA_LOST)

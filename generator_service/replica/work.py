@@ -1,0 +1,66 @@
+"""The work items rank 0 and the other ranks exchange (replica.proto `RankWork`): request and plan-key conversions,
+each rank's report, the exit status and errors both sides share. No grpc here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ditcore import GenerationRequest
+from ditcore.model import H3Model
+from ditcore.parallel import Replica
+from ditcore.plans import PlanKey
+from ditcore.references import Reference
+from protos.ditserve.replica.v1 import replica_pb2 as rpb
+
+from ..errors import GeneratorError
+
+EXIT_REPLICA_LOST = 75
+"""A rank's exit status when its replica broke: the elastic launcher restarts every rank."""
+
+
+class RankStoppedError(GeneratorError):
+    """On a rank other than 0: rank 0 stopped the request at this step (its own reason is rank 0's)."""
+
+
+# ---------------------------------------------------------------------------- request on the wire
+def request_to_work(request: GenerationRequest) -> rpb.Request:
+    return rpb.Request(
+        request_id=request.request_id, task=request.task, prompt=request.prompt,
+        num_inference_steps=request.num_inference_steps, flow_shift=request.flow_shift,
+        audio_flow_shift=request.audio_flow_shift, seed=request.seed, height=request.height, width=request.width,
+        num_frames=request.num_frames, first_frame=request.first_frame, last_frame=request.last_frame,
+        references=[rpb.Reference(data=r.data, kind=r.kind) for r in request.references],
+    )  # fmt: skip
+
+
+def request_from_work(msg: rpb.Request) -> GenerationRequest:
+    """The request as a rank other than 0 runs it: its loop only (rank 0 decodes)."""
+    return GenerationRequest(
+        request_id=msg.request_id, task=msg.task, prompt=msg.prompt, num_inference_steps=msg.num_inference_steps,
+        flow_shift=msg.flow_shift, audio_flow_shift=msg.audio_flow_shift, seed=msg.seed, height=msg.height,
+        width=msg.width, num_frames=msg.num_frames, first_frame=msg.first_frame, last_frame=msg.last_frame,
+        output_type="latents", references=tuple(Reference(r.data, r.kind) for r in msg.references),
+    )  # fmt: skip
+
+
+def keys_from_work(msg: rpb.Run) -> list[PlanKey]:
+    return [PlanKey(tuple(int(b) for b in k.timestep_bits), k.partition or "base") for k in msg.plan_keys]
+
+
+def key_to_work(key: PlanKey) -> rpb.PlanKey:
+    return rpb.PlanKey(timestep_bits=list(key.bits), partition=key.partition)
+
+
+# ---------------------------------------------------------------------------- what every rank answers
+def rank_report(replica: Replica, model: H3Model | None) -> rpb.RankReport:
+    """This rank's device and its model's components."""
+    components = [rpb.Component(**dataclasses.asdict(c)) for c in model.components()] if model is not None else []
+    return rpb.RankReport(rank=replica.rank, device=str(replica.device), components=components)
+
+
+def raise_first(statuses: Sequence[str], kind: type[GeneratorError] = GeneratorError) -> None:
+    """The gathered statuses ("" = fine, in rank order): `kind` naming the first rank that failed, if any."""
+    for rank, status in enumerate(statuses):
+        if status:
+            raise kind(f"replica rank {rank}: {status}")

@@ -1,0 +1,83 @@
+"""GetStatus' answer: what this generator serves (weights, generation, queue), its model's memory, components and
+partitions, the replica's ranks and the slab's geometry. No grpc here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ditcore.checkpoint import PARTITION_TASKS
+from ditcore.model import ComponentInfo, H3Model
+from protos.ditserve.generator.v1 import generator_pb2 as pb
+
+from ..backends.base import Backend
+from ..backends.replica_port import ReplicaPort
+from ..config import GeneratorConfig
+from ..execution.executor import Executor
+
+
+def status_response(
+    cfg: GeneratorConfig, backend: Backend, executor: Executor, mode: pb.AdalnMode
+) -> pb.GetStatusResponse:
+    st = backend.status()
+    resp = pb.GetStatusResponse(
+        adaln_mode=mode,
+        weights_path=st.weights_path,
+        fingerprint=st.fingerprint,
+        sidecar_connected=st.sidecar_connected,
+        sidecar_target=st.sidecar_target,
+        queue_depth=executor.queue_depth,
+        max_queue_depth=cfg.max_queue_depth,
+        serving=st.serving,
+    )
+    if st.serving:
+        resp.generation = backend.generation()
+    model = backend.loaded()
+    if model is not None:
+        resp.model_preset = model.info.preset
+        resp.precision = model.precision
+        resp.attention_backend, resp.decode_dtype = model.attention_backend, model.decode_dtype
+        resp.memory.CopyFrom(pb.ModelMemory(**model.memory().to_dict()))
+        resp.components.extend(component_placement(c) for c in model.components())
+        resp.partitions.extend(partition_status(model))
+    if backend.replica is not None:
+        resp.replica.CopyFrom(_replica_status(backend.replica))
+    slab = st.slab
+    if slab is not None:
+        page_bytes = slab.slab_bytes // max(1, slab.num_slots * slab.width)
+        resp.slab.CopyFrom(pb.SlabGeometry(
+            num_slots=slab.num_slots, width=slab.width, page_numel=slab.page_numel, page_bytes=page_bytes,
+            dtype=slab.dtype, device=slab.device, transport=slab.transport,
+        ))  # fmt: skip
+    return resp
+
+
+def _replica_status(link: ReplicaPort) -> pb.ReplicaStatus:
+    """The replica's layout and what each rank held at its last report."""
+    spec = link.replica.spec
+    return pb.ReplicaStatus(
+        ranks=link.world_size, ulysses_degree=spec.ulysses_degree, ring_degree=spec.ring_degree,
+        rank_placements=[pb.RankPlacement(rank=r.rank, device=r.device, components=[
+            pb.ComponentPlacement(name=c.name, device=c.device, placement=c.placement, dtype=c.dtype,
+                                  bytes=c.bytes, device_bytes=c.device_bytes, note=c.note)
+            for c in r.components]) for r in link.reports],
+    )  # fmt: skip
+
+
+def partition_status(model: H3Model) -> list[pb.PartitionStatus]:
+    """GetStatus' view of the repository's transformer partitions: loaded or not, their tasks and memory."""
+    memory = model.partition_memory()
+    out = []
+    for name, part in model.info.partitions.items():
+        status = pb.PartitionStatus(
+            name=name, folder=part.folder, loaded=name in memory, tasks=list(PARTITION_TASKS[name]),
+            fingerprint=part.fingerprint,
+        )  # fmt: skip
+        if name in memory:
+            status.memory.CopyFrom(pb.ModelMemory(**memory[name].to_dict()))
+        out.append(status)
+    return out
+
+
+def component_placement(c: ComponentInfo) -> pb.ComponentPlacement:
+    """GetStatus' view of one loaded component (the two share their field names)."""
+    return pb.ComponentPlacement(**dataclasses.asdict(c))
