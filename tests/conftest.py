@@ -9,6 +9,10 @@ import os
 # channels are busy (grpc/grpc#37259); the tests start service processes from threads that
 # also hold channels. Must be set before grpc is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# One torch thread per process: scripts/test.sh runs two workers on two cores, and each starts services of its own;
+# more threads than cores only spin. Set before torch is imported, so every process a test starts inherits the same
+# count (CPU bits of some reductions depend on it: a service's output is compared with this process's reference).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import contextlib
 from collections.abc import Iterator
@@ -24,6 +28,24 @@ from servicekit import Pair, ProcessGroup, StartPair, Weights, process_group, up
 
 from ditcore import write_repository
 
+SLOW_FIRST = (
+    "tests/test_bench_quick.py",
+    "tests/test_update_crash.py",
+    "tests/parallel/test_parallel_oracle.py",
+    "tests/test_gpu_check.py",
+    "tests/parallel/test_replica_e2e.py",
+    "tests/test_e2e_faults.py",
+    "tests/test_e2e_ref2va.py",
+    # the quick tier's slowest (no processes)
+    "tests/test_update_load.py",
+    "tests/test_update_weights.py",
+    "tests/core/test_core_pipeline.py",
+    "tests/test_cli.py",
+    "tests/core/test_core_ref2va.py",
+    "tests/test_services_integration.py",
+)
+"""The slowest modules (scripts/test.sh prints the slowest tests), run first: the two workers of `--dist loadfile`
+take whole modules as they free up, so the longest ones starting first lets both end together."""
 PROCESS_FIXTURES = frozenset({"procs", "proc_pair", "run_cli_proc", "pg_url"})
 """Fixtures that start OS processes: a test using one is marked `processes` (the quick tier leaves it out)."""
 
@@ -41,14 +63,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
         if "e2e" in item.keywords or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(SLOW_FIRST)))  # stable: modules stay whole
+
+
+def _guarded(item: pytest.Item) -> contextlib.AbstractContextManager[None]:
+    return processguard.running(item.nodeid, item.get_closest_marker("processes") is not None)
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """While `item` runs (its fixtures' setup and teardown included), a process it starts must be declared: a test
-    that is not marked `processes` and starts one fails, naming the command (processguard), so `--quick` really is
-    the tier that starts none."""
-    with processguard.running(item.nodeid, item.get_closest_marker("processes") is not None):
+def pytest_runtest_setup(item: pytest.Item) -> object:
+    """While `item`'s fixtures are set up and while it runs, a process it starts must be declared: a test that is not
+    marked `processes` and starts one fails, naming the command (tests/processguard.py), so `--quick` really is the
+    tier that starts none. Teardown is not checked: a session fixture stops the server it started (PostgreSQL) after
+    whichever test its worker ran last."""
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    with _guarded(item):
         return (yield)
 
 

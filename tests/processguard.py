@@ -12,23 +12,25 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 _state = threading.local()
 _current: dict[str, Any] = {"nodeid": "", "allowed": True}  # the running test (one at a time per worker)
+"""Outside any test (collection, teardown) every start is allowed."""
 _real_popen_init = subprocess.Popen.__init__
 _real_process_start = multiprocessing.process.BaseProcess.start
 
 
-class UndeclaredProcessError(RuntimeError):
-    """A test not marked `processes` started a process."""
-
-
 def _check(what: str) -> None:
+    """Fail the running test (pytest.fail: an outcome, so no `except Exception` of the code under test can turn it
+    into a skip or a pass) when it may not start a process."""
     if _current["allowed"] or getattr(_state, "inside", False):
         return
-    raise UndeclaredProcessError(
+    pytest.fail(
         f"{_current['nodeid']} starts a process ({what}) but is not marked `processes`: add "
         "`pytestmark = pytest.mark.processes` to its module (or the marker to the test), which takes it out of the "
-        "quick tier"
+        "quick tier",
+        pytrace=False,
     )
 
 
@@ -57,8 +59,9 @@ multiprocessing.process.BaseProcess.start = _process_start  # type: ignore[metho
 @contextlib.contextmanager
 def running(nodeid: str, allowed: bool) -> Iterator[None]:
     """Check every process start against `allowed` while the test `nodeid` runs."""
+    before = dict(_current)
     _current["nodeid"], _current["allowed"] = nodeid, allowed
     try:
         yield
     finally:
-        _current["nodeid"], _current["allowed"] = "", True
+        _current.update(before)

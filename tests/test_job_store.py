@@ -31,7 +31,7 @@ def jid(i: int) -> str:
     return f"job_{i:032x}"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.processes)])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'state' / 'jobs' / 'jobs.db'}"

@@ -1,4 +1,4 @@
-"""The executor's policy values, declared here and nested in GeneratorConfig: the sizing policy (ditcore.sizing's
+"""The executor's policy values (GeneratorConfig builds them from its flags): the sizing policy (ditcore.sizing's
 memory check and step-time factor) and which request fields the operator's limit flags tighten. No grpc here."""
 
 from __future__ import annotations
