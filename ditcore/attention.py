@@ -118,7 +118,7 @@ def check_runs(name: str, device: torch.device) -> None:
     """Before any checkpoint is loaded (a server's start): AttentionBackendError unless backend `name` runs the
     released attention (bfloat16, the `h3` preset's heads) on `device`; "auto" always passes. Loading a checkpoint
     checks again, at its own dtype and shapes (use_backend)."""
-    from .repo import get_preset
+    from .presets import get_preset
 
     if name == AUTO:
         return

@@ -1,4 +1,5 @@
-"""MiniMax-H3 checkpoints: a diffusers repository directory, validated, fingerprinted and watched for in-place edits.
+"""MiniMax-H3 checkpoints: a diffusers repository directory, validated (its files as read: checkpoint_files.py; their
+digests, the fingerprints and in-place edits: digests.py).
 
 A checkpoint is what diffusers' `MiniMaxH3ModularPipeline.from_pretrained` reads: `model_index.json` and one folder
 per component (`transformer/` with its config, sharded `diffusion_pytorch_model-*.safetensors` and their index;
@@ -15,10 +16,6 @@ digest (`PartitionInfo.fingerprint`): a weight update that leaves a partition's 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import struct
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,148 +24,25 @@ from typing import Any
 
 import torch
 
-from .plans import INDEX_FILE, SINGLE_FILE, PageLayout, is_plan_tensor, load_dtype
+from .checkpoint_files import (
+    BASE,
+    MODEL_INDEX,
+    PARTITION_TASKS,
+    PARTITIONS,
+    TRANSFORMER,
+    CheckpointError,
+    ShardHeader,
+    check_partition,
+    read_json,
+    read_model_index,
+    read_shard_header,
+    repository_files,
+)
+from .digests import combine_digests, file_digest, partition_fingerprint
+from .plans import PageLayout, is_plan_tensor
+from .shards import INDEX_FILE, SINGLE_FILE, load_dtype
 
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-_ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, unreadable, corrupt or incompatible; the message names the file (and tensor)."""
-
-
-class CheckpointNotFoundError(CheckpointError):
-    """The checkpoint directory (or its model_index.json) does not exist."""
-
-
-# ---------------------------------------------------------------------------- headers
-@dataclass(frozen=True)
-class TensorEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-@dataclass(frozen=True)
-class ShardHeader:
-    file: str
-    size: int
-    header_bytes: bytes
-    tensors: dict[str, TensorEntry]
-
-
-def read_shard_header(path: Path) -> ShardHeader:
-    """Parse and bounds-check one safetensors header; errors name the file and tensor."""
-    name = path.name
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{name}: truncated shard: {size} bytes, no header length")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > _MAX_HEADER_BYTES or 8 + hlen > size:
-                raise CheckpointError(f"{name}: corrupt header: declares {hlen} header bytes in a {size}-byte file")
-            raw = fh.read(hlen)
-    except OSError as e:
-        raise CheckpointError(f"{name}: cannot read shard: {e.strerror or e}") from e
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-        if not isinstance(meta, dict):
-            raise ValueError("header is not an object")
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{name}: corrupt header: not valid safetensors JSON ({e})") from e
-    data_len = size - 8 - hlen
-    tensors: dict[str, TensorEntry] = {}
-    for tname, info in meta.items():
-        if tname == "__metadata__":
-            continue
-        tensors[tname] = _parse_entry(name, tname, info, data_len)
-    return ShardHeader(file=name, size=size, header_bytes=head + raw, tensors=tensors)
-
-
-def _parse_entry(file: str, tname: str, info: Any, data_len: int) -> TensorEntry:
-    try:
-        dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        begin, end = int(begin), int(end)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{file}: tensor '{tname}': corrupt header entry ({e})") from e
-    if dtype not in _ST_BYTES or any(d < 0 for d in shape) or not 0 <= begin <= end:
-        raise CheckpointError(f"{file}: tensor '{tname}': corrupt header entry {info!r}")
-    if end - begin != math.prod(shape) * _ST_BYTES[dtype]:
-        raise CheckpointError(
-            f"{file}: tensor '{tname}': data length {end - begin} does not match {dtype}{list(shape)}"
-        )
-    if end > data_len:
-        raise CheckpointError(
-            f"{file}: tensor '{tname}': truncated shard: data ends at byte {end} but only {data_len} data bytes exist"
-        )
-    return TensorEntry(dtype=dtype, shape=shape, begin=begin, end=end)
-
-
-_FP_SAMPLE_BYTES = 4096
-
-
-def data_samples(path: Path, hdr: ShardHeader) -> bytes:
-    """The first and last (up to) 4 KiB of every tensor's data, in tensor-name order.
-
-    Headers alone are identical for every checkpoint of one config (same names, dtypes,
-    shapes, offsets), so the fingerprint must see some data to tell weights apart.
-    """
-    base = len(hdr.header_bytes)
-    parts: list[bytes] = []
-    try:
-        with open(path, "rb") as fh:
-            for tname in sorted(hdr.tensors):
-                e = hdr.tensors[tname]
-                spans = {
-                    (e.begin, min(e.end, e.begin + _FP_SAMPLE_BYTES)),
-                    (max(e.begin, e.end - _FP_SAMPLE_BYTES), e.end),
-                }
-                for begin, end in sorted(spans):
-                    fh.seek(base + begin)
-                    parts.append(fh.read(end - begin))
-    except OSError as e:
-        raise CheckpointError(f"{path.name}: cannot read shard: {e.strerror or e}") from e
-    return b"".join(parts)
-
-
-def combine_digests(digests: dict[str, str]) -> str:
-    return hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(digests.items())).encode()).hexdigest()
-
-
-def changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
-    """Files whose digest differs, appeared or disappeared between two `file_digests`."""
-    return sorted(f for f in set(old) | set(new) if old.get(f) != new.get(f))
-
-
-# ---------------------------------------------------------------------------- repositories
-MODEL_INDEX = "model_index.json"
-TRANSFORMER = "transformer"
-TRANSFORMER_REF = "transformer_ref"
 TRANSFORMER_CLASS = "MiniMaxH3Transformer3DModel"
-BASE, REF = "base", "ref"
-PARTITIONS: dict[str, str] = {BASE: TRANSFORMER, REF: TRANSFORMER_REF}
-"""Partition name -> its folder (and diffusers component name): "base" serves t2va / fl2va, "ref" serves ref2va."""
-PARTITION_TASKS: dict[str, tuple[str, ...]] = {BASE: ("t2va", "fl2va"), REF: ("ref2va",)}
-"""The tasks each partition's transformer runs (diffusers' workflows)."""
-
-
-def partition_of_task(task: str) -> str:
-    """The partition whose transformer runs `task`; ValueError for an unknown task."""
-    for name, tasks in PARTITION_TASKS.items():
-        if task in tasks:
-            return name
-    raise ValueError(f"unknown task {task!r}; tasks: {[t for ts in PARTITION_TASKS.values() for t in ts]}")
-
-
-def check_partition(name: str) -> str:
-    """`name` if it is a partition name; ValueError listing them otherwise."""
-    if name not in PARTITIONS:
-        raise ValueError(f"unknown partition {name!r}; partitions: {list(PARTITIONS)}")
-    return name
-
 
 # component -> the file diffusers / transformers read first from its folder; the first six are what the t2va path
 # needs, processor and audio_scheduler are checked when model_index.json names them (the writer lays both out)
@@ -263,7 +137,7 @@ class CheckpointInfo:
     @property
     def preset(self) -> str:
         """The name of the preset whose transformer this is ("h3" for the released shapes), else "custom"."""
-        from .repo import preset_of
+        from .presets import preset_of
 
         return preset_of(self.transformer_config)
 
@@ -288,29 +162,9 @@ def _shape_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
-def _read_json(root: Path, rel: str) -> Any:
-    try:
-        return json.loads((root / rel).read_text())
-    except OSError as e:
-        raise CheckpointError(f"{rel}: cannot read: {e.strerror or e}") from e
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{rel}: not valid JSON ({e})") from e
-
-
-def _model_index(root: Path) -> dict[str, Any]:
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"repository directory not found: {root}")
-    if not (root / MODEL_INDEX).is_file():
-        raise CheckpointNotFoundError(f"{MODEL_INDEX}: missing from repository {root}")
-    index = _read_json(root, MODEL_INDEX)
-    if not isinstance(index, dict):
-        raise CheckpointError(f"{MODEL_INDEX}: expected an object of component -> [library, class]")
-    return index
-
-
 def _components(root: Path) -> list[str]:
     """Components named by model_index.json, each with its folder and first file present."""
-    index = _model_index(root)
+    index = read_model_index(root)
     named = sorted(k for k in index if not k.startswith("_"))
     for comp in REQUIRED_COMPONENTS:
         if comp not in index:
@@ -331,16 +185,6 @@ def _components(root: Path) -> list[str]:
     return named
 
 
-def _model_files(root: Path, components: Iterable[str]) -> list[str]:
-    """model_index.json plus every regular file under the components' folders, as sorted relative paths."""
-    files = [MODEL_INDEX]
-    for comp in components:
-        for f in sorted((root / comp).rglob("*")):
-            if f.is_file() and not f.name.startswith("."):
-                files.append(f.relative_to(root).as_posix())
-    return files
-
-
 def _header(root: Path, rel: str, first_tensor: str | None = None) -> ShardHeader:
     """read_shard_header with the file named by its relative path (and a tensor it should hold, if known)."""
     try:
@@ -352,21 +196,12 @@ def _header(root: Path, rel: str, first_tensor: str | None = None) -> ShardHeade
         raise CheckpointError(msg) from e
 
 
-def _digest(root: Path, rel: str, hdr: ShardHeader | None) -> str:
-    """The digest of ditcore.checkpoint: whole bytes for small files; size, header and data samples for shards."""
-    if hdr is None:
-        return hashlib.sha256((root / rel).read_bytes()).hexdigest()
-    h = hashlib.sha256(f"{hdr.size}\0".encode() + hdr.header_bytes)
-    h.update(data_samples(root / rel, hdr))
-    return h.hexdigest()
-
-
 def _transformer_config(root: Path, folder: str = TRANSFORMER) -> tuple[dict[str, Any], Any]:
     """Parsed `folder`/config.json and diffusers' model built from it on meta (shapes, no memory)."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     rel = f"{folder}/config.json"
-    config = _read_json(root, rel)
+    config = read_json(root, rel)
     if not isinstance(config, dict):
         raise CheckpointError(f"{rel}: expected a JSON object")
     if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
@@ -387,7 +222,7 @@ def _weight_map(root: Path, folder: str = TRANSFORMER) -> dict[str, str]:
             raise CheckpointError(f"{folder}/: holds neither {INDEX_FILE} nor {SINGLE_FILE}")
         hdr = _header(root, f"{folder}/{SINGLE_FILE}")
         return dict.fromkeys(hdr.tensors, SINGLE_FILE)
-    data = _read_json(root, rel_index)
+    data = read_json(root, rel_index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -489,7 +324,7 @@ def _other_headers(root: Path, files: Iterable[str], done: Mapping[str, ShardHea
 def _check_json(root: Path, files: Iterable[str]) -> None:
     for rel in files:
         if rel.endswith(".json"):
-            _read_json(root, rel)
+            read_json(root, rel)
 
 
 def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> CheckpointInfo:
@@ -513,10 +348,10 @@ def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> Checkpo
         dtype, has_adaln = _check_tensors(model, weight_map, shards, require_adaln, listing, folder)
         found[name] = (config, PageLayout.from_config(config), dtype, has_adaln)
         headers.update(shards)
-    files = _model_files(root, components)
+    files = repository_files(root, components)
     _check_json(root, files)
     headers = {**headers, **_other_headers(root, files, headers)}
-    digests = {rel: _digest(root, rel, headers.get(rel)) for rel in files}
+    digests = {rel: file_digest(root, rel, headers.get(rel)) for rel in files}
     partitions = {
         name: PartitionInfo(
             name, PARTITIONS[name], config, layout, dtype, has_adaln, partition_fingerprint(digests, name)
@@ -541,45 +376,3 @@ def validate_checkpoint(path: str | Path, require_adaln: bool = True) -> Checkpo
         combine_digests(digests),
         partitions,
     )
-
-
-def partition_fingerprint(digests: Mapping[str, str], name: str) -> str:
-    """The digest of partition `name`'s own files among a repository's per-file `digests`."""
-    prefix = PARTITIONS[check_partition(name)] + "/"
-    return combine_digests({rel: d for rel, d in digests.items() if rel.startswith(prefix)})
-
-
-def file_digests(path: str | Path) -> dict[str, str]:
-    """Per-file digests of the repository as it is now (the files `CheckpointInfo.digests` covers).
-
-    Lenient, so a damaged file shows up as changed rather than raising: a safetensors file whose header no longer
-    parses is digested by its error message.
-    """
-    root = Path(path)
-    components = sorted(k for k in _model_index(root) if not k.startswith("_") and (root / k).is_dir())
-    out: dict[str, str] = {}
-    for rel in _model_files(root, components):
-        hdr: ShardHeader | None = None
-        if rel.endswith(".safetensors"):
-            try:
-                hdr = read_shard_header(root / rel)
-            except CheckpointError as e:
-                out[rel] = "corrupt:" + hashlib.sha256(str(e).encode()).hexdigest()
-                continue
-        out[rel] = _digest(root, rel, hdr)
-    return out
-
-
-def changed_since(info: CheckpointInfo) -> list[str]:
-    """Relative paths whose digest differs, appeared or disappeared since `info` was validated (in-place edits)."""
-    return changed_files(info.digests, file_digests(info.path))
-
-
-def fingerprint(path: str | Path) -> str:
-    """The fingerprint `validate_repository` would report, without validating (for a quick identity check)."""
-    return combine_digests(file_digests(path))
-
-
-def is_repository_dir(path: str | Path) -> bool:
-    """True if `path` looks like a diffusers repository (has model_index.json); no validation."""
-    return (Path(path) / MODEL_INDEX).is_file()

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .plans import PageLayout, is_plan_tensor
-from .repo import TEXT_LAYERS, get_preset
+from .presets import get_preset
+from .repo import TEXT_LAYERS
 from .sizing import (
     DEVICE_CLASSES,
     GB,

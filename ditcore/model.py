@@ -1,128 +1,47 @@
-"""A loaded MiniMax-H3 checkpoint, ready to serve requests, and `generate()`, the one way a request runs.
+"""A loaded MiniMax-H3 checkpoint, ready to serve requests: `load_model` and `H3Model` (`generate()`, the one way a
+request runs on it, is generation.py's).
 
 `H3Model` is diffusers' own modular pipeline on a checkpoint (pipeline.py): in **resident** mode with the transformer
 exactly as `from_pretrained` loads it; in **cached** mode with the transformer loaded without its plan tensors (never
 read, never allocated) and every `adaln_proj.linear` / `norm_out.linear` replaced by a module that reads the current
-step's rows from a plan lease. `generate(model, request, plans, on_step)` runs diffusers' t2va, fl2va or ref2va
-denoise loop and returns the final latents exactly as diffusers computes them, decoded by diffusers' own decode steps
-when the request asks for media. One model holds the transformer of every partition it serves ("base":
-`transformer/`, t2va and fl2va; "ref": `transformer_ref/`, ref2va), each cached or resident as the mode says.
+step's rows from a plan lease. One model holds the transformer of every partition it serves ("base": `transformer/`,
+t2va and fl2va; "ref": `transformer_ref/`, ref2va), each cached or resident as the mode says.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from .attention import AUTO, backend_of, check_name, use_backend
-from .checkpoint import PARTITION_TASKS, CheckpointInfo, validate_checkpoint
-from .checkpoint import PARTITIONS as PARTITION_FOLDERS
-from .media import DecodedMedia
-from .parallel import Replica, collective_backend, enable_context_parallel, split_guard
+from .checkpoint import CheckpointInfo, validate_checkpoint
+from .checkpoint_files import PARTITION_TASKS
+from .checkpoint_files import PARTITIONS as PARTITION_FOLDERS
+from .decode import load_decoder, vae_dtype
+from .parallel import collective_backend, enable_context_parallel, split_guard
 from .pipeline import (
     DECODE_DTYPES,
     PartitionNotLoadedError,
-    ScheduleKeys,
-    decode,
     decode_dtype_for,
-    generate_latents,
-    load_decoder,
     load_pipeline,
     loaded_partitions,
     pipeline_with,
     plan_holder,
     repository_partitions,
     transformer_for,
-    vae_dtype,
 )
-from .plans import PlanKey, SlotReads, is_plan_tensor
-from .report import CacheReport
-from .request import H3_LIMITS, GenerationRequest, RequestLimits, check_prompt_tokens
+from .plans import PlanKey, is_plan_tensor
+from .replica import Replica
+from .request import GenerationRequest
+from .schedule import ScheduleKeys
 from .text_encoder import LoadedTextEncoder, TextEncoderPlacement
 
 ADALN_MODES = ("resident", "cached")
-
-
-class PlanLease(Protocol):
-    """Pages for every step of one request, valid until `release()`."""
-
-    @property
-    def report(self) -> CacheReport:
-        """Where the request's plans came from (read-only)."""
-        ...
-
-    def pages(self, step: int) -> torch.Tensor:
-        """(width, page_numel) pages of step `step`, in the projections' dtype, on the model's device."""
-        ...
-
-    def release(self) -> None: ...
-
-
-@runtime_checkable
-class SlabPlanLease(PlanLease, Protocol):
-    """A lease whose pages are rows of a slab: the served path reads them with SlotReads (one indexed read per step,
-    no host sync) instead of calling `pages(step)`."""
-
-    def slab_slots(self) -> tuple[torch.Tensor, Sequence[int]]:
-        """The (S, W, P) slab on the model's device and the slot of every step."""
-        ...
-
-
-def _stream_synchronize(device: torch.device) -> None:
-    """Return once every kernel queued so far on `device`'s current stream has finished: an event recorded after the
-    last one, then waited on. CPU: kernels run synchronously, nothing is outstanding (a no-op)."""
-    if device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        done.synchronize()
-
-
-def reads_finished(device: torch.device) -> None:
-    """Return once the last kernel that reads a leased slot has finished (_stream_synchronize). A lease may be
-    released (its slots reused) only after this; on CPU a no-op, kept so the ordering is explicit."""
-    _stream_synchronize(device)
-
-
-def stage_synchronize(device: torch.device) -> None:
-    """Return once the stage's kernels have finished (_stream_synchronize), so that a stage clock read next counts
-    them and not only their launch (the host runs ahead of a CUDA stream). Kept apart from reads_finished because it
-    serves the clocks, not the lease. `generate` calls it at each stage boundary: a few times per request, inside the
-    loop only at the first forward."""
-    _stream_synchronize(device)
-
-
-class PlanProvider(Protocol):
-    def acquire(self, keys: Sequence[PlanKey]) -> PlanLease:
-        """A lease on the pages of `keys` (one key per step)."""
-        ...
-
-
-StepCallback = Callable[[int, int], None]
-"""Called as (steps_done, total) after every transformer forward; raising aborts the request."""
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    video: torch.Tensor
-    """Final video latents as diffusers returns them: (1, 24, F_latent, H/16, W/16) float32."""
-    audio: torch.Tensor
-    """Final audio latents as diffusers returns them: (2, 32, N) float32 (stereo channels first)."""
-    sha256: str
-    timings_ms: dict[str, float]
-    cache: CacheReport | None = None
-    media: DecodedMedia | None = None
-    """The decoded frames and waveform (requests whose output_type is not "latents")."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    attention_backend: str = ""
-    """The diffusers attention backend the request's transformer forwards ran with ("native", "_native_cudnn", ...)."""
 
 
 @dataclass(frozen=True)
@@ -166,15 +85,6 @@ class RunOptions:
     def decode_dtype_for(self, precision: str) -> str:
         """The dtype a checkpoint of `precision` decodes in under these options (pipeline.decode_dtype_for)."""
         return decode_dtype_for(self.decode_dtype, precision)
-
-
-def latents_sha256(video: torch.Tensor, audio: torch.Tensor | None) -> str:
-    """SHA-256 of the raw little-endian bytes of the video latents, then the audio latents (contiguous)."""
-    h = hashlib.sha256()
-    for t in (video, audio):
-        if t is not None:
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)  # the buffer itself, no copy
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -427,107 +337,3 @@ def load_model(
             enable_context_parallel(transformer, parallel.spec, parallel.device, parallel.mesh)
             split_guard(transformer, parallel.spec)
     return model
-
-
-def _clock(device: torch.device) -> float:
-    """A stage clock: perf_counter once `device` has finished the work queued so far (stage_synchronize)."""
-    stage_synchronize(device)
-    return time.perf_counter()
-
-
-def _ms(t0: float, device: torch.device) -> float:
-    return round((_clock(device) - t0) * 1000.0, 3)
-
-
-def generate(
-    model: H3Model,
-    request: GenerationRequest,
-    plans: PlanProvider | None = None,
-    on_step: StepCallback | None = None,
-    limits: RequestLimits = H3_LIMITS,
-    check: Callable[[], None] | None = None,
-) -> GenerationResult:
-    """Run one request through diffusers' t2va or fl2va loop. Cached models need `plans`; resident models take none.
-    `check` (optional) is called between the decode's chunks; it raises to stop the request there (cancel, deadline).
-
-    The lease (if any) is acquired after validation and released in every outcome (before decoding, which reads no
-    plan). Timings: `plans` (acquire), `encode` (start of the loop to the first transformer forward: text and keyframe
-    encoding, layout), `denoise` (the rest of the loop), `decode` (diffusers' decode steps, on the model's device;
-    only for requests that ask for media). Each stage clock is read once the device has finished the stage's work
-    (stage_synchronize; on CUDA a stream sync at each boundary, the first forward's included), in both modes.
-    """
-    request.validate(limits)
-    model.check_partition(request)
-    check_prompt_tokens(model.pipe.tokenizer, request.prompt, limits)  # the served tokenizer, as diffusers calls it
-    if (plans is None) != (model.mode == "resident"):
-        raise ValueError(f"a {model.mode} model {'takes no' if plans is not None else 'needs a'} plan provider")
-    device = model.device
-    t_start = _clock(device)
-    timings: dict[str, float] = {}
-    backend = model.attention_backend
-    keys = model.plan_keys(request)
-    t0 = _clock(device)
-    lease = plans.acquire(keys) if plans is not None else None
-    timings["plans"] = _ms(t0, device)
-    first_forward: list[float] = []  # the end of "encode": text and keyframe encoding done on the device
-    forwards = 0
-
-    def forward_started(module: Any, args: Any) -> None:
-        if not first_forward:
-            first_forward.append(_clock(device))
-
-    def forward_done(module: Any, args: Any, output: Any) -> None:
-        nonlocal forwards
-        forwards += 1
-        if on_step is not None:
-            on_step(forwards, len(keys))
-
-    transformer = model.transformer_of(request.partition)
-    handles = [
-        transformer.register_forward_pre_hook(forward_started),
-        transformer.register_forward_hook(forward_done),
-    ]
-    reads = None
-    try:
-        t0 = _clock(device)
-        reads = _plan_reads(lease, keys)
-        video, audio = generate_latents(model.pipe, request, reads, keys)
-        end = _clock(device)  # resident mode too: the last step's kernels have run
-        first = first_forward[0] if first_forward else end
-        timings["encode"] = round((first - t0) * 1000.0, 3)
-        timings["denoise"] = round((end - first) * 1000.0, 3)
-    finally:
-        for h in handles:
-            h.remove()
-        report = lease.report if lease is not None else None
-        if lease is not None:
-            # In every outcome (a step callback may abort with kernels still queued): no slot of the lease is
-            # released before the last kernel that reads one has finished (docs/architecture.md, "The slab and the
-            # lease protocol").
-            reads_finished(model.device)
-            if isinstance(reads, SlotReads):  # no slab view outlives the request: a failed request's traceback
-                reads.close()  # keeps this frame and generate_latents', which hold the reads
-            reads = None
-            lease.release()
-    media = None
-    if request.decodes:
-        t0 = _clock(device)
-        media = decode(model.decoder, video, audio, check=check)
-        timings["decode"] = _ms(t0, device)
-    timings["total"] = _ms(t_start, device)
-    v_out = video.detach().cpu().contiguous()
-    a_out = audio.detach().cpu().contiguous()
-    return GenerationResult(
-        request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report, media=media,
-        attention_backend=backend,
-    )  # fmt: skip
-
-
-def _plan_reads(lease: PlanLease | None, keys: Sequence[PlanKey]) -> Any:
-    """How the loop reads the lease: SlotReads over its slab (prepared here, once per request), else `pages(i)`."""
-    if lease is None:
-        return None
-    if isinstance(lease, SlabPlanLease):
-        slab, slots = lease.slab_slots()
-        return SlotReads(slab, slots, [k.width for k in keys])
-    return lambda i, key: lease.pages(i)

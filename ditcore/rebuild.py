@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .plans import PageLayout, PlanKey, is_plan_tensor, load_dtype, plan_inputs, read_tensor, shard_map
+from .plans import PageLayout, PlanKey, is_plan_tensor, plan_inputs
+from .shards import load_dtype, read_tensor, shard_map
 
 TIME_EMBEDDER = "time_embedder"
 # safetensors header dtype names -> torch dtypes a projection may be stored in

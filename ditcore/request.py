@@ -17,7 +17,6 @@ tab, line feed and carriage return.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import re
@@ -25,17 +24,10 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from .keyframes import ImageLimits, MediaError, decode_image, probe_image
+from .keyframes import ImageLimits, MediaError, probe_image
 from .media import OUTPUT_TYPES
-from .references import (
-    DEFAULT_REFERENCE_LIMITS,
-    IndexedMediaError,
-    Reference,
-    ReferenceLimits,
-    ReferenceProbe,
-    decode_reference,
-    probe_references,
-)
+from .media_cache import decoded_keyframe, decoded_reference, probed_references
+from .references import DEFAULT_REFERENCE_LIMITS, IndexedMediaError, Reference, ReferenceLimits, ReferenceProbe
 
 TASKS = ("t2va", "fl2va", "ref2va")
 """Served tasks: text to video+audio, first/last keyframe to video+audio (both on the `transformer/` partition),
@@ -217,7 +209,7 @@ class GenerationRequest:
         """Every reference check the bytes' headers and container structure decide, nothing decoded
         (ditcore.references.probe_references; RequestError naming `references[i]`, the MediaError its cause)."""
         try:
-            return list(_probed(self.references, limits.reference_limits()))
+            return list(probed_references(self.references, limits.reference_limits()))
         except IndexedMediaError as e:
             raise RequestError(e.field, e.description) from e
 
@@ -228,7 +220,7 @@ class GenerationRequest:
         out = []
         for i, (ref, probe) in enumerate(zip(self.references, probes, strict=True)):
             try:
-                out.append(_decoded_reference(ref, probe))
+                out.append(decoded_reference(ref, probe, MODEL_LIMITS.reference_limits()))
             except MediaError as e:
                 raise RequestError(f"references[{i}]", e.description) from e
         return out
@@ -255,7 +247,7 @@ class GenerationRequest:
                 try:
                     if _image_limits(limits) != _image_limits(H3_LIMITS):  # tighter: its header checks first
                         probe_image(data, _image_limits(limits))
-                    inputs[key] = _decoded(data)
+                    inputs[key] = decoded_keyframe(data, _image_limits(H3_LIMITS))
                 except MediaError as e:
                     raise RequestError(name, e.description) from e
         return inputs
@@ -439,37 +431,6 @@ def _visible(char: str) -> bool:
     private use (Co), unassigned (Cn), nor a combining mark (Mn, Me), which shows only on another character."""
     category = unicodedata.category(char)
     return (category[0] in "LNPS" or category == "Mc") and char not in _INVISIBLE_LETTERS
-
-
-@functools.lru_cache(maxsize=2)
-def _decoded(data: bytes) -> Any:
-    """decode_image within the hard caps (the operator's tighter limits are checked before: `keyframes`), remembered
-    for the last two keyframes: a keyframe is decoded once although generate()'s steps (its plan keys and its loop)
-    each ask for the pipeline inputs (a MediaError is not remembered). The image is shared: diffusers' blocks only
-    read it (resizing makes a new one)."""
-    return decode_image(data, _image_limits(H3_LIMITS))
-
-
-@functools.lru_cache(maxsize=12)
-def _decoded_reference(ref: Reference, probe: ReferenceProbe) -> Any:
-    """decode_reference within the hard caps (the request's own limits were probed first), remembered for one
-    request's references (at most 12): its plan keys and its loop each ask for the pipeline inputs."""
-    return decode_reference(ref, probe, MODEL_LIMITS.reference_limits())
-
-
-@functools.lru_cache(maxsize=8)
-def _probed(refs: tuple[Reference, ...], limits: ReferenceLimits) -> tuple[ReferenceProbe, ...]:
-    """probe_references, remembered: admission, the plan keys and the loop of one request each ask (a MediaError
-    is not remembered)."""
-    return tuple(probe_references(refs, limits))
-
-
-def forget_decoded_keyframes() -> None:
-    """Drop the remembered keyframes and references, their media and bytes: a server calls this after each request,
-    so an idle one holds none."""
-    _decoded.cache_clear()
-    _decoded_reference.cache_clear()
-    _probed.cache_clear()
 
 
 def _image_limits(limits: RequestLimits) -> ImageLimits:

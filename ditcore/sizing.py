@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .pipeline import DECODE_CHUNK_BYTES
+from .decode import DECODE_CHUNK_BYTES
 from .repo import PROCESSOR_CONFIG
 
 GB = 1000**3
@@ -481,7 +481,7 @@ class ModelShapes:
         tile = tokens * (3 * d.dim * 4 + (4 * d.ffn_mult * d.dim + 3 * d.dim) * ed)
         if self.materializes_scores:
             tile += 2 * d.heads * tokens * tokens * ed
-        # on cpu the uint8 frames and one conversion chunk's temporaries (ditcore.pipeline.to_uint8_frames)
+        # on cpu the uint8 frames and one conversion chunk's temporaries (ditcore.decode.to_uint8_frames)
         host = v + 3 * DECODE_CHUNK_BYTES if self.device_type == "cpu" else 0
         return max(2 * v * ed, v * ed + 8 * v) + tile + host
 

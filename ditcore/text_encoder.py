@@ -20,6 +20,8 @@ Placement (`TextEncoderPlacement`: the generator's --text-encoder-device / --tex
               memory the offload frees.
 Inputs reach an encoder on another device than the model's through a pre-hook on `text_encoder.model`; diffusers
 moves the embeddings back (`.to(device)`), and the pipeline's execution device stays the model's (pipeline.py).
+On a replica of several ranks only rank 0 loads one: it broadcasts each prompt embedding (share_prompt_embeddings),
+which the other ranks' weightless ReceivedTextEncoder returns (receive_text_encoder).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .replica import Replica
 
 AUTO = "auto"
 TEXT_ENCODER_DEVICES = (AUTO, "cuda", "cpu")
@@ -175,9 +180,7 @@ def _trimmed_config(pipe: Any) -> tuple[Any, str, dict[str, Any], int, int]:
 
 def receive_text_encoder(pipe: Any, dtype: torch.dtype, replica: Any) -> LoadedTextEncoder:
     """On a replica rank other than 0: install a text encoder that holds no weights and receives rank 0's prompt
-    embedding for each encode (ditcore.parallel.ReceivedTextEncoder); none of its bytes are read."""
-    from .parallel import ReceivedTextEncoder
-
+    embedding for each encode (ReceivedTextEncoder); none of its bytes are read."""
     config, _, _, stored, keep = _trimmed_config(pipe)
     saved = dropped_bytes(config, 0, dtype)  # every layer and the head: nothing of it is loaded here
     config.text_config.num_hidden_layers = keep
@@ -268,3 +271,61 @@ def _inputs_to(device: torch.device) -> Any:
         return send_to_device(args, device), send_to_device(kwargs, device)
 
     return hook
+
+
+# ---------------------------------------------------------------------------- on a replica: rank 0 encodes for all
+def share_prompt_embeddings(text_encoder: Any, layer: int, replica: Replica) -> Any:
+    """On rank 0: after each forward of `text_encoder.model` (diffusers' MiniMax-H3 text blocks read its
+    `hidden_states[layer]`), broadcast that hidden state to the other ranks. Returns the hook's handle."""
+
+    def share(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        state = output.hidden_states[layer]
+        replica.broadcast_tensor(state, state.dtype, state.device)
+
+    return text_encoder.model.register_forward_hook(share, with_kwargs=True)
+
+
+class _Received:
+    """What diffusers reads of a Qwen3-VL forward's output: `hidden_states[layer]`, here the broadcast one."""
+
+    def __init__(self, layer: int, state: torch.Tensor) -> None:
+        self._layer, self._state = layer, state
+
+    @property
+    def hidden_states(self) -> _Received:
+        return self
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index != self._layer:
+            raise IndexError(f"rank 0 broadcast hidden_states[{self._layer}] only, not [{index}]")
+        return self._state
+
+
+class ReceivedTextEncoder(torch.nn.Module):
+    """A rank's text encoder that is rank 0's: no weights; `model(...)` returns the hidden state rank 0 broadcast
+    for the same call (every rank runs diffusers' same blocks on the same request, so the calls pair up). `config`
+    is the trimmed Qwen3-VL config diffusers checks; `dtype` the encoder's."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, layer: int, replica: Replica) -> None:
+        super().__init__()
+        self.config = config
+        self._dtype = dtype
+        self._layer = layer
+        self._replica = replica
+        self.model = _ReceivedModel(self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def receive(self) -> _Received:
+        state = self._replica.broadcast_tensor(None, self._dtype, self._replica.device)
+        return _Received(self._layer, state)
+
+
+class _ReceivedModel:
+    def __init__(self, owner: ReceivedTextEncoder) -> None:
+        self._owner = owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Received:
+        return self._owner.receive()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from ditcore import CheckpointError, PresetError, RequestError
 from ditcore.attention import AttentionBackendError
-from ditcore.repo import DTYPES as PRECISIONS
+from ditcore.presets import DTYPES as PRECISIONS
 from ditcore.text_encoder import TextEncoderError
 from ditruntime.flags import add_flags
 from ditruntime.paths import DirectoryFlagError

@@ -24,11 +24,12 @@ from ditcore import (
     validate_checkpoint,
     write_repository,
 )
-from ditcore.checkpoint import is_repository_dir
+from ditcore.checkpoint_files import is_repository_dir
 from ditcore.media import encode
 from ditcore.model import RunOptions
 from ditcore.plans import dtype_name
-from ditcore.repo import PRESETS, check_partitions
+from ditcore.presets import PRESETS
+from ditcore.repo import check_partitions
 from ditcore.text_encoder import TextEncoderPlacement
 from ditruntime.flags import from_args
 from ditruntime.paths import check_dir, prepare_dir

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from ditcore import validate_checkpoint, write_repository
-from ditcore.checkpoint import is_repository_dir
+from ditcore.checkpoint_files import is_repository_dir
 from ditruntime.auth import ADMIN_TOKEN_ENV, is_loopback_host, plaintext_admin_warning
 from ditruntime.flags import LaunchOptions, add_flags, from_args, to_argv
 from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir, prepare_dir, require_dir

@@ -18,7 +18,8 @@ import grpc
 import torch
 
 from ditcore.attention import AttentionBackendError, check_runs
-from ditcore.parallel import Ranks, Replica, collective_backend, init_process_group, ranks_from_env
+from ditcore.parallel import Ranks, collective_backend, init_process_group, ranks_from_env
+from ditcore.replica import Replica
 from ditruntime.paths import hold_lock, prepare_dir, require_dir
 from ditruntime.tls import mutual_tls_channel_credentials
 

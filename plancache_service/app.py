@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from ditcore.checkpoint import CheckpointError
+from ditcore.checkpoint_files import CheckpointError
 from ditruntime.paths import prepare_dir
 from ditruntime.slab import SLAB_PREFIX, TABLE_PREFIX
 from ditruntime.tls import mutual_tls_server_credentials

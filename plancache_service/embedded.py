@@ -1,6 +1,6 @@
 """Embedded use of the cache core: a ditcore `PlanProvider` backed by an in-process PlanCache.
 
-`ditcore.model.generate(model, request, EmbeddedPlanProvider(cache))` runs a cached H3Model on the cache's pages:
+`ditcore.generation.generate(model, request, EmbeddedPlanProvider(cache))` runs a cached H3Model on the cache's pages:
 the slab must live on the model's device, in the checkpoint's projection dtype (the cache's rebuild source decides).
 
 `generate-local --adaln-mode cached` runs through this; the generator service uses the same
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ditcore.model import PlanLease
+from ditcore.generation import PlanLease
 from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
 
@@ -35,7 +35,7 @@ class EmbeddedLease(PlanLease):
         return self._cache.slab[self.lease.slots[step], : self.lease.keys[step].width]
 
     def slab_slots(self) -> tuple[torch.Tensor, list[int]]:
-        """The local slab and every step's slot (ditcore.model.SlabPlanLease: one indexed read per step)."""
+        """The local slab and every step's slot (ditcore.generation.SlabPlanLease: one indexed read per step)."""
         return self._cache.slab, list(self.lease.slots)
 
     def release(self) -> None:

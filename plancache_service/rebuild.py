@@ -1,7 +1,7 @@
 """Rebuild source: the MiniMax-H3 repository plans are built from, and the one place pages are computed.
 
-A repository holds one or two transformer partitions (ditcore.checkpoint.PARTITIONS: "base" = `transformer/`, "ref"
-= `transformer_ref/`), each with its own `adaln_proj`; the source has one set of page builders per partition and
+A repository holds one or two transformer partitions (ditcore.checkpoint_files.PARTITIONS: "base" = `transformer/`,
+"ref" = `transformer_ref/`), each with its own `adaln_proj`; the source has one set of page builders per partition and
 builds each key from its own partition's folder (`PlanKey.partition`). Both partitions share one page layout.
 
 A `RebuildSource` wraps ditcore's `PlanBuilder` over a validated `CheckpointInfo` (a diffusers repository whose
@@ -11,7 +11,7 @@ as diffusers' forward computes it), straight into the slab slots given as output
 projection dtype (bfloat16 in the released mixed precision, float32 in a float32 repository) and
 `layout.page_numel` elements long.
 
-Before each pass the repository's per-file digests (ditcore.checkpoint.file_digests) are compared with the ones its
+Before each pass the repository's per-file digests (ditcore.digests.file_digests) are compared with the ones its
 generation was committed with: a repository changed in place is refused (`CheckpointChangedError`), never read.
 """
 
@@ -23,15 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ditcore.checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    changed_files,
-    combine_digests,
-    file_digests,
-    partition_fingerprint,
-    validate_checkpoint,
-)
+from ditcore.checkpoint import CheckpointInfo, validate_checkpoint
+from ditcore.checkpoint_files import CheckpointError
+from ditcore.digests import changed_files, combine_digests, file_digests, partition_fingerprint
 from ditcore.plans import PageLayout, PlanKey
 from ditcore.rebuild import PlanBuilder, Shard
 from ditcore.rebuild import shard_mode as ditcore_shard_mode

@@ -22,7 +22,7 @@ from grpc_health.v1.health import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from ditcore.checkpoint import CheckpointError
+from ditcore.checkpoint_files import CheckpointError
 from ditcore.plans import PARTITION_CODES, PlanKey
 from ditruntime.auth import LOOPBACK, check_bearer
 from ditruntime.convert import to_proto

@@ -10,7 +10,7 @@ Schema, read strictly (every failure is a StateFileError naming the key and the 
     generation    a JSON integer (not a boolean, no fraction or exponent), 1 <= g <= 2**63 - 1 (the slot table's int64)
     weights_path  a non-empty string without NUL
     digests       optional: an object of file path -> 64 lowercase hex digits ("corrupt:" + 64 hex digits is what
-                  ditcore.checkpoint.file_digests writes for an unreadable shard); left out (a hand-written recovery
+                  ditcore.digests.file_digests writes for an unreadable shard); left out (a hand-written recovery
                   file), the sidecar digests the files at start and writes them back
     fingerprint   optional (the sidecar writes it): must equal combine_digests(digests)
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ditcore.checkpoint import combine_digests
+from ditcore.digests import combine_digests
 
 from .errors import StateFileError as StateFileError  # re-exported: the CLI and the adapter import it from here
 

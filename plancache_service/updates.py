@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ditcore.checkpoint import CheckpointError
+from ditcore.checkpoint_files import CheckpointError
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.faults import crash_point
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from ditcore.plans import PageLayout, PlanKey, SlotReads, load_dtype
-from ditcore.repo import H3Preset, get_preset
+from ditcore.plans import PageLayout, PlanKey, SlotReads
+from ditcore.presets import H3Preset, get_preset
+from ditcore.shards import load_dtype
 
 SLOTS, WIDTH = 49, 3
 """A 50-step request's forwards, each a plan of up to 3 pages (t2va's video/text and audio, fl2va's keyframe)."""

@@ -14,9 +14,10 @@ the encode (on CUDA that video, and the step's float temporaries, are device mem
 subprocess: it loads the decoder, resets its peak RSS (/proc/self/clear_refs), runs the stage and reports VmHWM;
 "stage" is that peak less the RSS just before the stage. `--before FILE` is a Python file defining the old
 `decode(decoder, video, audio)`, `encode(media, output_type)` and `DecodedMedia`; `--write-before REV FILE` builds
-one from a git revision (its whole ditcore/media.py, which imports nothing of ditcore, plus its ditcore/pipeline.py
-`decode`); with `--source pixels` the old conversion is its decode's line after the step (the step's "pil" output
-stacked). Linux only (/proc). At 124 frames a case takes one to two minutes on two cores.
+one from a git revision (its whole ditcore/media.py, which imports nothing of ditcore, plus its `decode`: in
+ditcore/decode.py, or ditcore/pipeline.py before that module); with `--source pixels` the old conversion is its
+decode's line after the step (the step's "pil" output stacked). Linux only (/proc). At 124 frames a case takes one to
+two minutes on two cores.
 """
 
 from __future__ import annotations
@@ -45,19 +46,24 @@ PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 # ---------------------------------------------------------------------------------------------- the "before" file
 def write_before(rev: str, out: Path) -> None:
-    """`rev`'s ditcore/media.py with its ditcore/pipeline.py `decode` appended (it needs only DecodedMedia)."""
+    """`rev`'s ditcore/media.py with its `decode` appended (ditcore/decode.py's, or ditcore/pipeline.py's in a
+    revision before that module; it needs only DecodedMedia)."""
 
     def show(path: str) -> str:
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout  # fmt: skip
 
-    media, pipeline = show("ditcore/media.py"), show("ditcore/pipeline.py")
-    node = next(n for n in ast.parse(pipeline).body if isinstance(n, ast.FunctionDef) and n.name == "decode")
-    lines = pipeline.splitlines()
+    media = show("ditcore/media.py")
+    try:
+        where, module = "decode", show("ditcore/decode.py")
+    except subprocess.CalledProcessError:  # a revision from before ditcore/decode.py: the decode was pipeline.py's
+        where, module = "pipeline", show("ditcore/pipeline.py")
+    node = next(n for n in ast.parse(module).body if isinstance(n, ast.FunctionDef) and n.name == "decode")
+    lines = module.splitlines()
     source = "\n".join(
         lines[node.decorator_list[0].lineno - 1 if node.decorator_list else node.lineno - 1 : node.end_lineno]
     )
-    out.write_text(f"{media}\n\nimport torch  # appended: {rev}'s ditcore.pipeline.decode\n\n\n{source}\n")
+    out.write_text(f"{media}\n\nimport torch  # appended: {rev}'s ditcore.{where}.decode\n\n\n{source}\n")
 
 
 # ------------------------------------------------------------------------------------------------------ the child
@@ -89,9 +95,9 @@ def _load(args: argparse.Namespace) -> Any:
     import importlib.util
 
     if args.impl == "after":
-        from ditcore import media, pipeline
+        from ditcore import decode, media
 
-        return argparse.Namespace(decode=pipeline.decode, encode=media.encode, DecodedMedia=media.DecodedMedia)
+        return argparse.Namespace(decode=decode.decode, encode=media.encode, DecodedMedia=media.DecodedMedia)
     spec = importlib.util.spec_from_file_location("media_before", args.before)
     assert spec is not None and spec.loader is not None
     impl = importlib.util.module_from_spec(spec)
@@ -106,7 +112,7 @@ def _to_frames(args: argparse.Namespace, processor: Any, pixels: Any) -> Any:
     import numpy as np
 
     if args.impl == "after":
-        from ditcore.pipeline import to_uint8_frames
+        from ditcore.decode import to_uint8_frames
 
         return to_uint8_frames(processor, pixels)
     images = processor.postprocess_video(pixels.permute(1, 0, 2, 3)[None], output_type="pil")[0]
@@ -118,7 +124,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from ditcore.pipeline import load_decoder, load_pipeline
+    from ditcore.decode import load_decoder
+    from ditcore.pipeline import load_pipeline
 
     impl = _load(args)
     pipe = load_pipeline(args.repo, "mixed", vae_dtype="bfloat16")

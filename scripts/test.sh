@@ -31,6 +31,6 @@ else
   tier=()
 fi
 # loadfile: a module's tests share one worker, so its module-scoped servers start once; no reorder: the modules
-# start in collection order, the slowest first (tests/conftest.py, SLOW_FIRST), so both workers end together
+# start in collection order, the slowest first (tests/slowfirst.py), so both workers end together
 exec "$VENV/bin/python" -m pytest -n "${DITSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=25 \
   "${tier[@]}" "$@"

@@ -25,27 +25,10 @@ from clikit import CliRunner, run_cli_inprocess, run_cli_subprocess
 from jobskit import jobs_server
 from pgkit import pg_url  # noqa: F401  (the session's PostgreSQL server, for the job store's tests)
 from servicekit import Pair, ProcessGroup, StartPair, Weights, process_group, updatable
+from slowfirst import SLOW_FIRST
 
 from ditcore import write_repository
 
-SLOW_FIRST = (
-    "tests/test_bench_quick.py",
-    "tests/test_update_crash.py",
-    "tests/parallel/test_parallel_oracle.py",
-    "tests/test_gpu_check.py",
-    "tests/parallel/test_replica_e2e.py",
-    "tests/test_e2e_faults.py",
-    "tests/test_e2e_ref2va.py",
-    # the quick tier's slowest (no processes)
-    "tests/test_update_load.py",
-    "tests/test_update_weights.py",
-    "tests/core/test_core_pipeline.py",
-    "tests/test_cli.py",
-    "tests/core/test_core_ref2va.py",
-    "tests/test_services_integration.py",
-)
-"""The slowest modules (scripts/test.sh prints the slowest tests), run first: the two workers of `--dist loadfile`
-take whole modules as they free up, so the longest ones starting first lets both end together."""
 PROCESS_FIXTURES = frozenset({"procs", "proc_pair", "run_cli_proc", "pg_url"})
 """Fixtures that start OS processes: a test using one is marked `processes` (the quick tier leaves it out)."""
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from ditcore.plans import INDEX_FILE, is_plan_tensor
+from ditcore.plans import is_plan_tensor
+from ditcore.shards import INDEX_FILE
 
 
 def strip_plan_tensors(repo: Path) -> Path:

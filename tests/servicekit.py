@@ -38,8 +38,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from ditcore import GenerationRequest, GenerationResult, PlanKey, distinct_keys, generate, load_model
-from ditcore.pipeline import ScheduleKeys
-from ditcore.plans import INDEX_FILE, SINGLE_FILE
+from ditcore.schedule import ScheduleKeys
+from ditcore.shards import INDEX_FILE, SINGLE_FILE
 from ditruntime.flags import to_argv
 from ditserve.client import request_to_proto
 from ditserve.launcher import die_with_parent, terminate

@@ -14,8 +14,8 @@ from clikit import CliRunner, copy_ckpt
 from safetensors import safe_open
 
 from ditcore import GenerationRequest, figures, generate, latents_sha256, load_model, validate_checkpoint
-from ditcore.checkpoint import read_shard_header
-from ditcore.plans import INDEX_FILE
+from ditcore.checkpoint_files import read_shard_header
+from ditcore.shards import INDEX_FILE
 
 CACHE_KEYS = {"gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored"}
 # 4 grid points = 3 transformer forwards on the smallest H3 canvas: a request takes well under a second on tiny

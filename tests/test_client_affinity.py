@@ -1,5 +1,5 @@
 """`ditserve.client_requests.schedule_affinity_key`, the `x-ditserve-schedule` header: equal keys exactly when two
-requests' plan keys are equal on one checkpoint (ditcore.pipeline.ScheduleKeys is the judge), ref2va's audio
+requests' plan keys are equal on one checkpoint (ditcore.schedule.ScheduleKeys is the judge), ref2va's audio
 references included; unreadable references get the plain key (the server refuses them, naming the field)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from refmedia import image_bytes, video_bytes, wav_bytes
 
-from ditcore.pipeline import ScheduleKeys
 from ditcore.references import Reference
+from ditcore.schedule import ScheduleKeys
 from ditserve.client_requests import as_request, schedule_affinity_key
 
 BASE: dict[str, Any] = {"prompt": "a red fox", "num_inference_steps": 4, "height": 32, "width": 32}

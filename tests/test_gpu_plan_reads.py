@@ -26,7 +26,7 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.denoise import MiniMaxH3DenoiseLoopWrapper
 
 from ditcore import CacheReport, GenerationRequest, PlanBuilder, PlanKey, generate, load_model, write_repository
-from ditcore.pipeline import StepPlans
+from ditcore.denoise import StepPlans
 from ditcore.plans import PlanLinear, SlotReads
 
 pytestmark = pytest.mark.gpu

@@ -9,6 +9,8 @@ import subprocess
 
 import processguard
 import pytest
+from servicekit import REPO_ROOT
+from slowfirst import SLOW_FIRST
 
 
 def test_an_undeclared_subprocess_fails_the_test_naming_it_and_the_command() -> None:
@@ -53,7 +55,4 @@ def test_every_end_to_end_test_and_every_process_fixture_user_is_marked(request:
 
 
 def test_the_slow_first_modules_exist() -> None:
-    from conftest import SLOW_FIRST
-    from servicekit import REPO_ROOT
-
     assert [p for p in SLOW_FIRST if not (REPO_ROOT / p).is_file()] == []

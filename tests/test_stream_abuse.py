@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from servicekit import wait_for
 
-import ditcore.request
+import ditcore.media_cache
 from ditcore.media import DecodedMedia, EncodedMedia
 from generator_service.app import build_server
 from generator_service.config import GeneratorConfig
@@ -182,5 +182,5 @@ def test_an_idle_server_holds_no_finished_jobs_frames_or_bytes(server: Generator
     assert stub.Generate(keyframed, timeout=120).sha256
     wait_for(lambda: server.executor.queue_depth == 0, 10, "the queue to drain")
     assert _media_alive() == []  # the last media job's frames, file and result are gone while the server idles
-    assert ditcore.request._decoded.cache_info().currsize == 0  # and no decoded keyframe (nor its bytes)
+    assert ditcore.media_cache.decoded_keyframe.cache_info().currsize == 0  # and no decoded keyframe (nor its bytes)
     channel.close()

@@ -51,7 +51,8 @@ from servicekit import (
 )
 
 from ditcore import GenerationRequest, fingerprint, generate, load_model, validate_checkpoint, write_repository
-from ditcore.plans import INDEX_FILE, is_plan_tensor
+from ditcore.plans import is_plan_tensor
+from ditcore.shards import INDEX_FILE
 from generator_service.execution import runner as runner_mod
 from protos.ditserve.generator.v1 import generator_pb2 as gen_pb
 

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 
 from ditcore import CheckpointInfo
-from ditcore.plans import shard_map
 from ditcore.rebuild import plan_tensor_names
+from ditcore.shards import shard_map
 
 PROC_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 """/proc/<pid>/status lines `process_memory` reads (kB there, bytes here)."""

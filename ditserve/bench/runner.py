@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ditcore import PresetError, write_repository
-from ditcore.checkpoint import is_repository_dir
-from ditcore.repo import DTYPES
+from ditcore.checkpoint_files import is_repository_dir
+from ditcore.presets import DTYPES
 from ditruntime.paths import prepare_dir
 
 from . import context, replica, report, scenarios

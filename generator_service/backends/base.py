@@ -52,7 +52,7 @@ def device_free_memory(device: torch.device) -> MemoryBudget:
 
 
 class ServedLease(PlanLease, Protocol):
-    """A plan lease as the executor holds it (ditcore.model.PlanLease plus what serving needs)."""
+    """A plan lease as the executor holds it (ditcore.generation.PlanLease plus what serving needs)."""
 
     generation: int  # the weight generation its plans were built for
     keys: list[PlanKey]  # one per step, as leased

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ditcore import GenerationRequest, H3Model
-from ditcore.parallel import Replica
+from ditcore.replica import Replica
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
 from .sidecar_port import Attachment

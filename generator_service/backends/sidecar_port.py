@@ -104,7 +104,7 @@ def check_rows(table: torch.Tensor, keys: Sequence[PlanKey], slots: Sequence[int
 
 
 class RemoteLease:
-    """A lease on the sidecar's slab; implements ditcore.model.PlanLease (and ServedLease)."""
+    """A lease on the sidecar's slab; implements ditcore.generation.PlanLease (and ServedLease)."""
 
     def __init__(
         self,
@@ -143,7 +143,7 @@ class RemoteLease:
         return self.att.slab[self.slots[step], : self.keys[step].width]
 
     def slab_slots(self) -> tuple[torch.Tensor, list[int]]:
-        """The mapped slab and every step's slot (ditcore.model.SlabPlanLease: read by ditcore.plans.SlotReads)."""
+        """The mapped slab and every step's slot (ditcore.generation.SlabPlanLease: read by ditcore.plans.SlotReads)."""
         return self.att.slab, self.slots
 
     def release(self) -> None:

@@ -5,7 +5,7 @@ keyframes and references (one run at a time, here, before any lease), run the de
 diffusers' loop; on a replica, every rank's loop in lockstep) with cancellation / deadline / sidecar-session checks
 after every transformer forward, and release the lease in every outcome. The release comes after the reading is
 finished: `generate` waits for an event recorded after the last kernel that reads a leased slot
-(`ditcore.model.reads_finished`) before it releases, in every outcome. On session loss (the check after a step
+(`ditcore.generation.reads_finished`) before it releases, in every outcome. On session loss (the check after a step
 fails) the run stops issuing work, `generate` synchronizes, and only then is the lease released and the failure
 acknowledged to the client. A media run goes on to the mux thread (generator_service.execution.mux).
 """
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from ditcore import GenerationRequest, GenerationResult, H3Model, PlanKey, RequestLimits, generate
-from ditcore.model import StepCallback
-from ditcore.request import forget_decoded_keyframes
+from ditcore.generation import StepCallback
+from ditcore.media_cache import forget_decoded_keyframes
 
 from ..backends.base import Backend, ServedLease
 from ..errors import LeaseCheckError, SidecarUnavailableError

@@ -10,7 +10,8 @@ from typing import Any
 
 from ditcore import H3Model, RequestError, RequestLimits, generate, load_model, validate_checkpoint
 from ditcore.model import RunOptions
-from ditcore.parallel import Replica, ReplicaLostError, SplitError
+from ditcore.parallel import SplitError
+from ditcore.replica import Replica, ReplicaLostError
 from ditruntime.slab import SlabMapping, descriptor_from_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as cpb
 from protos.ditserve.replica.v1 import replica_pb2 as rpb

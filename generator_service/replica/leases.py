@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ditcore.model import StepCallback
-from ditcore.parallel import Replica
+from ditcore.generation import StepCallback
 from ditcore.plans import PlanKey
+from ditcore.replica import Replica
 from ditcore.report import CacheReport
 from ditruntime.slab import SlabMapping
 
@@ -72,7 +72,7 @@ class HeldLease:
 
 
 class RankLease:
-    """A rank's view of rank 0's lease: the same slots of its own slab (ditcore.model.SlabPlanLease)."""
+    """A rank's view of rank 0's lease: the same slots of its own slab (ditcore.generation.SlabPlanLease)."""
 
     def __init__(self, mapping: SlabMapping, keys: list[PlanKey], slots: list[int], generation: int) -> None:
         self.mapping, self.keys, self.slots, self.generation = mapping, keys, slots, generation

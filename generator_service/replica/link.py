@@ -41,8 +41,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ditcore import GenerationRequest, GenerationResult, H3Model, RequestError, RequestLimits, generate
-from ditcore.model import StepCallback
-from ditcore.parallel import Replica, ReplicaLostError, SplitError
+from ditcore.generation import StepCallback
+from ditcore.parallel import SplitError
+from ditcore.replica import Replica, ReplicaLostError
 from ditcore.sizing import Canvas
 from ditruntime.slab import descriptor_to_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as cpb

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from ditcore import GenerationRequest
 from ditcore.model import H3Model
-from ditcore.parallel import Replica
 from ditcore.plans import PlanKey
 from ditcore.references import Reference
+from ditcore.replica import Replica
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
 from ..errors import GeneratorError

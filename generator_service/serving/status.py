@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ditcore.checkpoint import PARTITION_TASKS
+from ditcore.checkpoint_files import PARTITION_TASKS
 from ditcore.model import ComponentInfo, H3Model
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 

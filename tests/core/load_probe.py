@@ -29,7 +29,7 @@ import transformers.modeling_utils
 from diffusers import MiniMaxH3Transformer3DModel
 
 from ditcore import load_model, validate_checkpoint
-from ditcore import plans as ditcore_plans
+from ditcore import shards as ditcore_shards
 from ditcore.plans import is_plan_tensor
 
 READS: list[dict[str, Any]] = []
@@ -98,7 +98,7 @@ def install() -> None:
         return out
 
     safetensors.torch.load_file = load_file
-    for module in (transformers.modeling_utils, ditcore_plans):
+    for module in (transformers.modeling_utils, ditcore_shards):
         real = module.safe_open
         module.safe_open = lambda path, *a, _real=real, **k: _Handle(_real, path, *a, **k)  # type: ignore[attr-defined]
 

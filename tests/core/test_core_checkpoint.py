@@ -13,9 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ditcore.checkpoint import CheckpointError, CheckpointNotFoundError, changed_since, validate_checkpoint
-from ditcore.plans import INDEX_FILE, SINGLE_FILE, is_plan_tensor
+from ditcore.checkpoint import validate_checkpoint
+from ditcore.checkpoint_files import CheckpointError, CheckpointNotFoundError
+from ditcore.digests import changed_since
+from ditcore.plans import is_plan_tensor
 from ditcore.repo import write_repository
+from ditcore.shards import INDEX_FILE, SINGLE_FILE
 
 TR = "transformer"
 BLOCK_WEIGHT = "transformer_blocks.1.attn.to_q.weight"  # bf16 in mixed, outside _keep_in_fp32_modules

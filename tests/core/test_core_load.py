@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from ditcore.checkpoint import read_shard_header
+from ditcore.checkpoint_files import read_shard_header
 from ditcore.plans import is_plan_tensor
-from ditcore.repo import get_preset, write_repository
+from ditcore.presets import get_preset
+from ditcore.repo import write_repository
 
 pytestmark = pytest.mark.processes  # a fresh interpreter measures the load
 

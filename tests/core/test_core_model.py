@@ -1,5 +1,6 @@
-"""ditcore.model: `generate` on a resident or cached H3Model gives diffusers' own latents (torch.equal), reports
-steps and timings, releases its lease in every outcome, and a cached model holds no plan tensor."""
+"""ditcore.model and ditcore.generation: `generate` on a resident or cached H3Model gives diffusers' own latents
+(torch.equal), reports steps and timings, releases its lease in every outcome, and a cached model holds no plan
+tensor."""
 
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def test_fl2va_cached_decodes_after_the_lease_and_equals_diffusers(repos: dict[s
     import numpy as np
     from PIL import Image
 
-    from ditcore.pipeline import decode
+    from ditcore.decode import decode
 
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 72, 3), dtype=np.uint8)).save(buf, format="PNG")

@@ -1,7 +1,7 @@
-"""Oracle tests for ditcore.pipeline: its resident and cached t2va and fl2va loops give torch.equal latents, and its
-decode the same frames and waveform, as diffusers' own MiniMax-H3 pipeline called directly on the same tiny
-repository, in float32 and in the released mixed precision (decoding at the released bfloat16, or a dtype asked
-for, against diffusers with its VAEs at the same dtype)."""
+"""Oracle tests for ditcore.pipeline and what runs on it (schedule, denoise, decode): its resident and cached t2va and
+fl2va loops give torch.equal latents, and its decode the same frames and waveform, as diffusers' own MiniMax-H3
+pipeline called directly on the same tiny repository, in float32 and in the released mixed precision (decoding at
+the released bfloat16, or a dtype asked for, against diffusers with its VAEs at the same dtype)."""
 
 from __future__ import annotations
 
@@ -14,25 +14,14 @@ import pytest
 import torch
 from oracle import diffusers_latents, diffusers_outputs, pil_image
 
-from ditcore.pipeline import (
-    DECODE_DTYPES,
-    KEYFRAME_NOISE_AUG,
-    NotCachedError,
-    PlanKeyMismatchError,
-    ScheduleKeys,
-    decode,
-    generate_latents,
-    load_decoder,
-    load_pipeline,
-    plan_key,
-    plan_keys,
-    released_decode_dtype,
-    use_cached_transformer,
-    vae_dtype,
-)
-from ditcore.plans import PageLayout, PlanKey, build_pages, plan_inputs, safetensors_layer_loader
+from ditcore.decode import decode, load_decoder, vae_dtype
+from ditcore.denoise import PlanKeyMismatchError, generate_latents
+from ditcore.pipeline import DECODE_DTYPES, NotCachedError, load_pipeline, released_decode_dtype, use_cached_transformer
+from ditcore.plans import PageLayout, PlanKey, build_pages, plan_inputs
 from ditcore.repo import write_repository
 from ditcore.request import GenerationRequest
+from ditcore.schedule import KEYFRAME_NOISE_AUG, ScheduleKeys, plan_key, plan_keys
+from ditcore.shards import safetensors_layer_loader
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")

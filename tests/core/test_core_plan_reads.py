@@ -25,10 +25,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import ditcore.model as model_mod
+import ditcore.generation as generation_mod
 from ditcore import CacheReport, GenerationRequest, PlanBuilder, PlanKey, generate, load_model
-from ditcore.model import SlabPlanLease
-from ditcore.pipeline import PlanKeyMismatchError, StepPlans
+from ditcore.denoise import PlanKeyMismatchError, StepPlans
+from ditcore.generation import SlabPlanLease
 from ditcore.plans import PlanLinear, SlotReads
 from ditcore.repo import write_repository
 
@@ -204,13 +204,13 @@ def test_lease_released_only_after_the_final_synchronization(
     cached = load_model(repo, "cached")
     provider = SlabProvider(repo)
     log = provider.log
-    real = model_mod.reads_finished
+    real = generation_mod.reads_finished
 
     def fence(device: torch.device) -> None:
         log.append("fence")
         real(device)
 
-    monkeypatch.setattr(model_mod, "reads_finished", fence)
+    monkeypatch.setattr(generation_mod, "reads_finished", fence)
     handle = cached.transformer.register_forward_hook(lambda *_: log.append("forward"))
 
     def on_step(done: int, total: int) -> None:

@@ -11,17 +11,9 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from ditcore import plans
-from ditcore.plans import (
-    PageLayout,
-    PlanPages,
-    build_pages,
-    install_plan_modules,
-    is_plan_tensor,
-    load_transformer_without_adaln,
-    plan_inputs,
-    safetensors_layer_loader,
-)
+from ditcore import shards
+from ditcore.plans import PageLayout, PlanPages, build_pages, install_plan_modules, is_plan_tensor, plan_inputs
+from ditcore.shards import load_transformer_without_adaln, safetensors_layer_loader
 
 diffusers = pytest.importorskip("diffusers")
 MiniMaxH3Transformer3DModel = diffusers.MiniMaxH3Transformer3DModel
@@ -216,7 +208,7 @@ class RecordingSafeOpen:
         return type("Header", (), {"get_shape": lambda _s: sl.get_shape(), "get_dtype": lambda _s: sl.get_dtype()})()
 
 
-REAL_SAFE_OPEN = plans.safe_open
+REAL_SAFE_OPEN = shards.safe_open
 
 
 @pytest.mark.parametrize("label", PRECISIONS)
@@ -224,7 +216,7 @@ def test_load_without_adaln_reads_no_plan_byte(
     resident: dict[str, Any], repos: dict[str, Path], label: str, monkeypatch: pytest.MonkeyPatch
 ):
     reference = resident[label]
-    monkeypatch.setattr(plans, "safe_open", RecordingSafeOpen)
+    monkeypatch.setattr(shards, "safe_open", RecordingSafeOpen)
     RecordingSafeOpen.read = []
     holder = PlanPages()
     model, read, skipped = load_transformer_without_adaln(str(repos[label]), holder, PRECISIONS[label])

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from ditcore import plans, rebuild
-from ditcore.plans import PageLayout, build_pages, is_plan_tensor, plan_inputs, shard_map
+from ditcore import rebuild, shards
+from ditcore.plans import PageLayout, build_pages, is_plan_tensor, plan_inputs
 from ditcore.rebuild import PlanBuilder, key_timesteps, plan_tensor_names
 from ditcore.repo import write_repository
+from ditcore.shards import shard_map
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -158,7 +159,7 @@ def test_builder_reads_only_plan_and_time_embedder_tensors(
     repos: dict[str, Path], dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recording = RecordingSafeOpen()
-    for module in (rebuild, plans):  # data reads go through plans.read_tensor; header look-ups through rebuild
+    for module in (rebuild, shards):  # data reads go through shards.read_tensor; header look-ups through rebuild
         monkeypatch.setattr(module, "safe_open", recording)
     builder = PlanBuilder(repos[dtype])
     one_pass(builder, KEYS)

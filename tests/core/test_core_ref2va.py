@@ -1,4 +1,4 @@
-"""Oracle tests for ref2va in ditcore.pipeline: its resident and cached loops on the `transformer_ref` partition give
+"""Oracle tests for ref2va in ditcore.denoise: its resident and cached loops on the `transformer_ref` partition give
 torch.equal latents (and decoded frames and waveform) to diffusers' own ref2va workflow on the same tiny repository,
 for image-only references, a video with its soundtrack, and an image with an audio clip, in float32 and in the
 released mixed precision; ref2va plans are keyed in the "ref" partition (up to 4 wide with audio reference rows at
@@ -16,23 +16,15 @@ import torch
 from oracle import diffusers_outputs, reference_from_bytes
 from refmedia import image_bytes, video_bytes, wav_bytes
 
-from ditcore.pipeline import (
-    PartitionNotLoadedError,
-    PlanKeyMismatchError,
-    ScheduleKeys,
-    decode,
-    generate_latents,
-    load_decoder,
-    load_pipeline,
-    plan_keys,
-    released_decode_dtype,
-    transformer_for,
-)
+from ditcore.decode import decode, load_decoder
+from ditcore.denoise import PlanKeyMismatchError, generate_latents
+from ditcore.pipeline import PartitionNotLoadedError, load_pipeline, released_decode_dtype, transformer_for
 from ditcore.plans import PlanKey
 from ditcore.rebuild import PlanBuilder
 from ditcore.references import Reference
 from ditcore.repo import write_repository
 from ditcore.request import GenerationRequest
+from ditcore.schedule import ScheduleKeys, plan_keys
 
 DTYPES = ("float32", "mixed")
 BASE = GenerationRequest(prompt="a red fox runs", num_inference_steps=4, seed=11, height=32, width=32, task="ref2va")

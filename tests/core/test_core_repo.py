@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.repo import COMPONENTS, PRESETS, PresetError, figures, write_repository
+from ditcore.presets import PRESETS, PresetError, figures
+from ditcore.repo import COMPONENTS, write_repository
 
 SUBDIRS = sorted(COMPONENTS)
 

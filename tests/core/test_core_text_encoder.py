@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ditcore import GenerationRequest, load_model
-from ditcore.pipeline import generate_latents, load_pipeline
+from ditcore.denoise import generate_latents
+from ditcore.pipeline import load_pipeline
 from ditcore.repo import TEXT_LAYERS, write_repository
 from ditcore.text_encoder import (
     TEXT_ENCODER_DEVICES,
@@ -125,7 +126,7 @@ def test_dropped_layers_and_head_are_never_read(repo54: Path, monkeypatch: pytes
 
 def _keys(repo: Path) -> set[str]:
     """Every tensor name in the text encoder's safetensors files (headers only)."""
-    from ditcore.checkpoint import read_shard_header
+    from ditcore.checkpoint_files import read_shard_header
 
     return {n for f in (repo / "text_encoder").glob("*.safetensors") for n in read_shard_header(f).tensors}
 

@@ -1,5 +1,5 @@
-"""GPU-correct stage clocks in ditcore.model.generate: every stage clock (`plans`, `encode`, `denoise`, `decode`,
-`total`, and the first forward's mark between encode and denoise) is read right after
+"""GPU-correct stage clocks in ditcore.generation.generate: every stage clock (`plans`, `encode`, `denoise`,
+`decode`, `total`, and the first forward's mark between encode and denoise) is read right after
 `stage_synchronize(model.device)`, in resident and in cached mode, and none inside the loop after the first forward.
 Checked by instrumentation on CPU; on CUDA (marked `gpu`) a sleep kernel queued inside each stage must be contained
 in that stage's time, which a clock read before the queue drains would miss (resident mode's denoise did)."""
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-import ditcore.model as model_mod
+import ditcore.generation as generation_mod
 from ditcore import GenerationRequest, H3Model, PlanProvider, generate, load_model, validate_checkpoint
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
@@ -70,12 +70,12 @@ def stage_markers(model: H3Model, mark: Callable[[str], None]) -> Iterator[None]
 
 
 def recorded(monkeypatch: pytest.MonkeyPatch, model: H3Model) -> list[str]:
-    """Events: "sync" per stage_synchronize(model.device), "clock" per perf_counter read in ditcore.model."""
+    """Events: "sync" per stage_synchronize(model.device), "clock" per perf_counter read in ditcore.generation."""
     events: list[str] = []
     real_clock = time.perf_counter
 
     def clock() -> float:
-        if sys._getframe(1).f_globals.get("__name__") == model_mod.__name__:
+        if sys._getframe(1).f_globals.get("__name__") == generation_mod.__name__:
             events.append("clock")
         return real_clock()
 
@@ -84,7 +84,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch, model: H3Model) -> list[str]:
         events.append("sync")
 
     monkeypatch.setattr(time, "perf_counter", clock)
-    monkeypatch.setattr(model_mod, "stage_synchronize", sync)
+    monkeypatch.setattr(generation_mod, "stage_synchronize", sync)
     return events
 
 
@@ -129,9 +129,9 @@ def test_stage_synchronize_waits_on_the_devices_stream_only_on_cuda(monkeypatch:
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
-    model_mod.stage_synchronize(torch.device("cpu"))
+    generation_mod.stage_synchronize(torch.device("cpu"))
     assert calls == []
-    model_mod.stage_synchronize(torch.device("cuda", 1))
+    generation_mod.stage_synchronize(torch.device("cuda", 1))
     assert calls == [("record", ("stream of", torch.device("cuda", 1))), "synchronize"]
 
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from ditcore import media as media_module
+from ditcore.decode import decode, load_decoder, to_uint8_frames
 from ditcore.media import CONTENT_TYPES, SPOOL_MAX_BYTES, DecodedMedia, encode
-from ditcore.pipeline import decode, load_decoder, load_pipeline, to_uint8_frames
+from ditcore.pipeline import load_pipeline
 
 RATE = 16000
 FRAMES, HEIGHT, WIDTH = 124, 32, 64  # 17 * 7 + 5 frames: 37 latent frames, 2 x 4 latents

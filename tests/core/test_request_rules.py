@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-import ditcore.request as request_module
+import ditcore.media_cache as media_cache
 from ditcore.keyframes import MediaError
 from ditcore.request import (
     MAX_PROMPT_BYTES,
@@ -242,10 +242,10 @@ def no_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bytes]]:
         decoded.append(data)
         raise AssertionError("a keyframe was decoded")
 
-    request_module._decoded.cache_clear()
-    monkeypatch.setattr(request_module, "decode_image", decode)
+    media_cache.decoded_keyframe.cache_clear()
+    monkeypatch.setattr(media_cache, "decode_image", decode)
     yield decoded
-    request_module._decoded.cache_clear()
+    media_cache.decoded_keyframe.cache_clear()
 
 
 @pytest.mark.parametrize(("data", "expect"), BAD_KEYFRAMES.values(), ids=BAD_KEYFRAMES.keys())
@@ -283,7 +283,7 @@ def test_keyframes_apply_tighter_operator_limits_and_decode_once() -> None:
     req = dataclasses.replace(GOOD, task="fl2va", first_frame=data)
     with pytest.raises(RequestError, match="over the limit of 3071"):
         req.keyframes(RequestLimits(max_keyframe_pixels=64 * 48 - 1))
-    request_module._decoded.cache_clear()
+    media_cache.decoded_keyframe.cache_clear()
     tight = req.keyframes(RequestLimits(max_keyframe_pixels=64 * 48))["image"]
     assert req.pipeline_inputs()["image"] is tight  # decoded once, whatever limits each caller checks
-    assert request_module._decoded.cache_info().misses == 1
+    assert media_cache.decoded_keyframe.cache_info().misses == 1

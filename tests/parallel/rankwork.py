@@ -39,7 +39,7 @@ class BuiltPages:
         self.builders: dict[str, Any] = {}
 
     def builder(self, partition: str) -> Any:
-        from ditcore.checkpoint import PARTITIONS
+        from ditcore.checkpoint_files import PARTITIONS
         from ditcore.rebuild import PlanBuilder
 
         if partition not in self.builders:
@@ -67,7 +67,8 @@ def ditserve_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torch
     """ditserve's cached model (no adaln_proj) on this rank of a replica: ditcore.load_model with a Replica (context
     parallel through diffusers, rank 0's text encoder broadcasting the prompt embedding), pages from PlanBuilder."""
     from ditcore import GenerationRequest, generate, load_model
-    from ditcore.parallel import ParallelSpec, Replica, init_process_group
+    from ditcore.parallel import ParallelSpec, init_process_group
+    from ditcore.replica import Replica
 
     device = torch.device("cpu")
     ranks = init_process_group(device)
@@ -117,7 +118,8 @@ def cuda_cached_vs_resident(rank: int, out: Path, repo: Path, request: dict[str,
     """On cuda:rank with NCCL: ditserve's cached model (pages from PlanBuilder) and its resident model, both on the
     replica; each rank saves both latents."""
     from ditcore import GenerationRequest, generate, load_model
-    from ditcore.parallel import ParallelSpec, Replica, init_process_group
+    from ditcore.parallel import ParallelSpec, init_process_group
+    from ditcore.replica import Replica
 
     device = torch.device("cuda", rank)
     replica = Replica(ParallelSpec(ulysses_degree=degree), init_process_group(device), device)

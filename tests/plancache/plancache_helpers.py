@@ -4,7 +4,7 @@ Imported by tests/plancache/test_plancache_*.py (their conftest puts this direct
 conftest.py on purpose: these are plain functions and classes; fixtures live in conftest.py.
 
 Schedules are real MiniMax-H3 t2va schedules: a `Sched` is a request's step count and shifts, and its plan keys are
-what `H3Model.plan_keys` gives (ditcore.pipeline.ScheduleKeys over the tiny repository's own schedulers). Each step's
+what `H3Model.plan_keys` gives (ditcore.schedule.ScheduleKeys over the tiny repository's own schedulers). Each step's
 key is the float32 bits of its distinct timesteps: width 1 at the first step (t = 0 for video and audio) and
 wherever the two shifts agree, width 2 elsewhere. The oracle (`DiffusersPages`) is diffusers' own transformer.
 """
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from ditcore.checkpoint import validate_checkpoint
-from ditcore.pipeline import ScheduleKeys
 from ditcore.plans import PageLayout, PlanKey, distinct_keys
-from ditcore.repo import get_preset
+from ditcore.presets import get_preset
 from ditcore.request import GenerationRequest
+from ditcore.schedule import ScheduleKeys
 from ditruntime.slab import COL_GENERATION, COL_LENGTH, COL_STATE, EMPTY, READY, ROW_WORDS
 from plancache_service.app import build_server
 from plancache_service.cache import Lease, PlanCache

@@ -1,6 +1,6 @@
 """Cached generation through the embedded plan cache is bit-identical to resident generation.
 
-MiniMax-H3 t2va through diffusers' own denoise loop (ditcore.model.generate): a cached H3Model reading its
+MiniMax-H3 t2va through diffusers' own denoise loop (ditcore.generation.generate): a cached H3Model reading its
 modulation rows from the cache's slots produces exactly the latents of the resident model, whichever way a request's
 plans arrive (cold rebuild, slot hit, host swap-in), in the released mixed precision and in float32; a failed
 rebuild in between disturbs nothing; and `ditserve generate-local --adaln-mode cached` does the same end to end.

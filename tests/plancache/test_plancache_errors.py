@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.checkpoint import read_shard_header
+from ditcore.checkpoint_files import read_shard_header
 from ditcore.plans import PlanKey, is_plan_tensor
 from ditcore.rebuild import PlanBuilder
 from ditruntime.errors import GenerationMismatchError

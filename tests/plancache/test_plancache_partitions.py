@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.checkpoint import CheckpointError, validate_checkpoint
+from ditcore.checkpoint import validate_checkpoint
+from ditcore.checkpoint_files import CheckpointError
 from ditcore.plans import PlanKey
 from ditcore.rebuild import PlanBuilder
 from ditcore.repo import write_repository

@@ -19,8 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ditcore.checkpoint import CheckpointError, CheckpointNotFoundError, file_digests, validate_checkpoint
-from ditcore.plans import INDEX_FILE, is_plan_tensor
+from ditcore.checkpoint import validate_checkpoint
+from ditcore.checkpoint_files import CheckpointError, CheckpointNotFoundError
+from ditcore.digests import file_digests
+from ditcore.plans import is_plan_tensor
+from ditcore.shards import INDEX_FILE
 from plancache_service.app import open_source
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig, SidecarConfig

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 import plancache_service.state as state_module
-from ditcore.checkpoint import combine_digests, file_digests
+from ditcore.digests import combine_digests, file_digests
 from ditruntime.rpc_errors import classify
 from plancache_service import cli
 from plancache_service.app import open_source
