@@ -1,1 +1,2 @@
-"""generator_service: the public gRPC service (request queue, denoise executor, plan client)."""
+"""generator_service: the public gRPC service, one subpackage per concern: serving (the public port), jobs (the
+durable jobs API), execution (runs: queue, executor, prefetch, mux, drain), replica (N ranks), backends (the model)."""
