@@ -166,14 +166,14 @@ def resident(svc_ckpt: Path) -> ResidentBackend:
 def _running(resident: ResidentBackend, clock: Clock, steps: int) -> tuple[Executor, Run]:
     executor = Executor(resident, 4, prefetch=False, clock=clock)
     executor.start()
-    job = Run(GenerationRequest.from_dict({**REQ_FOX, "request_id": "drained", "num_inference_steps": steps + 1}))
-    executor.submit(job)
-    return executor, job
+    run = Run(GenerationRequest.from_dict({**REQ_FOX, "request_id": "drained", "num_inference_steps": steps + 1}))
+    executor.submit(run)
+    return executor, run
 
 
-def _outcome(job: Run) -> Any:
+def _outcome(run: Run) -> Any:
     while True:
-        event = job.events.get(timeout=GUARD_S)
+        event = run.events.get(timeout=GUARD_S)
         if isinstance(event, Finished | Failed):
             return event
 
@@ -184,7 +184,7 @@ def test_a_drain_waits_for_a_request_that_keeps_stepping_past_a_fixed_minute(
 ) -> None:
     # 5 steps of 29 s each on the executor's clock: 116 s in all, past the old fixed --drain-timeout-s 60
     clock = Clock()
-    executor, job = _running(resident, clock, steps=5)
+    executor, run = _running(resident, clock, steps=5)
     try:
         gated.wait_reached(1)
         executor.pause()
@@ -199,7 +199,7 @@ def test_a_drain_waits_for_a_request_that_keeps_stepping_past_a_fixed_minute(
             gated.open()  # the last step done: the request finishes, and the drain with it
         assert drain.result(GUARD_S) is drained
         gated.open()
-        assert isinstance(_outcome(job), Finished)  # the request itself always finishes
+        assert isinstance(_outcome(run), Finished)  # the request itself always finishes
     finally:
         executor.resume()
         executor.stop()
@@ -207,10 +207,10 @@ def test_a_drain_waits_for_a_request_that_keeps_stepping_past_a_fixed_minute(
 
 def test_a_derived_drain_gives_up_on_a_request_that_stalls(resident: ResidentBackend, gated: StepGate) -> None:
     clock = Clock()
-    executor, job = _running(resident, clock, steps=5)
+    executor, run = _running(resident, clock, steps=5)
     try:
         gated.wait_reached(1)
-        request = job.request
+        request = run.request
         bound = executor.remaining_s(request)  # nothing observed of it yet: its modeled remaining time
         assert bound == pytest.approx(
             executor.sizing.step_time_factor
@@ -222,7 +222,7 @@ def test_a_derived_drain_gives_up_on_a_request_that_stalls(resident: ResidentBac
         clock.now += bound + 1.0  # no step for longer than the request's own bound
         assert drain.result(GUARD_S) is False
         gated.open()
-        assert isinstance(_outcome(job), Finished)
+        assert isinstance(_outcome(run), Finished)
     finally:
         executor.resume()
         executor.stop()

@@ -5,7 +5,7 @@ A cached request that fails mid-denoise (cancelled by its client, or its sidecar
 reference to the mapped slab anywhere in the generator: the traceback of its error (which whoever keeps the error
 keeps: the Failed event, a log record) runs through the denoise loop's frames, which held the SlotReads view of the
 slab, so ditcore closes those reads after the last kernel that reads them (`SlotReads.close`), the Failed event's
-error leaves with its frames' locals cleared, and the executor thread keeps nothing of a finished job. So when the
+error leaves with its frames' locals cleared, and the executor thread keeps nothing of a finished run. So when the
 mapping is closed (on reattach, before the next slab is mapped) the slab's storage is freed: its weak reference has
 expired, and the generator never logs "still referenced". `SlabMapping` tracks the shm (cpu) storage as it does the
 cuda one, which is what lets these tests see it on cpu. After a sidecar `kill -9` (process pair), the log-level
@@ -100,7 +100,7 @@ def test_a_cancelled_request_leaves_no_slab_reference(pair: Pair, caplog: pytest
     with ch:
         _read_until_step(it, 1)
         call.cancel()
-        wait_for(lambda: _outcomes(pair, "CANCELLED") == cancelled + 1, 30, "the job to fail CANCELLED")
+        wait_for(lambda: _outcomes(pair, "CANCELLED") == cancelled + 1, 30, "the run to fail CANCELLED")
     wait_for(lambda: pair.generator.executor.queue_depth == 0, 10, "the executor to be idle")
     assert not ref.expired()  # the mapping holds it until the session ends
     link.reattach()  # drop the session: the old mapping is closed before the new slab is mapped
@@ -113,22 +113,22 @@ def test_a_failed_jobs_error_keeps_no_frame_locals_and_the_executor_keeps_nothin
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The executor's part, whatever the frames held: the Failed event's error keeps its traceback (the logs print it)
-    but none of its finished frames' locals, and the idle executor thread holds neither the job nor its event."""
+    but none of its finished frames' locals, and the idle executor thread holds neither the run nor its event."""
     failed: list[tuple[Run, Failed]] = []
     emit = Run.emit
 
-    def recording_emit(job: Run, event: Any) -> None:
-        emit(job, event)
+    def recording_emit(run: Run, event: Any) -> None:
+        emit(run, event)
         if isinstance(event, Failed):
-            failed.append((job, event))
+            failed.append((run, event))
 
     monkeypatch.setattr(Run, "emit", recording_emit)
     ch, call, it = _open_stream(pair.target, {**LONG_REQUEST, "request_id": "leak-frames"})
     with ch:
         _read_until_step(it, 1)
         call.cancel()
-        wait_for(lambda: failed, 30, "the job to fail")
-    job, event = failed[0]
+        wait_for(lambda: failed, 30, "the run to fail")
+    run, event = failed[0]
     assert isinstance(event.error, CancelledError) and str(event.error) == "request leak-frames was cancelled"
     frames = [tb.tb_frame for tb in _walk(event.error.__traceback__)]
     names = [f.f_code.co_name for f in frames]
@@ -142,7 +142,7 @@ def test_a_failed_jobs_error_keeps_no_frame_locals_and_the_executor_keeps_nothin
         (f.f_code.co_name, name)
         for f in _callers(stack)
         for name, value in f.f_locals.items()
-        if value is job or value is event
+        if value is run or value is event
     ]
     assert not held, held
 

@@ -1,5 +1,5 @@
 """The parts that bound slow clients, one at a time: a result keeps its queue slot until its RPC says it was sent
-(Executor.delivered), a cancelled queued job leaves the queue at once (Executor.withdraw), the request-handler slots
+(Executor.delivered), a cancelled queued run leaves the queue at once (Executor.withdraw), the request-handler slots
 refuse beyond their limit, and the send watchdog's two bounds (stall, transfer) on an injected clock."""
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def backend(svc_ckpt: Path) -> Iterator[ResidentBackend]:
     b.close()
 
 
-def _job(i: int) -> Run:
+def _run(i: int) -> Run:
     return Run(GenerationRequest.from_dict({**REQ_FOX, "request_id": f"j{i}", "seed": i}))
 
 
-def _final(job: Run) -> object:
+def _final(run: Run) -> object:
     while True:
-        event = job.events.get(timeout=120)
+        event = run.events.get(timeout=120)
         if isinstance(event, (Failed, Finished)):
             return event
 
@@ -44,20 +44,20 @@ def test_a_result_keeps_its_queue_slot_until_it_is_delivered(backend: ResidentBa
     ex = Executor(backend, max_queue_depth=1, prefetch=False)
     ex.start()
     try:
-        job = _job(0)
-        ex.submit(job)
-        assert isinstance(_final(job), Finished)
+        run = _run(0)
+        ex.submit(run)
+        assert isinstance(_final(run), Finished)
         assert ex.queue_depth == 1  # finished, but its RPC has not sent it yet
         with pytest.raises(Exception, match="the queue is full"):
-            ex.submit(_job(1))
-        ex.delivered(job)
-        ex.delivered(job)  # idempotent
+            ex.submit(_run(1))
+        ex.delivered(run)
+        ex.delivered(run)  # idempotent
         assert ex.queue_depth == 0
-        late = _job(2)  # an RPC that ended before its job finished: its result never holds a slot
+        late = _run(2)  # an RPC that ended before its run finished: its result never holds a slot
         ex.submit(late)
         ex.delivered(late)
         assert isinstance(_final(late), Finished)
-        wait_for(lambda: ex.queue_depth == 0, 10, "the slot of a job whose RPC ended first")
+        wait_for(lambda: ex.queue_depth == 0, 10, "the slot of a run whose RPC ended first")
     finally:
         ex.stop()
 
@@ -67,7 +67,7 @@ def test_a_cancelled_queued_job_leaves_the_queue_at_once(backend: ResidentBacken
     ex.pause()
     ex.start()
     try:
-        a, b = _job(0), _job(1)
+        a, b = _run(0), _run(1)
         ex.submit(a)
         ex.submit(b)
         assert ex.queue_depth == 2

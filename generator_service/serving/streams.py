@@ -15,7 +15,7 @@ client that stops reading holds a thread for as long as nothing cancels its RPC.
 
 Why not grpc.aio: the executor, the cancel callbacks and the job events are thread-based, and a stalled client is
 bounded here in the same two places an aio server would need anyway (a concurrency limit and a send deadline); an
-aio rewrite would add an event loop bridge to every job event without removing either.
+aio rewrite would add an event loop bridge to every run event without removing either.
 """
 
 from __future__ import annotations
