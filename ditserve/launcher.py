@@ -40,8 +40,6 @@ from plancache_service.config import CacheConfig, SidecarConfig
 from .commands import quiet_model_libraries
 from .errors import UsageError
 from .supervise import Child, wait_http
-from .supervise import die_with_parent as die_with_parent  # tests/servicekit.py imports these two from here
-from .supervise import terminate as terminate
 
 log = logging.getLogger("ditserve.serve")
 DEMO_PRESET = "tiny"

@@ -15,21 +15,18 @@ if [[ "${1:-}" == "--quick" ]]; then
 fi
 bash scripts/bootstrap.sh
 VENV=${DITSERVE_VENV:-.venv}
+tier=()
 if ((quick)); then
-  "$VENV/bin/ruff" check .
-  "$VENV/bin/ruff" format --check .
-  "$VENV/bin/lint-imports" --no-cache
   tier=(-m "not processes and not bench and not slow")
 else
   "$VENV/bin/python" scripts/lock.py --check
   "$VENV/bin/python" -m protos.generate --check
   "$VENV/bin/buf" lint protos
-  "$VENV/bin/ruff" check .
-  "$VENV/bin/ruff" format --check .
-  "$VENV/bin/mypy"
-  "$VENV/bin/lint-imports" --no-cache
-  tier=()
 fi
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+((quick)) || "$VENV/bin/mypy"
+"$VENV/bin/lint-imports" --no-cache
 # loadfile: a module's tests share one worker, so its module-scoped servers start once; no reorder: the modules
 # start in collection order, the slowest first (tests/slowfirst.py), so both workers end together
 exec "$VENV/bin/python" -m pytest -n "${DITSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=25 \

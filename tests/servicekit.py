@@ -42,7 +42,7 @@ from ditcore.schedule import ScheduleKeys
 from ditcore.shards import INDEX_FILE, SINGLE_FILE
 from ditruntime.flags import to_argv
 from ditserve.client import request_to_proto
-from ditserve.launcher import die_with_parent, terminate
+from ditserve.supervise import die_with_parent, terminate
 from generator_service.app import build_server as build_generator
 from generator_service.config import GeneratorConfig
 from plancache_service.app import build_server as build_sidecar

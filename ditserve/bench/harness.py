@@ -44,7 +44,7 @@ class Arm:
 @dataclass
 class Record:
     arm: str
-    label: str  # schedule label, e.g. "A" (see scenarios.SCHEDULES)
+    label: str  # schedule label, e.g. "A" (see context.SCHEDULES)
     request_id: str
     latency_s: float  # client-side, submit to last chunk
     sha256: str

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from ditcore import GenerationRequest, RequestLimits
 
 from ..backends.base import Backend
-from ..errors import GeneratorError, NotServingError
+from ..errors import NotServingError
 from .admission import Admission
 from .drain import Progress, StepBounds, drain
 from .mux import Muxer
@@ -29,7 +29,7 @@ from .policy import SizingPolicy
 from .prefetch import Prefetcher
 from .queue import RunQueue
 from .runner import Denoise, Runner, denoise_here
-from .runs import Failed, FinishListener, Queued, Run
+from .runs import FinishListener, Queued, Run
 
 
 class Executor:
@@ -79,18 +79,11 @@ class Executor:
             self._prefetcher.thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        for run in self._queue.close():
-            self._drop(run, NotServingError("the generator is shutting down"))
+        self._queue.close(NotServingError("the generator is shutting down"))
         self._prefetcher.wake()
         end = time.monotonic() + timeout
         self._runner.thread.join(timeout)
         self._muxer.stop(max(0.0, end - time.monotonic()))
-
-    def _drop(self, run: Run, err: GeneratorError) -> None:
-        lease, run.prefetched = run.prefetched, None
-        if lease is not None:
-            lease.release()
-        run.emit(Failed(err))
 
     # ---------------------------------------------------------------- admission and the queue
     @property
@@ -102,9 +95,7 @@ class Executor:
     @property
     def has_room(self) -> bool:
         """A submit now would not be refused for the queue's capacity."""
-        q = self._queue
-        with q.lock:
-            return not q.stopping and q.depth() < q.max_depth
+        return self._queue.has_room()
 
     def retry_after_s(self) -> float:
         """How long until a queue slot is likely free (RunQueue.retry_after_s)."""
@@ -121,9 +112,7 @@ class Executor:
 
     def check(self, run: Run) -> None:
         """Admission's checks but the queue's capacity; raises what `submit` would."""
-        with self._queue.lock:
-            running = self._queue.running.request if self._queue.running is not None else None
-        self._admission.check(run, running)
+        self._admission.check(run, self._queue.running_request())
 
     def submit(self, run: Run) -> int:
         """Admit a run; returns its queue position (0 = runs next). Raises before enqueueing. Only cheap checks run
@@ -147,13 +136,10 @@ class Executor:
     # ---------------------------------------------------------------- drain (weight updates) and step bounds
     def pause(self) -> None:
         """Stop starting queued runs (they wait); the running one goes on."""
-        with self._queue.lock:
-            self._queue.paused = True
+        self._queue.set_paused(True)
 
     def resume(self) -> None:
-        with self._queue.lock:
-            self._queue.paused = False
-            self._queue.lock.notify_all()
+        self._queue.set_paused(False)
         self._prefetcher.wake()
 
     def drain(self, timeout_s: float | None = None) -> bool:

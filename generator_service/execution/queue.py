@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from ditcore import GenerationRequest
 
-from ..errors import CancelledError, NotServingError, QueueFullError
+from ..backends.base import ServedLease
+from ..errors import CancelledError, GeneratorError, NotServingError, QueueFullError
 from .runs import Denoised, Failed, Finished, Run, RunEvent
 
 DRAIN_SLACK_S = 30.0
@@ -135,16 +136,41 @@ class RunQueue:
             self.queued.remove(run)
             lease, run.prefetched = run.prefetched, None
             self.lock.notify_all()
-        if lease is not None:
-            lease.release()
-        run.emit(Failed(CancelledError(f"request {run.request.request_id} was cancelled while queued")))
+        _fail(run, lease, CancelledError(f"request {run.request.request_id} was cancelled while queued"))
         return True
 
-    def close(self) -> list[Run]:
-        """Refuse everything from now on; the runs that were waiting (the caller fails them)."""
+    def close(self, error: GeneratorError) -> None:
+        """Refuse everything from now on; the runs that were waiting fail with `error`."""
         with self.lock:
             self.stopping = True
-            pending = list(self.queued)
+            pending = [(run, run.prefetched) for run in self.queued]
+            for run in self.queued:
+                run.prefetched = None
             self.queued.clear()
             self.lock.notify_all()
-        return pending
+        for run, lease in pending:
+            _fail(run, lease, error)
+
+    # ---------------------------------------------------------------- state the executor reports and sets
+    def has_room(self) -> bool:
+        """A submit now would not be refused for the queue's capacity."""
+        with self.lock:
+            return not self.stopping and self.depth() < self.max_depth
+
+    def running_request(self) -> GenerationRequest | None:
+        """The request denoising now (admission models its activations beside a new one's)."""
+        with self.lock:
+            return self.running.request if self.running is not None else None
+
+    def set_paused(self, paused: bool) -> None:
+        """Paused: the executor starts no queued run (the running one goes on)."""
+        with self.lock:
+            self.paused = paused
+            self.lock.notify_all()
+
+
+def _fail(run: Run, lease: ServedLease | None, error: GeneratorError) -> None:
+    """A run that leaves the queue without running: its prefetched lease released, its final event sent."""
+    if lease is not None:
+        lease.release()
+    run.emit(Failed(error))
