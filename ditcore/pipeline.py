@@ -22,9 +22,12 @@ own PlanPages holder (`plan_holder(transformer_for(pipe, partition))`), whose pa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -218,6 +221,32 @@ def quiet(blocks: Any) -> Any:
     for sub in getattr(blocks, "sub_blocks", {}).values():
         quiet(sub)
     return blocks
+
+
+DIFFUSERS_BLOCKS_LOGGER = "diffusers.modular_pipelines.modular_pipeline"
+"""The logger diffusers' modular blocks log every exception that leaves a block to (its traceback, once per
+nesting level: five for a denoise step, more for a decode)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnlessHandling:
+    """A logging filter: drops the records logged while one of `kinds` is being handled (sys.exc_info is the
+    logging thread's)."""
+
+    kinds: tuple[type[BaseException], ...]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not isinstance(sys.exc_info()[1], self.kinds)
+
+
+def quiet_block_errors(*kinds: type[BaseException]) -> None:
+    """Drop diffusers' blocks' records of exceptions of `kinds` (a run stopped on purpose: a cancel, a deadline, a
+    rank told to stop), which is no block's error: the caller logs it in one line. Once per process and kinds;
+    every other exception's records stay."""
+    logger = logging.getLogger(DIFFUSERS_BLOCKS_LOGGER)
+    quiet = _UnlessHandling(kinds)
+    if quiet not in logger.filters:
+        logger.addFilter(quiet)
 
 
 def released_decode_dtype(precision: str) -> str:

@@ -8,12 +8,18 @@ an image by ditcore.keyframes.probe_image (the keyframe rules: PNG or JPEG, pixe
 WebM) or audio clip (WAV, FLAC, MP3, AAC) by PyAV opening the container and demuxing every packet (no decoding):
 the container format, the streams, the real frame count and duration from the packets (a header can lie), the
 frame size, the channel count (mono or stereo, what diffusers accepts) and sample rate, and what the decoded media
-would weigh; then the first packet of each stream is decoded, so a stream whose codec cannot open is refused here.
+would weigh; then the first frame of each stream is decoded, so a stream whose codec cannot open, or whose first
+frame is not the size its header gives, is refused here.
 
 `decode_reference` turns one probed reference into diffusers' dataclass the way diffusers' own `from_file` does
-(it *is* diffusers' `from_file`, on the bytes written to a private temporary file): frames at the rate the
-container reports with its soundtrack and that soundtrack's rate. Resampling onto 24 fps and the audio VAE's rate,
-resizing and encoding are diffusers' setup and reference-encoder blocks' work, run unchanged by ditcore.pipeline.
+(frames as uint8 RGB at the rate the container reports, its soundtrack through diffusers' own reader at that
+soundtrack's rate), but under its probe, since a container's header and packets can lie about what the bitstream
+decodes to: every frame is checked as it leaves the decoder, before it is converted or kept. A video frame must be
+the probed size and the frames' running bytes stay within the probed count's (the `max_decoded_bytes` it passed);
+an audio frame must be at the probed rate and channel count and the samples' running float32 bytes stay within the
+probed duration's plus AUDIO_SLACK_S. The decoders themselves (FFmpeg's `max_pixels`, here and in the probe) refuse a
+picture far over the probed size or the pixel limit before allocating it. Resampling onto 24 fps and the audio VAE's
+rate, resizing and encoding are diffusers' setup and reference-encoder blocks' work, run unchanged by ditcore.pipeline.
 
 Every error is a `MediaError` (ditcore.keyframes) whose message names the rule and the numbers; ditcore.request
 prefixes the field and index (`references[3]: ...`).
@@ -22,12 +28,12 @@ prefixes the field and index (`references[3]: ...`).
 from __future__ import annotations
 
 import io
+import itertools
 import math
-import os
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from types import SimpleNamespace
 from typing import Any
 
 from .keyframes import DEFAULT_IMAGE_LIMITS, ImageLimits, MediaError, decode_image, probe_image
@@ -47,6 +53,9 @@ AUDIO_FORMATS = {
 MAX_PACKETS = 200_000
 """Packets one reference's container may hold (bounds the probe's demux pass: far above any 60 s clip's)."""
 MAX_SAMPLE_RATE = 384_000
+AUDIO_SLACK_S = 1.0
+"""Seconds of samples a decoded audio stream may hold beyond the duration its packets span: codec priming and
+padding, a last packet whose duration the container leaves out."""
 H3_FPS = 24
 MIN_VIDEO_FRAMES = 13
 """Frames a video reference must run at 24 fps: diffusers' ref2va text encoder reads it at 2 fps and Qwen3-VL merges
@@ -181,11 +190,18 @@ def _is_image(data: bytes) -> bool:
     return data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"))
 
 
-def _open(data: bytes) -> Any:
+def _decoder_options(pixels: int) -> dict[str, str]:
+    """FFmpeg's `max_pixels`: a decoder refuses a picture over about twice `pixels` (room for its row alignment)
+    before allocating it. The exact size is checked on each decoded frame."""
+    return {"max_pixels": str(2 * pixels + 2**16)}
+
+
+def _open(data: bytes, max_pixels: int) -> Any:
+    """The container, its streams read (FFmpeg's stream-info pass decodes a few frames, within `max_pixels`)."""
     import av
 
     try:
-        return av.open(io.BytesIO(data), mode="r")
+        return av.open(io.BytesIO(data), mode="r", options=_decoder_options(max_pixels))
     except (av.error.FFmpegError, ValueError, OSError) as e:
         raise MediaError(
             "is not a readable image (PNG, JPEG), video (MP4, WebM) or audio (WAV, FLAC, MP3, AAC) file "
@@ -196,7 +212,7 @@ def _open(data: bytes) -> Any:
 def _probe_container(ref: Reference, limits: ReferenceLimits) -> ReferenceProbe:
     import av
 
-    with _open(ref.data) as container:
+    with _open(ref.data, limits.max_frame_pixels) as container:
         demuxer = container.format.name
         video = container.streams.video[0] if container.streams.video else None
         audio = container.streams.audio[0] if container.streams.audio else None
@@ -216,14 +232,14 @@ def _probe_container(ref: Reference, limits: ReferenceLimits) -> ReferenceProbe:
             video = None  # an audio reference reads the soundtrack alone
         try:
             spans = _demux(container, [s for s in (video, audio) if s is not None])
-            for stream in (video, audio):
-                if stream is not None:
-                    _decode_first(ref.data, stream.index)
+            if audio is not None:
+                _decode_first(ref.data, audio.index, limits.max_frame_pixels)
         except av.error.FFmpegError as e:
             raise MediaError(f"the {fmt} file is damaged ({type(e).__name__}: {e})") from e
         probe = ReferenceProbe(kind=kind, format=fmt)
         if video is not None:
             probe = _video_probe(probe, video, spans[video.index], limits)
+            _check_first_frame(ref.data, video.index, probe, limits)
         if audio is not None:
             probe = _audio_probe(probe, audio, spans[audio.index], limits, kind)
         return probe
@@ -252,16 +268,34 @@ def _demux(container: Any, streams: list[Any]) -> dict[int, tuple[int, float]]:
     return {i: (counts[i], float(last[i] - first[i]) if i in first else 0.0) for i in counts}
 
 
-def _decode_first(data: bytes, index: int) -> None:
-    """Decode the first frame of stream `index` (the codec opens and reads it), in a fresh container."""
-    import av
-
-    with av.open(io.BytesIO(data), mode="r") as container:
+def _decode_first(data: bytes, index: int, max_pixels: int) -> Any:
+    """The first frame of stream `index` (the codec opens and reads it), decoded in a fresh container."""
+    with _open(data, max_pixels) as container:
         stream = container.streams[index]
-        for _ in container.decode(stream):
-            return
+        stream.codec_context.options = _decoder_options(max_pixels)
+        for frame in container.decode(stream):
+            return frame
     kind = "video" if stream.type == "video" else "audio"
     raise MediaError(f"its {kind} stream decodes to no frame")
+
+
+def _check_first_frame(data: bytes, index: int, probe: ReferenceProbe, limits: ReferenceLimits) -> None:
+    """The first video frame decodes within the pixel limit, at the size the stream header gives."""
+    import av
+
+    try:
+        frame = _decode_first(data, index, limits.max_frame_pixels)
+    except av.error.ArgumentError as e:  # what a decoder's max_pixels refusal raises
+        raise MediaError(
+            f"its first video frame does not decode within {limits.max_frame_pixels:,} pixels ({e})", "max_frame_pixels"
+        ) from e
+    except av.error.FFmpegError as e:
+        raise MediaError(f"the {probe.format} file is damaged ({type(e).__name__}: {e})") from e
+    if (frame.width, frame.height) != (probe.width, probe.height):
+        raise MediaError(
+            f"its first video frame is {frame.width} x {frame.height}; its stream header says {probe.width} x "
+            f"{probe.height}"
+        )
 
 
 def _video_probe(
@@ -330,8 +364,10 @@ def _audio_probe(
 
 def decode_reference(ref: Reference, probe: ReferenceProbe, limits: ReferenceLimits = DEFAULT_REFERENCE_LIMITS) -> Any:
     """diffusers' reference dataclass for one probed reference: an image through ditcore.keyframes.decode_image
-    (diffusers' load_image), a video or audio clip through the dataclass's own `from_file` on the bytes written to
-    a private temporary file (removed on return). A fault of the media data itself raises MediaError."""
+    (diffusers' load_image); a video or audio clip decoded the way the dataclass's own `from_file` decodes it, every
+    frame checked against `probe` (the module doc), then handed to the dataclass. A fault of the media data itself,
+    or a frame past what the probe read, raises MediaError."""
+    import av
     from diffusers.modular_pipelines.minimax_h3 import (
         MiniMaxH3AudioReference,
         MiniMaxH3ImageReference,
@@ -340,14 +376,103 @@ def decode_reference(ref: Reference, probe: ReferenceProbe, limits: ReferenceLim
 
     if probe.kind == "image":
         return MiniMaxH3ImageReference(image=decode_image(ref.data, limits.image))
-    cls = MiniMaxH3VideoReference if probe.kind == "video" else MiniMaxH3AudioReference
-    handle, path = tempfile.mkstemp(prefix="ditserve-reference-")
     try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(ref.data)
+        with _open(ref.data, probe.width * probe.height) as container:
+            if probe.kind == "video":
+                frames, fps, audio, rate = _decode_video(container, probe, limits)
+                return MiniMaxH3VideoReference(frames=frames, fps=fps, audio=audio, sample_rate=rate)
+            audio, rate = _decode_soundtrack(container, probe, limits)
+            return MiniMaxH3AudioReference(audio=audio, sample_rate=rate)
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, ValueError, RuntimeError) as e:  # PyAV's; torch.cat's on a soundtrack of no frame
+        raise MediaError(f"the {probe.format} file cannot be decoded ({type(e).__name__}: {e})") from e
+
+
+def _decode_video(container: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> tuple[Any, float, Any, Any]:
+    """diffusers' `_decode_video_file` (MiniMaxH3VideoReference.from_file) over checked frames: (frames, fps, audio,
+    sample_rate), the (N, H, W, 3) uint8 frames turned upright by the stream's rotation, its soundtrack or None."""
+    import numpy as np
+
+    stream = container.streams.video[0]
+    frames, rotation = [], 0.0
+    for frame in _video_frames(container, stream, probe, limits):
+        rotation = frame.rotation  # the display matrix's, on every frame of the stream
+        frames.append(frame.to_ndarray(format="rgb24"))
+    fps = float(stream.average_rate or stream.guessed_rate)
+    audio, rate = None, None
+    if container.streams.audio:
+        container.seek(0)  # the frames drained the container: the soundtrack is a second pass
+        audio, rate = _decode_soundtrack(container, probe, limits)
+    if not frames:
+        raise MediaError("its video stream decodes to no frame")
+    video = np.stack(frames)
+    turns = round(rotation / 90.0) % 4  # ffmpeg's upright display, snapped to a quarter turn (as diffusers does)
+    if turns:
+        video = np.ascontiguousarray(np.rot90(video, k=-turns, axes=(1, 2)))
+    return video, fps, audio, rate
+
+
+def _decode_soundtrack(container: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> tuple[Any, int]:
+    """(waveform, sample_rate) of the first audio stream by diffusers' own reader (float32, its rate and layout),
+    given a container whose `decode(stream)`, all that reader calls, yields checked frames."""
+    import av
+    from diffusers.modular_pipelines.minimax_h3.references import _decode_reference_soundtrack
+
+    stream = container.streams.audio[0]
+    frames = _audio_frames(container, stream, probe, limits)
+    return _decode_reference_soundtrack(av, SimpleNamespace(decode=lambda _: frames), stream)
+
+
+def _video_frames(container: Any, stream: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> Iterator[Any]:
+    """The stream's decoded frames, each refused before it is converted unless it is the probed size and the frames'
+    uint8 RGB bytes so far stay within the probed count's. The decoder refuses a picture far over the probed size
+    before allocating it."""
+    import av
+
+    width, height = probe.width, probe.height
+    allowed = min(probe.frames * width * height * 3, limits.max_decoded_bytes)
+    stream.codec_context.options = _decoder_options(width * height)
+    decoded = container.decode(stream)
+    for n in itertools.count(1):
         try:
-            return cls.from_file(path)
-        except Exception as e:  # PyAV's errors, numpy's on an empty decode, diffusers' ValueError
-            raise MediaError(f"the {probe.format} file cannot be decoded ({type(e).__name__}: {e})") from e
-    finally:
-        os.unlink(path)
+            frame = next(decoded, None)
+        except av.error.FFmpegError as e:
+            raise MediaError(
+                f"its video frame {n} cannot be decoded ({type(e).__name__}: {e}): it is damaged, or larger than "
+                f"the {width} x {height} its header and first frame give, which every frame must keep"
+            ) from e
+        if frame is None:
+            return
+        if (frame.width, frame.height) != (width, height):
+            raise MediaError(
+                f"its video frame {n} is {frame.width} x {frame.height}; its header and first frame give {width} x "
+                f"{height}, and every frame of a video reference must be that size"
+            )
+        if n * width * height * 3 > allowed:
+            raise MediaError(
+                f"its video frame {n} decodes past {allowed:,} bytes: the {probe.frames} frames of {width} x {height} "
+                "x 3 its packets hold", "max_decoded_bytes"
+            )  # fmt: skip
+        yield frame
+
+
+def _audio_frames(container: Any, stream: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> Iterator[Any]:
+    """The stream's decoded frames, each refused before it is resampled unless it is at the probed rate and channel
+    count and the float32 bytes of the samples so far stay within the probed duration's (plus AUDIO_SLACK_S)."""
+    rate, channels = probe.sample_rate, probe.channels
+    allowed = min(math.ceil((probe.seconds + AUDIO_SLACK_S) * rate) * channels * 4, limits.max_decoded_bytes)
+    total = 0
+    for n, frame in enumerate(container.decode(stream), 1):
+        if (frame.sample_rate, frame.layout.nb_channels) != (rate, channels):
+            raise MediaError(
+                f"its audio frame {n} is {frame.sample_rate} Hz with {frame.layout.nb_channels} channels; the stream "
+                f"was probed at {rate} Hz with {channels}, and every frame must keep them"
+            )
+        total += frame.samples * channels * 4
+        if total > allowed:
+            raise MediaError(
+                f"its audio decodes past {allowed:,} bytes of float32 samples at frame {n}: {probe.seconds:.2f} s at "
+                f"{rate} Hz x {channels} its packets span, plus {AUDIO_SLACK_S:g} s", "max_decoded_bytes"
+            )  # fmt: skip
+        yield frame

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -119,6 +120,61 @@ def read_token_file(path: Path, flag: str = "--admin-token-file") -> str:
     """The token in `path`, stripped. ValueError naming the flag when the file cannot be read, is empty, or is
     readable or writable by other users (mode o+r / o+w) or writable by its group: a secret's file is 0600 or 0640
     (0440 for a Kubernetes Secret volume with fsGroup)."""
+    return _read_secret(path, flag)
+
+
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}")
+"""A client's name in a keys file: what its jobs' `owner` says."""
+
+
+def read_client_keys(path: Path, flag: str = "--client-keys-file") -> dict[str, str]:
+    """A keys file: one client per line, `NAME KEY` (blank lines and `#` comments skipped), each KEY at least
+    MIN_ADMIN_TOKEN_CHARS printable ASCII characters, no KEY or NAME twice. Key -> name. ValueError naming the flag
+    and the line (never a key); the file's mode is checked as a token file's."""
+    keys: dict[str, str] = {}
+    names: set[str] = set()
+    for n, line in enumerate(_read_secret(path, flag).splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        where = f"{flag} {path} line {n}"
+        if len(parts) != 2:
+            raise ValueError(f"{where}: expected 'NAME KEY' (two fields), got {len(parts)} fields")
+        name, key = parts
+        if not CLIENT_NAME.fullmatch(name) or name in ("anonymous", "admin"):
+            raise ValueError(
+                f"{where}: NAME must be 1-128 of A-Z a-z 0-9 . _ @ : - (starting with a letter or digit), and not "
+                f"'anonymous' or 'admin', got {name[:40]!r}"
+            )
+        check_admin_token(key, f"{where} (the key of {name})")
+        if key in keys or name in names:
+            raise ValueError(f"{where}: {'the key' if key in keys else 'the name ' + repr(name)} appears twice")
+        keys[key] = name
+        names.add(name)
+    if not keys:
+        raise ValueError(f"{flag} {path}: no 'NAME KEY' line")
+    return keys
+
+
+def bearer_of(authorization: str | None) -> str | None:
+    """The token of an `authorization: Bearer <token>` value; None when there is none."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def match_key(keys: Mapping[str, str], token: str) -> str | None:
+    """The name `token` belongs to in `keys` (key -> name), compared in constant time against every key."""
+    found = None
+    for key, name in keys.items():
+        if hmac.compare_digest(token.encode(), key.encode()):
+            found = name
+    return found
+
+
+def _read_secret(path: Path, flag: str) -> str:
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):

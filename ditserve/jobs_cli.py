@@ -2,7 +2,7 @@
 
     ditserve jobs create --target 127.0.0.1:50051 --prompt "a red fox" --output-type mp4 --wait --out fox.mp4
     ditserve jobs list --target 127.0.0.1:50051 --state succeeded
-    ditserve jobs watch --target 127.0.0.1:50051 job_...      # a progress bar: queue position, steps, decode, mux
+    ditserve jobs watch --target 127.0.0.1:50051 job_...      # a bar: queue position, steps, decoding, muxing, storing
     ditserve jobs download --target 127.0.0.1:50051 job_... --out fox.mp4   # resumes a partial file, checks sha256
 
 Each command prints the job (or jobs) as JSON lines on stdout, the job's record as the server gives it. Exit codes:
@@ -29,7 +29,7 @@ from .client_results import IntegrityError
 from .errors import UsageError
 from .jobs_client import JobsClient
 from .progress import Progress, add_progress_flag, progress_enabled
-from .remote import add_client_flags, check_client_args, credentials_from_args
+from .remote import add_api_key_flag, add_client_flags, api_key_metadata, check_client_args, credentials_from_args
 from .requests_io import add_request_flags, requests_from_args
 
 STATE_NAMES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -60,6 +60,7 @@ def add_jobs_parser(sub: Any) -> None:
     for name, verb in verbs.choices.items():
         verb.add_argument("--target", required=True, help="generator address HOST:PORT")
         add_client_flags(verb)
+        add_api_key_flag(verb)
         if name in ("watch",):  # create has it from the request flags
             add_progress_flag(verb)
     jobs.set_defaults(func=cmd_jobs)
@@ -71,7 +72,7 @@ def job_json(job: pb.Job) -> str:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     check_client_args(args)
-    with JobsClient(args.target, credentials=credentials_from_args(args)) as client:
+    with JobsClient(args.target, credentials=credentials_from_args(args), metadata=api_key_metadata(args)) as client:
         try:
             return _run(client, args)
         except grpc.RpcError as e:
@@ -129,12 +130,7 @@ def _watch(client: JobsClient, job_id: str, progress: str) -> int:
     with Progress(job_id, progress_enabled(progress)) as bar:
         for job in client.watch(job_id):
             last = job
-            if job.state == pb.JOB_STATE_QUEUED:
-                bar.stage(f"queued, position {job.queue_position}")
-            elif job.progress.stage == pb.JOB_STAGE_DENOISING:
-                bar.step(job.progress.steps_done, job.progress.steps_total)
-            elif job.state == pb.JOB_STATE_RUNNING:
-                bar.stage(pb.JobStage.Name(job.progress.stage).removeprefix("JOB_STAGE_").lower())
+            show_job(bar, job)
     if last is None:
         return 1
     print(job_json(last), flush=True)
@@ -142,6 +138,19 @@ def _watch(client: JobsClient, job_id: str, progress: str) -> int:
         print(f"ditserve jobs: {job_id} {pb.JobState.Name(last.state)}: {last.error.message}", file=sys.stderr)
         return 1
     return 0
+
+
+def show_job(bar: Progress, job: pb.Job) -> None:
+    """One watched record on the bar: the queue position while queued; once running, the steps its record names and
+    its stage ("preparing", "denoising", then "decoding", "muxing", "storing" after the last step). A watch sees only
+    the latest record, so the last step often arrives as the decoding record: the steps come from every record."""
+    if job.state == pb.JOB_STATE_QUEUED:
+        bar.stage(f"queued, position {job.queue_position}")
+        return
+    if job.progress.steps_total:
+        bar.step(job.progress.steps_done, job.progress.steps_total)
+    if job.state == pb.JOB_STATE_RUNNING and job.progress.stage != pb.JOB_STAGE_UNSPECIFIED:
+        bar.stage(pb.JobStage.Name(job.progress.stage).removeprefix("JOB_STAGE_").lower())
 
 
 def _download(client: JobsClient, job_id: str, out: str) -> None:

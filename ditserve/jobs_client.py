@@ -1,10 +1,13 @@
 """A typed Python client of the Jobs API (`ditserve.generator.v1.Jobs`): create, look up, list, watch, cancel,
-delete, and download a job's content (resumable, checked against its size and sha256)."""
+delete, and download a job's content (resumable, checked against its size and sha256). A per-request view
+(`with_call_options`) gives every call one deadline and metadata (the HTTP facade's forwarded Authorization)."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,11 +22,30 @@ from .client import open_channel
 from .client_requests import request_to_proto
 from .client_results import IntegrityError
 
+_FINAL_STATES = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
+
 
 class JobsClient:
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self, target: str, credentials: grpc.ChannelCredentials | None = None, timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:  # fmt: skip
         self.channel = open_channel(target, credentials)
         self.stub = pb_grpc.JobsStub(self.channel)
+        self.timeout_s = timeout_s
+        """Every unary call's deadline in seconds; None: each method's own default."""
+        self.metadata = tuple(metadata)
+        """Sent with every call, e.g. (("authorization", "Bearer ..."),)."""
+
+    def with_call_options(self, timeout_s: float | None = None, metadata: Sequence[tuple[str, str]] = ()) -> JobsClient:
+        """A view of this client on the same channel whose every call has deadline `timeout_s` and `metadata` (one
+        per HTTP request in the facade). Closing the view would close the shared channel: don't."""
+        view = copy.copy(self)
+        view.timeout_s, view.metadata = timeout_s, tuple(metadata)
+        return view
+
+    def _deadline(self, timeout: float | None, default: float) -> float:
+        return timeout if timeout is not None else self.timeout_s if self.timeout_s is not None else default
 
     def __enter__(self) -> JobsClient:
         return self
@@ -36,21 +58,23 @@ class JobsClient:
 
     def create(
         self, request: GenerationRequest | Mapping[str, Any] | pb.GenerateRequest, idempotency_key: str = "",
-        timeout: float = 60.0,
+        timeout: float | None = None,
     ) -> tuple[pb.Job, bool]:  # fmt: skip
         msg = request if isinstance(request, pb.GenerateRequest) else request_to_proto(request)
-        resp = self.stub.CreateJob(pb.CreateJobRequest(request=msg, idempotency_key=idempotency_key), timeout=timeout)
+        resp = self.stub.CreateJob(pb.CreateJobRequest(request=msg, idempotency_key=idempotency_key),
+                                   timeout=self._deadline(timeout, 60.0), metadata=self.metadata)  # fmt: skip
         return resp.job, resp.created
 
-    def get(self, job_id: str, timeout: float = 30.0) -> pb.Job:
-        return self.stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=timeout).job
+    def get(self, job_id: str, timeout: float | None = None) -> pb.Job:
+        req = pb.GetJobRequest(job_id=job_id)
+        return self.stub.GetJob(req, timeout=self._deadline(timeout, 30.0), metadata=self.metadata).job
 
     def list(
         self, states: Sequence[int] = (), page_size: int = 50, page_token: str = "", oldest_first: bool = False
     ) -> tuple[list[pb.Job], str]:
         req = pb.ListJobsRequest(page_size=page_size, page_token=page_token, oldest_first=oldest_first)
         req.states.extend(states)
-        resp = self.stub.ListJobs(req, timeout=30.0)
+        resp = self.stub.ListJobs(req, timeout=self._deadline(None, 30.0), metadata=self.metadata)
         return list(resp.jobs), resp.next_page_token
 
     def iter_all(self, states: Sequence[int] = (), oldest_first: bool = False) -> Iterator[pb.Job]:
@@ -62,22 +86,34 @@ class JobsClient:
                 return
 
     def watch(self, job_id: str) -> Iterator[pb.Job]:
-        for resp in self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id)):
-            yield resp.job
+        """The job now and after every change, to its final state: a watch the server ends at its bound
+        (--watch-max-s) with the job still live is opened again (the first record it sends repeats the last)."""
+        last: pb.Job | None = None
+        while True:
+            for resp in self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id), metadata=self.metadata):
+                if last is None or resp.job != last:
+                    yield resp.job
+                last = resp.job
+            if last is None or last.state in _FINAL_STATES:
+                return
 
     def cancel(self, job_id: str) -> pb.Job:
-        return self.stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=30.0).job
+        req = pb.CancelJobRequest(job_id=job_id)
+        return self.stub.CancelJob(req, timeout=self._deadline(None, 30.0), metadata=self.metadata).job
 
     def delete(self, job_id: str) -> bool:
-        return self.stub.DeleteJob(pb.DeleteJobRequest(job_id=job_id), timeout=30.0).deleted
+        req = pb.DeleteJobRequest(job_id=job_id)
+        return self.stub.DeleteJob(req, timeout=self._deadline(None, 30.0), metadata=self.metadata).deleted
 
-    def content_iter(self, job_id: str, offset: int = 0) -> tuple[pb.ContentHeader, Iterator[bytes]]:
-        stream = self.stub.GetJobContent(pb.GetJobContentRequest(job_id=job_id, offset=offset))
-        first = next(stream)
-        if not first.HasField("header"):
-            stream.cancel()
-            raise IntegrityError(f"job {job_id}: the content stream did not start with its header")
-        return first.header, _chunks(job_id, stream, first.header)
+    def content_iter(
+        self, job_id: str, offset: int = 0, *, timeout: float | None = None, idle_timeout_s: float | None = None
+    ) -> tuple[pb.ContentHeader, ContentChunks]:
+        """The content's header and its chunks. `timeout`: the whole stream's deadline; `idle_timeout_s`: the
+        longest wait for each message, the header's included (StalledStreamError); None: no limit."""
+        req = pb.GetJobContentRequest(job_id=job_id, offset=offset)
+        chunks = ContentChunks(job_id, self.stub.GetJobContent(req, timeout=timeout, metadata=self.metadata),
+                               idle_timeout_s)  # fmt: skip
+        return chunks.start(), chunks
 
     def download(self, job_id: str, dest: str | os.PathLike[str], resume: bool = True) -> tuple[Path, str]:
         """Write the content to `dest` (through `dest`.part, which a later call resumes from: from the part's size,
@@ -115,16 +151,77 @@ class JobsClient:
         return dest, content.sha256
 
 
-def _chunks(job_id: str, stream: Any, header: pb.ContentHeader) -> Iterator[bytes]:
-    """The stream's chunk bytes, each checked to start where the last ended and to stay within total_bytes; the
-    call is cancelled when the consumer stops early."""
-    at, total = header.offset, header.content.total_bytes
-    try:
-        for m in stream:
-            if not m.HasField("chunk") or m.chunk.offset != at or at + len(m.chunk.data) > total:
-                raise IntegrityError(f"job {job_id}: a content message at offset {m.chunk.offset} "
-                                     f"({len(m.chunk.data)} bytes), expected a chunk at {at} within {total} bytes")  # fmt: skip
-            at += len(m.chunk.data)
-            yield m.chunk.data
-    finally:
-        stream.cancel()  # a no-op once the stream has ended
+class StalledStreamError(grpc.RpcError):
+    """A content stream sent no message within its idle timeout; the call was cancelled. Its code is
+    DEADLINE_EXCEEDED, as the deadline of a unary call would say."""
+
+    def __init__(self, job_id: str, idle_timeout_s: float) -> None:
+        super().__init__(f"job {job_id}: no content message from the generator within {idle_timeout_s:g} s")
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return str(self)
+
+    def trailing_metadata(self) -> None:
+        return None
+
+
+class ContentChunks(Iterator[bytes]):
+    """One GetJobContent call: `start()` reads its header, then iteration yields the chunk bytes, each checked to
+    start where the last ended and to stay within total_bytes. Each message is waited for at most `idle_timeout_s`
+    (then the call is cancelled: StalledStreamError); `cancel()` ends the call from any thread (a no-op once it has
+    ended), so the thread waiting for a message returns at once."""
+
+    def __init__(self, job_id: str, stream: Any, idle_timeout_s: float | None) -> None:
+        self.job_id, self._stream, self._idle_timeout_s = job_id, stream, idle_timeout_s
+        self._stalled = False
+        self._at = self._total = 0
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    close = cancel
+
+    def _stall(self) -> None:
+        self._stalled = True
+        self._stream.cancel()
+
+    def _next_message(self) -> pb.GetJobContentResponse:
+        timer = None
+        if self._idle_timeout_s is not None:
+            timer = threading.Timer(self._idle_timeout_s, self._stall)
+            timer.daemon = True
+            timer.start()
+        try:
+            message: pb.GetJobContentResponse = next(self._stream)
+            return message
+        except grpc.RpcError:
+            if self._stalled:
+                raise StalledStreamError(self.job_id, self._idle_timeout_s or 0) from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def start(self) -> pb.ContentHeader:
+        try:
+            first = self._next_message()
+        except StopIteration:
+            first = pb.GetJobContentResponse()
+        if not first.HasField("header"):
+            self.cancel()
+            raise IntegrityError(f"job {self.job_id}: the content stream did not start with its header")
+        self._at, self._total = first.header.offset, first.header.content.total_bytes
+        return first.header
+
+    def __next__(self) -> bytes:
+        m = self._next_message()  # StopIteration at the stream's end
+        at, total = self._at, self._total
+        if not m.HasField("chunk") or m.chunk.offset != at or at + len(m.chunk.data) > total:
+            self.cancel()
+            raise IntegrityError(f"job {self.job_id}: a content message at offset {m.chunk.offset} "
+                                 f"({len(m.chunk.data)} bytes), expected a chunk at {at} within {total} bytes")  # fmt: skip
+        self._at += len(m.chunk.data)
+        return m.chunk.data

@@ -4,9 +4,10 @@ each child gets its config rendered back to flags (ditruntime.flags.to_argv).
 
 Creates the demo checkpoint (a MiniMax-H3 repository of preset `tiny`, released mixed precision, seed 0) in the run
 dir when no --checkpoint is given.
-SIGINT / SIGTERM stop the generator, then the sidecar (which removes its /dev/shm files);
-children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned. A
-child that crashes is restarted (the generator reattaches by itself). Each child is a `supervise.Child`.
+SIGINT / SIGTERM stop the generator, then the sidecar (which removes its /dev/shm files): each child runs in a
+process group of its own, so a terminal's Ctrl-C reaches this process alone, and a replica (--nproc) stops through its
+rank 0, which stops the others; children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is
+orphaned. A child that crashes is restarted (the generator reattaches by itself). Each child is a `supervise.Child`.
 
 The admin token never goes on a child's argv (world-readable in /proc/PID/cmdline, `ps`): the generator gets it in
 its environment ($DITSERVE_ADMIN_TOKEN; /proc/PID/environ is readable by its own uid only) or, with
@@ -39,7 +40,7 @@ from plancache_service.config import CacheConfig, SidecarConfig
 
 from .commands import quiet_model_libraries
 from .errors import UsageError
-from .supervise import Child, wait_http
+from .supervise import Child, StopRequested, replica_leader, wait_http
 
 log = logging.getLogger("ditserve.serve")
 DEMO_PRESET = "tiny"
@@ -152,7 +153,10 @@ def build_children(
     gen_argv = [*launcher, *to_argv(gen, exclude=("admin_token",)), *common]
     health = f"{health_host}:{args.port}"
     gen_log, creds = run_dir / "generator.log", health_credentials(gen)
-    children.append(Child("generator", gen_argv, health, gen_log, creds, child_env(gen.admin_token), gen))
+    leader = replica_leader if args.nproc > 1 else None
+    children.append(
+        Child("generator", gen_argv, health, gen_log, creds, child_env(gen.admin_token), gen, leader=leader)
+    )
     if args.openai_port is not None:
         children.append(openai_child(args, gen, health, run_dir))
     return children
@@ -163,6 +167,10 @@ def openai_child(args: argparse.Namespace, gen: GeneratorConfig, target: str, ru
     (over TLS trusting the certificate the generator serves, presenting it too under mutual TLS)."""
     argv = [sys.executable, "-m", "ditserve", "openai-api", "--target", target, "--host", args.host,
             "--port", str(args.openai_port)]  # fmt: skip
+    if args.openai_allowed_hosts:
+        argv += ["--allowed-hosts", args.openai_allowed_hosts]
+    if args.openai_cors_origins:
+        argv += ["--cors-origins", args.openai_cors_origins]
     if gen.tls_cert is not None:
         argv += ["--tls-ca", str(gen.tls_cert)]
         if gen.tls_client_ca is not None:
@@ -170,7 +178,7 @@ def openai_child(args: argparse.Namespace, gen: GeneratorConfig, target: str, ru
     probe = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host
     url = f"{_base(probe, args.openai_port)}/v1/videos"
     return Child("openai-api", argv, target, run_dir / "openai-api.log", None, None, None,
-                 ready=lambda proc, timeout: wait_http(url, timeout, proc))  # fmt: skip
+                 ready=lambda proc, timeout, stop: wait_http(url, timeout, proc, stop))  # fmt: skip
 
 
 def child_env(admin_token: str) -> dict[str, str]:
@@ -277,13 +285,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for child in children:
             print(f"starting {child.name} (log: {child.log_path})", flush=True)
-            child.start()
+            child.start(stop=stop)
         gen = next(c.config for c in children if isinstance(c.config, GeneratorConfig))
         print(banner(args, gen, checkpoint, run_dir), flush=True)
         while not stop.wait(0.5):
             for child in children:
                 if child.exited():
                     _restart(child, stop)
+    except StopRequested:
+        pass  # signalled while a child was starting
     except RuntimeError as e:
         print(f"ditserve serve: error: {e}", file=sys.stderr)
         return 1
@@ -302,7 +312,7 @@ def _restart(child: Child, stop: threading.Event) -> None:
     code = child.proc.returncode if child.proc else None
     print(f"{child.name} exited with code {code}; restarting", file=sys.stderr, flush=True)
     if not stop.is_set():
-        child.start()
+        child.start(stop=stop)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -326,6 +336,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="also serve the OpenAI-compatible /v1/videos facade on --host at this port (default off; its key: "
         "$DITSERVE_OPENAI_API_KEY)",
     )  # fmt: skip
+    p.add_argument(
+        "--openai-allowed-hosts", default="",
+        help="the facade's --allowed-hosts: Host header values it serves (default: loopback names and --host; "
+        "give the names clients use when --host is 0.0.0.0)",
+    )  # fmt: skip
+    p.add_argument("--openai-cors-origins", default="", help="the facade's --cors-origins (default: no CORS)")
     add_flags(p, LaunchOptions, exclude=SERVE_LAUNCH_EXCLUDE)
     add_flags(p, GeneratorConfig, exclude=SERVE_GENERATOR_EXCLUDE, group="generator")
     side = p.add_argument_group("plan-cache sidecar (cached mode)")

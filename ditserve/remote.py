@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import grpc
 
 from ditcore import GenerationRequest, GenerationResult
-from ditruntime.auth import is_loopback_host, listen_host, read_token_file
+from ditruntime.auth import ADMIN_TOKEN_ENV, bearer_metadata, is_loopback_host, listen_host, read_token_file
 
 from .client import GeneratorClient
 from .client_results import ClientResult, IntegrityError
@@ -76,6 +77,31 @@ def credentials_from_args(args: argparse.Namespace) -> grpc.ChannelCredentials |
         return Path(p).read_bytes() if p else None
 
     return grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+
+
+API_KEY_ENV = "DITSERVE_API_KEY"
+"""The environment variable the Jobs commands read their client key from (`--api-key-file` wins)."""
+
+
+def add_api_key_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key-file", default=None,
+        help=f"read this client's key (a --client-keys-file key of the server) from this file (default: ${API_KEY_ENV}, "
+        f"else ${ADMIN_TOKEN_ENV})",
+    )  # fmt: skip
+
+
+def api_key_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """`authorization: Bearer` metadata for the Jobs API: --api-key-file's key, else $DITSERVE_API_KEY, else the
+    admin token ($DITSERVE_ADMIN_TOKEN: sees every job); none when none is set (a server without authentication)."""
+    key = ""
+    if getattr(args, "api_key_file", None):
+        try:
+            key = read_token_file(Path(args.api_key_file), "--api-key-file")
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    key = key or os.environ.get(API_KEY_ENV, "") or os.environ.get(ADMIN_TOKEN_ENV, "")
+    return bearer_metadata(key) if key else ()
 
 
 def client_from_args(args: argparse.Namespace) -> GeneratorClient:

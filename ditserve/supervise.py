@@ -1,12 +1,16 @@
-"""Supervised service processes: a child started so that it dies with its parent (PR_SET_PDEATHSIG), waited on
-until its gRPC health says SERVING (or its HTTP answers), and stopped with SIGTERM then SIGKILL (`Child`)."""
+"""Supervised service processes: a child started so that it dies with its parent (PR_SET_PDEATHSIG), in a process
+group of its own (a terminal's Ctrl-C reaches the supervisor alone, which stops its children in order), waited on
+until its gRPC health says SERVING (or its HTTP answers), and stopped with SIGTERM then SIGKILL (`Child`); a
+replica through its rank 0 (`replica_leader`)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,18 +29,29 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+class StopRequested(Exception):
+    """The supervisor was told to stop while it waited for a child to come up."""
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise StopRequested("stopped while starting")
+
+
 def wait_healthy(
     target: str,
     timeout_s: float,
     proc: subprocess.Popen[bytes] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Poll grpc.health.v1 until SERVING; raise if the process exits or time runs out."""
+    """Poll grpc.health.v1 until SERVING; raise if the process exits, `stop` is set or time runs out."""
     end = time.monotonic() + timeout_s
     channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
     with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < end:
+            _check_stop(stop)
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process exited with code {proc.returncode} before becoming healthy")
             try:
@@ -51,13 +66,16 @@ def wait_healthy(
     raise TimeoutError(f"{target} did not become healthy within {timeout_s:.0f} s")
 
 
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http(
+    url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None, stop: threading.Event | None = None
+) -> None:
     """Poll `url` until it answers HTTP at all (any status: a 401 is an up server that wants a key)."""
     import urllib.error
     import urllib.request
 
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
+        _check_stop(stop)
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with code {proc.returncode} before it served {url}")
         try:
@@ -82,8 +100,21 @@ def terminate(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> int | None:
     return proc.returncode
 
 
+def replica_leader(agent_pid: int) -> int | None:
+    """Rank 0 among the workers of torchrun's elastic agent `agent_pid` (its children whose environment says
+    RANK=0), or None (not started yet, or gone)."""
+    for task in Path(f"/proc/{agent_pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            for pid in map(int, (task / "children").read_text().split()):
+                with contextlib.suppress(OSError):
+                    if b"RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                        return pid
+    return None
+
+
 class Child:
-    """One supervised service process."""
+    """One supervised service process. `leader(pid)`: the process to stop it through (a replica's rank 0) instead of
+    `pid` itself."""
 
     def __init__(
         self,
@@ -94,7 +125,8 @@ class Child:
         credentials: grpc.ChannelCredentials | None = None,
         env: dict[str, str] | None = None,
         config: GeneratorConfig | SidecarConfig | None = None,
-        ready: Callable[[subprocess.Popen[bytes], float], None] | None = None,
+        ready: Callable[[subprocess.Popen[bytes], float, threading.Event | None], None] | None = None,
+        leader: Callable[[int], int | None] | None = None,
     ) -> None:
         self.config = config
         self.ready = ready
@@ -107,27 +139,43 @@ class Child:
         """The child's whole environment (None: this process's)."""
         self.health_target = health_target
         self.log_path = log_path
+        self.leader = leader
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts: list[float] = []
 
-    def start(self, timeout_s: float = 120.0) -> None:
+    def start(self, timeout_s: float = 120.0, stop: threading.Event | None = None) -> None:
+        """Start it and wait until it is up; StopRequested (it stopped again) once `stop` is set meanwhile."""
         logf = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen(
-            self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=self.env
-        )
+        self.proc = subprocess.Popen(  # its own process group: a terminal's Ctrl-C is the supervisor's to handle
+            self.argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=self.env,
+            process_group=0,
+        )  # fmt: skip
         logf.close()
         try:
             if self.ready is not None:
-                self.ready(self.proc, timeout_s)
+                self.ready(self.proc, timeout_s, stop)
             else:
-                wait_healthy(self.health_target, timeout_s, self.proc, self.credentials)
+                wait_healthy(self.health_target, timeout_s, self.proc, self.credentials, stop)
+        except StopRequested:
+            self.stop()
+            raise
         except Exception as e:
             self.stop()
             raise RuntimeError(f"{self.name} failed to start ({e}); see {self.log_path}") from e
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is not None:
-            terminate(self.proc, grace_s)
+        """SIGTERM, then SIGKILL after `grace_s`. A replica is stopped through its rank 0, which stops the other
+        ranks (each exits 0), so torchrun's agent, signalled by no one, exits 0 too: a signalled agent sends the
+        signal to every rank at once and ends in a traceback of its own."""
+        if self.proc is None:
+            return
+        leader = self.leader(self.proc.pid) if self.leader is not None and self.proc.poll() is None else None
+        if leader is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leader, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        terminate(self.proc, grace_s)
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None

@@ -128,16 +128,19 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     register_state_gauges(metrics.registry, backend, executor)
     updates = UpdateCoordinator(backend, executor, state, cfg.drain_timeout_s)
     registry = RunRegistry(executor)
-    jobs, jobs_dir = build_jobs(cfg, registry, metrics)
+    jobs, jobs_dir = build_jobs(cfg, registry, metrics, lambda: state.serving and backend.loaded() is not None)
     register_job_gauges(metrics.registry, jobs)
     return GeneratorServer(cfg, backend, executor, updates, metrics, state, publisher, registry, jobs, jobs_dir.close)
 
 
-def build_jobs(cfg: GeneratorConfig, registry: RunRegistry, metrics: GeneratorMetrics) -> tuple[JobService, JobsDir]:
-    """The jobs core on its store and results directory. Without a state dir (a config built in code, or
-    `ditserve generator` without --state-dir) they live in a temporary directory removed at stop: jobs then do not
-    survive a restart (`ditserve serve` always names one). An embedded (SQLite) store is one generator's: its
-    state dir is locked while the generator runs."""
+def build_jobs(
+    cfg: GeneratorConfig, registry: RunRegistry, metrics: GeneratorMetrics, serving: Callable[[], bool]
+) -> tuple[JobService, JobsDir]:
+    """The jobs core on its store and results directory, claiming jobs only while `serving()` (the backend attached
+    and its weights loaded). Without a state dir (a config built in code, or `ditserve generator` without
+    --state-dir) they live in a temporary directory removed at stop: jobs then do not survive a restart (`ditserve
+    serve` always names one). An embedded (SQLite) store is one generator's: its state dir is locked while the
+    generator runs."""
     j = cfg.jobs
     if j.state_dir is None:
         state_dir = Path(tempfile.mkdtemp(prefix="ditserve-jobs-"))
@@ -153,9 +156,14 @@ def build_jobs(cfg: GeneratorConfig, registry: RunRegistry, metrics: GeneratorMe
     results = j.results_path(state_dir)
     prepare_dir(results, "--results-dir")
     store = JobStore.open(url)
-    policy = JobsPolicy(j.replica, j.max_queued_jobs, j.job_ttl_s, j.results_max_bytes, j.job_claim_s)
+    policy = JobsPolicy(
+        j.replica, j.max_queued_jobs, j.job_ttl_s, j.results_max_bytes, j.job_claim_s,
+        max_attempts=j.job_max_attempts, unsucceeded_ttl_s=j.failed_job_ttl_s,
+    )  # fmt: skip
     observer = metrics.jobs_observer()
-    return JobService(store, ResultStore(results), registry, decode_request, classify_error, policy, observer), where
+    result_store = ResultStore(results, writer=j.replica)
+    jobs = JobService(store, result_store, registry, decode_request, classify_error, policy, observer, serving=serving)
+    return jobs, where
 
 
 @dataclass

@@ -43,12 +43,14 @@ from ditruntime.auth import (
     REFLECTION_HELP,
     check_tls_flags,
     listen_host,
+    read_client_keys,
     resolve_admin_token,
 )
 from ditruntime.flags import check_bounds, flag
 
 from .execution.policy import GB, MIB, SizingPolicy
 from .jobs.config import JobsConfig
+from .replica.link import KEEPALIVE_S, REPLICA_TIMEOUT_MIN_S
 
 TOKEN_ENV = ADMIN_TOKEN_ENV
 
@@ -89,10 +91,15 @@ class GeneratorConfig:
     """diffusers' `ulysses_anything`: uneven all-gathers, so a packed sequence need not split evenly across the
     ranks; refused on gloo (CPU), whose allgather needs equal sizes."""
     replica_timeout_s: float = flag(
-        1800.0, "a replica's collective timeout in seconds (default %(default)s)", low=10, high=86400
+        1800.0,
+        f"a replica's collective timeout in seconds, at least {REPLICA_TIMEOUT_MIN_S:g} (twice the keep-alive) "
+        "(default %(default)s)",
+        high=86400,
     )
     """torch.distributed's timeout for one collective of the replica's group: the longest one rank may wait for the
-    others (rank 0 decoding, every rank loading an update's weights)."""
+    others (rank 0 decoding, every rank loading an update's weights). At least twice the keep-alive rank 0 sends an
+    idle replica (`KEEPALIVE_S`, generator_service.replica.link), which an idle rank waits for in a collective;
+    checked in `__post_init__`, so the refusal says why."""
     attention_backend: str = flag(
         AUTO,
         "the transformer's diffusers attention backend (an AttentionBackendName, e.g. native, _native_cudnn, flash); "
@@ -150,11 +157,11 @@ class GeneratorConfig:
     """gRPC server threads: each in-flight RPC (a stream included, for as long as it runs) holds one."""
     control_workers: int = flag(
         4, "threads kept for Health, GetStatus and UpdateWeights: Generate and GenerateStream may hold at most "
-        "--workers less this many (default %(default)s)", low=1, high=4095,
+        "--workers less this many less --upload-watch-workers (default %(default)s)", low=1, high=4095,
     )  # fmt: skip
-    """Threads of `workers` that Generate and GenerateStream never take: Health, GetStatus, UpdateWeights and
-    reflection always find one, however many clients stall (generator_service.serving.streams). A Generate call beyond
-    `workers - control_workers` is refused at once (RESOURCE_EXHAUSTED, HANDLERS_BUSY)."""
+    """Threads of `workers` that no streaming call takes: Health, GetStatus, UpdateWeights and reflection always
+    find one, however many clients stall (generator_service.serving.streams). A Generate call beyond
+    `workers - control_workers - upload_watch_workers` is refused at once (RESOURCE_EXHAUSTED, HANDLERS_BUSY)."""
     max_concurrent_rpcs: int = flag(
         256, "RPCs in flight before the server answers RESOURCE_EXHAUSTED itself (default %(default)s)",
         low=1, high=100_000,
@@ -179,6 +186,33 @@ class GeneratorConfig:
     )  # fmt: skip
     """The bound on sending one result, from the result header to the last chunk (a client reading just fast
     enough never to stall still ends)."""
+    upload_watch_workers: int = flag(
+        8, "threads UploadReference and WatchJob may hold at once, taken from --workers beside --control-workers "
+        "(default %(default)s)", low=1, high=4094,
+    )  # fmt: skip
+    """Threads of `workers` kept for UploadReference and WatchJob, whose calls last as long as their client sends or
+    watches: more at once are refused (RESOURCE_EXHAUSTED, UPLOAD_WATCH_BUSY), and however many clients hold them
+    idle, Generate, GenerateStream and GetJobContent keep their own `workers - control_workers -
+    upload_watch_workers` threads (generator_service.serving.streams)."""
+    upload_stall_s: float = flag(
+        30.0, "end an UploadReference whose client sent nothing for this many seconds (default %(default)s)",
+        low=0.1, high=86_400,
+    )  # fmt: skip
+    """An UploadReference that received no chunk for this long ends DEADLINE_EXCEEDED (RECEIVE_TIMEOUT); its slot
+    and the bytes it had sent are freed."""
+    upload_max_s: float = flag(
+        300.0, "end an UploadReference still receiving after this many seconds (default %(default)s)",
+        low=0.1, high=86_400,
+    )  # fmt: skip
+    """The bound on receiving one upload, from the call's start to its last chunk (a client sending just fast enough
+    never to stall still ends): DEADLINE_EXCEEDED (RECEIVE_TIMEOUT), its bytes freed."""
+    watch_max_s: float = flag(
+        600.0, "end a WatchJob (OK) after this many seconds, its job final or not: the client watches again "
+        "(default %(default)s)", low=0.1, high=86_400,
+    )  # fmt: skip
+    """How long one WatchJob call may last: it then ends OK with the job's last state sent, final or not, and a
+    client that wants more watches again (a watch whose client stops reading is cancelled after
+    `stream_stall_s`)."""
     admin_token: str = flag("", ADMIN_TOKEN_HELP, env=TOKEN_ENV)
     """Bearer token UpdateWeights requires (`--admin-token` or DITSERVE_ADMIN_TOKEN); empty = updates off.
     Also presented to a TCP sidecar, whose weight-update RPCs require the same token. At least 16 characters
@@ -303,7 +337,8 @@ class GeneratorConfig:
         "operator limit on a video reference's width x height (default %(default)s)",
         low=CANVAS_MULTIPLE * CANVAS_MULTIPLE, high=MAX_REFERENCE_FRAME_PIXELS,
     )  # fmt: skip
-    """Largest video-reference frame served, in pixels (from the stream header, before decoding)."""
+    """Largest video-reference frame served, in pixels: checked from the stream header and the first frame at
+    admission, and every decoded frame is then held to the probed size (ditcore.references)."""
     max_reference_decoded_bytes: int = flag(
         DEFAULT_REFERENCE_LIMITS.max_decoded_bytes,
         "operator limit on one video or audio reference decoded into host memory, in MiB (default %(default)s)",
@@ -314,8 +349,9 @@ class GeneratorConfig:
         1024 * MIB, "UploadReference: bytes held for uploads at once, in MiB; 0 turns uploads off (default "
         "%(default)s)", name="--max-upload-mb", scale=MIB, low=0, high=64 * 1024 * MIB,
     )  # fmt: skip
-    """Memory the uploaded references may hold together (`--max-upload-mb`); an upload that would go over it is
-    refused RESOURCE_EXHAUSTED (expired uploads are dropped first)."""
+    """Memory the uploaded references may hold together (`--max-upload-mb`), the bytes of uploads still being
+    received counted with the stored ones: the chunk that would go over it is refused RESOURCE_EXHAUSTED
+    (UPLOAD_CAPACITY; expired uploads are dropped first) and that upload's bytes are freed."""
     upload_ttl_s: float = flag(
         600.0, "seconds an uploaded reference is kept (default %(default)s)", low=1.0, high=7 * 24 * 3600.0
     )
@@ -333,6 +369,16 @@ class GeneratorConfig:
     """PEM private key of tls_cert."""
     tls_client_ca: Path | None = flag(None, "PEM CA: require client certificates (mutual TLS)")
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    client_keys_file: Path | None = flag(
+        None, "per-client bearer keys, one 'NAME KEY' per line (mode 0600): the Jobs API then needs a key, and "
+        "each client sees only its own jobs",
+    )  # fmt: skip
+    """Per-client bearer keys (ditruntime.auth.read_client_keys). The Jobs API authenticates whenever any
+    credential is configured (this file, --admin-token, or --tls-client-ca): a Jobs RPC then needs `authorization:
+    Bearer <key>` (a key of this file: the client is its NAME; the admin token: the admin, who sees every job) or a
+    client certificate (the client is `tls:<its common name>`), else UNAUTHENTICATED. Each job belongs to the client
+    that created it: other clients' jobs are NOT_FOUND to it, and idempotency keys are per client. With none
+    configured every caller is `anonymous`."""
     sidecar_tls_ca: Path | None = flag(
         None, "PEM CA that signed a TCP sidecar's certificate (required with TCP --sidecar)"
     )
@@ -382,6 +428,11 @@ class GeneratorConfig:
         )
 
     @property
+    def client_keys(self) -> dict[str, str]:
+        """Key -> client name from `client_keys_file` (empty when unset)."""
+        return read_client_keys(self.client_keys_file) if self.client_keys_file is not None else {}
+
+    @property
     def run_options(self) -> RunOptions:
         """How every model this generator loads runs: its attention backend and decode dtype."""
         te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
@@ -403,8 +454,8 @@ class GeneratorConfig:
 
     @property
     def request_handlers(self) -> int:
-        """Threads Generate and GenerateStream may hold at once."""
-        return self.workers - self.control_workers
+        """Threads Generate, GenerateStream and GetJobContent may hold at once."""
+        return self.workers - self.control_workers - self.upload_watch_workers
 
     @property
     def sizing(self) -> SizingPolicy:
@@ -412,8 +463,15 @@ class GeneratorConfig:
         return SizingPolicy(self.memory_check, self.memory_reserve_bytes, self.step_time_factor)
 
     def __post_init__(self) -> None:
+        if not self.replica_timeout_s >= REPLICA_TIMEOUT_MIN_S:  # NaN too
+            raise ValueError(
+                f"--replica-timeout-s must be at least {REPLICA_TIMEOUT_MIN_S:g} s, got {self.replica_timeout_s:g}: an "
+                f"idle replica's ranks wait in a collective for rank 0's keep-alive, sent every {KEEPALIVE_S:g} s, so "
+                "a shorter timeout breaks every idle replica, which then restarts again and again"
+            )
         check_bounds(self)
         _ = self.admin_secret  # a short token or an unreadable --admin-token-file is refused now
+        _ = self.client_keys  # so is a bad --client-keys-file
         try:
             check_name(self.attention_backend)  # diffusers' names; whether it runs on the device is checked at start
         except ValueError as e:
@@ -448,10 +506,10 @@ class GeneratorConfig:
             needed_by=f"--sidecar {self.sidecar} (TCP)",
             stray="apply only to a TCP --sidecar HOST:PORT in cached mode",
         )
-        if self.control_workers >= self.workers:
+        if self.control_workers + self.upload_watch_workers >= self.workers:
             raise ValueError(
-                f"--control-workers ({self.control_workers}) must be less than --workers ({self.workers}): "
-                "Generate needs at least one thread"
+                f"--control-workers ({self.control_workers}) plus --upload-watch-workers ({self.upload_watch_workers}) "
+                f"must be less than --workers ({self.workers}): Generate needs at least one thread"
             )
         if not 1024 <= self.chunk_bytes < self.max_message_bytes:
             raise ValueError("chunk_bytes must be in [1024, max_message_bytes (--max-message-mb))")

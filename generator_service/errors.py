@@ -36,8 +36,8 @@ class QueueFullError(GeneratorError):
 
 
 class HandlersBusyError(GeneratorError):
-    """Every request handler (`--workers` less `--control-workers`) holds a Generate or GenerateStream call; retry
-    later. ErrorInfo metadata `handlers`."""
+    """Every request handler (`--workers` less `--control-workers` less `--upload-watch-workers`) holds a Generate,
+    GenerateStream or GetJobContent call; retry later. ErrorInfo metadata `handlers`."""
 
     reason = "HANDLERS_BUSY"
     grpc_code = "RESOURCE_EXHAUSTED"
@@ -222,3 +222,31 @@ class JobQueueFullError(GeneratorError):
     """RetryInfo's delay (the service fills it in from the executor's drain rate)."""
     quota_violation: tuple[str, str] | None = None
     """QuotaFailure's (subject, description)."""
+
+
+class JobStoreUnavailableError(GeneratorError):
+    """The job store did not answer (SQLite locked past its busy timeout, PostgreSQL unreachable, a full disk):
+    nothing was changed; retry after RetryInfo's delay. The database's own error is in the generator's log only."""
+
+    reason = "JOB_STORE_UNAVAILABLE"
+    grpc_code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class JobAttemptsExhaustedError(GeneratorError):
+    """A job's runs ended `--job-max-attempts` times because the generator running it stopped (killed, out of
+    memory, restarted): it is failed so the jobs behind it run. ErrorInfo metadata `job_id`, `attempts`."""
+
+    reason = "ATTEMPTS_EXHAUSTED"
+    grpc_code = "ABORTED"
+
+
+class UnauthenticatedError(GeneratorError):
+    """A Jobs RPC came without credentials while authentication is configured, or with a key no keys file names:
+    send `authorization: Bearer <key>` (a --client-keys-file key, or the admin token) or a client certificate."""
+
+    reason = "UNAUTHENTICATED"
+    grpc_code = "UNAUTHENTICATED"

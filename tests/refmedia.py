@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import wave
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -93,4 +94,62 @@ def video_bytes(
             container.mux(packet)
         if sound is not None and audio_rate is not None:
             _write_audio(container, sound, _tone(frames / fps, audio_rate, channels, seed), audio_rate)
+    return out.getvalue()
+
+
+def spliced_video(parts: list[tuple[int, int, int]], fps: int = 24) -> bytes:
+    """A WebM (VP9, flat frames) whose one video stream runs `parts`, (width, height, frames) each from its own
+    encoder, one after the other: the header (PixelWidth x PixelHeight) and the first frame give the first part's
+    size, a later part's keyframe changes it (VP9 allows that). A reference bomb's shape: it probes small and
+    decodes large."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="webm") as container:
+        stream = container.add_stream("libvpx-vp9", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = parts[0][0], parts[0][1], "yuv420p"
+        start = 0
+        for width, height, frames in parts:
+            for packet in _vp9_packets(width, height, frames, start, fps):
+                packet.stream = stream
+                container.mux(packet)
+            start += frames
+    return out.getvalue()
+
+
+def _vp9_packets(width: int, height: int, frames: int, start: int, fps: int) -> list[Any]:
+    import av
+
+    codec = av.CodecContext.create("libvpx-vp9", "w")
+    codec.width, codec.height, codec.pix_fmt = width, height, "yuv420p"
+    codec.time_base, codec.framerate = Fraction(1, fps), Fraction(fps)
+    codec.options = {"deadline": "realtime", "cpu-used": "8", "lag-in-frames": "0"}
+    packets: list[Any] = []
+    for i in range(start, start + frames):
+        frame = av.VideoFrame(width, height, "yuv420p")
+        for plane, value in zip(frame.planes, (16 + i % 200, 128, 128), strict=True):
+            plane.update(bytes([value]) * plane.buffer_size)
+        frame.pts = i
+        packets += codec.encode(frame)
+    packets += codec.encode(None)
+    for packet in packets:
+        packet.time_base = Fraction(1, fps)
+    return packets
+
+
+def squeezed_audio(seconds: float = 4.0, rate: int = 48000, ticks: int = 64) -> bytes:
+    """An M4A (AAC, mono) whose packets each claim `ticks` samples while each decodes to 1024: its packets span
+    1024 / `ticks` times less time than its samples. An audio reference bomb's shape."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(_tone(seconds, rate, 1, 0), format="fltp", layout="mono")
+        frame.sample_rate = rate
+        packets = list(stream.encode(frame)) + list(stream.encode(None))
+        for i, packet in enumerate(packets):
+            packet.pts = packet.dts = i * ticks
+            packet.duration = ticks
+            container.mux(packet)
     return out.getvalue()

@@ -8,8 +8,10 @@ SLOW_FIRST = (
     "tests/parallel/test_parallel_oracle.py",
     "tests/test_gpu_check.py",
     "tests/parallel/test_replica_e2e.py",
+    "tests/parallel/test_replica_shutdown.py",
     "tests/test_e2e_faults.py",
     "tests/test_e2e_ref2va.py",
+    "tests/test_jobs_restart_cached.py",
     # the quick tier's slowest (no processes)
     "tests/test_update_load.py",
     "tests/test_update_weights.py",

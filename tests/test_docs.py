@@ -111,6 +111,21 @@ def test_every_command_and_declared_flag_is_in_flags_md() -> None:
     assert "| `$DITSERVE_ADMIN_TOKEN` |" in plancache
 
 
+def test_a_scaled_flag_shows_its_default_and_bounds_in_its_own_unit() -> None:
+    """--job-ttl is hours (its field, job_ttl_s, holds seconds): the table says 168 h, not seconds; --results-max-gb
+    is GB; a scale without a unit is refused rather than shown in the field's unit."""
+    text = (REPO_ROOT / "docs" / "flags.md").read_text()
+    for flag, cells in (
+        ("--job-ttl", "| float | `168` | h | [0.016666666666666666, 87600] |"),
+        ("--results-max-gb", "| float | `50` | GB | [0, 1000000] |"),
+        ("--memory-reserve-gb", "| float | `1` | GB |"),
+    ):
+        rows = [line for line in text.splitlines() if line.startswith(f"| `{flag}` |")]
+        assert rows and all(cells in row for row in rows), (flag, rows)
+    with pytest.raises(ValueError, match=r"job_ttl_s: a flag scaled by 60 needs its unit"):
+        flag_tables._unit("job_ttl_s", 60)
+
+
 class _DocumentedError(ServiceError):
     """A refusal the tests invent, to see it reach the table."""
 

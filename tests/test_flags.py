@@ -213,6 +213,9 @@ BAD_FLAGS: list[tuple[list[str], list[str]]] = [
     (["generator", "--max-prompt-bytes", "0"], ["--max-prompt-bytes", "[1, 16384]"]),
     (["generator", "--max-message-mb", "big"], ["--max-message-mb", "invalid int value"]),
     (["generator", "--adaln-mode", "sideways"], ["--adaln-mode", "invalid choice"]),
+    # under twice the replica's 30 s keep-alive an idle replica breaks: refused at start, saying why
+    (["generator", "--replica-timeout-s", "10"], ["--replica-timeout-s", "at least 60 s", "got 10", "keep-alive"]),
+    (["serve", "--replica-timeout-s", "59.5"], ["--replica-timeout-s", "at least 60 s", "got 59.5", "keep-alive"]),
     (["serve", "--gpu-plans", "0"], ["--gpu-plans", "[1, 1000000]"]),
     (["serve", "--host-cache-gb", "inf"], ["--host-cache-gb", "finite"]),
     (["serve", "--max-height", "16"], ["--max-height", "[32, 4096]", "got 16"]),
@@ -251,6 +254,10 @@ def test_serve_flag_combination_error_exits_2_before_writing(run_cli: CliRunner,
         ),
         (lambda: GeneratorConfig(sidecar="unix:/s", max_queue_depth=10**6), r"--max-queue-depth.*\[1, 100000\]"),
         (lambda: LaunchOptions(threads=0), r"--threads"),
+        (
+            lambda: GeneratorConfig(sidecar="unix:/s", replica_timeout_s=float("nan")),
+            r"--replica-timeout-s must be at least 60 s, got nan: .*keep-alive, sent every 30 s",
+        ),
     ],
 )
 def test_configs_built_in_code_obey_the_declared_bounds(make: object, match: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from pgkit import reset_database
 
-from generator_service.errors import IdempotencyConflictError, JobQueueFullError
+from generator_service.errors import IdempotencyConflictError, JobQueueFullError, JobStoreUnavailableError
 from generator_service.jobs.results import ContentRef
 from generator_service.jobs.schema import Job, jobs
 from generator_service.jobs.store import JobStore
@@ -97,7 +98,7 @@ def race(n: int, fn: Callable[[int], Any]) -> list[Any]:
 
 # ----------------------------------------------------------------------------- records and paging
 def test_record_names_every_column() -> None:
-    assert {f.name for f in fields(Job)} == set(jobs.c.keys())
+    assert {f.name for f in fields(Job)} == set(jobs.c.keys()) - {"request"}  # read only by request_of
 
 
 def test_create_then_get_returns_the_stored_record(store: JobStore) -> None:
@@ -105,10 +106,11 @@ def test_create_then_get_returns_the_stored_record(store: JobStore) -> None:
     assert created
     assert record == store.get(jid(1))
     expect(store, jid(1), state="queued", stage="queued", steps_done=0, steps_total=3, attempts=0, replica=None,
-           idempotency_key="k1", spec={"prompt": "p1", "num_inference_steps": 4}, request=b"\x0a\x03req\x01",
-           created_at=T0 + 1, started_at=None, finished_at=None, cancel_requested=False, deleted=False,
+           idempotency_key="k1", spec={"prompt": "p1", "num_inference_steps": 4}, owner="anonymous",
+           request_parts={}, interruptions=0, created_at=T0 + 1, started_at=None, finished_at=None, cancel_requested=False, deleted=False,
            result=None, content_available=False)  # fmt: skip
     assert store.get(jid(99)) is None
+    assert store.request_of(jid(1)) == (b"\x0a\x03req\x01", {})
 
 
 def test_list_pages_newest_and_oldest_first_and_filters_by_state(store: JobStore) -> None:
@@ -434,7 +436,7 @@ def test_sqlite_is_in_wal_mode_and_makes_its_directory(tmp_path: Path) -> None:
         assert store.dialect == "sqlite"
         with sqlite3.connect(path) as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
-            assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("1",)
+            assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
     finally:
         store.close()
 
@@ -457,3 +459,195 @@ def test_postgresql_url_shows_no_password(pg_url: str) -> None:
 def test_other_urls_are_refused(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         JobStore.open(url)
+
+
+# ---------------------------------------------------------------- owners, blobs, attempts, lapsed claims (schema 2)
+def test_owners_see_only_their_jobs_and_keys_are_per_owner(store: JobStore) -> None:
+    mine, created = store.create(
+        job_id=jid(1), request=b"r", request_sha256=SHA_A, idempotency_key="k", spec={}, steps_total=3, now=T0,
+        max_queued=10, owner="alice",
+    )  # fmt: skip
+    theirs, created_too = store.create(
+        job_id=jid(2), request=b"r", request_sha256=SHA_B, idempotency_key="k", spec={}, steps_total=3, now=T0,
+        max_queued=10, owner="bob",
+    )  # fmt: skip
+    assert created and created_too and mine.job_id != theirs.job_id  # one key, two owners: two jobs
+    assert store.get(jid(1), "alice") is not None and store.get(jid(1), "bob") is None
+    assert store.get(jid(1)) is not None  # an admin (no owner) sees every job
+    assert [r.job_id for r in store.list(limit=10, owner="bob")] == [jid(2)]
+    assert {r.job_id for r in store.list(limit=10)} == {jid(1), jid(2)}
+    found = store.find_key("alice", "k")
+    assert found is not None and found.job_id == jid(1) and store.find_key("carol", "k") is None
+
+
+def test_parts_are_stored_once_and_go_with_the_last_job_naming_them(store: JobStore) -> None:
+    shared, own = b"S" * 100_000, b"O" * 50_000
+
+    def make(i: int, parts: dict[str, bytes]) -> None:
+        store.create(job_id=jid(i), request=b"slim", request_sha256=SHA_A, idempotency_key=None, spec={},
+                     steps_total=3, now=T0, max_queued=10, parts=parts)  # fmt: skip
+
+    make(1, {"references[0]": shared, "first_frame": own})
+    make(2, {"references[0]": shared, "references[1]": shared})  # the same file twice: one blob, one link
+    assert store.blob_bytes() == (2, len(shared) + len(own))
+    assert store.request_of(jid(2)) == (b"slim", {"references[0]": shared, "references[1]": shared})
+    record = store.get(jid(1))
+    assert record is not None and set(record.request_parts) == {"references[0]", "first_frame"}
+    for i in (1, 2):
+        store.request_cancel(jid(i), T0)  # queued, nobody holds it: cancelled at once, so removable
+    assert store.remove(jid(1)) is not None
+    assert store.blob_bytes() == (1, len(shared))  # jid(2) still names the shared one
+    assert store.remove(jid(2)) is not None
+    assert store.blob_bytes() == (0, 0)
+
+
+def test_a_lapsed_claim_is_never_taken_over_by_its_own_holder(store: JobStore) -> None:
+    job = run_started(store, 1, "r1")
+    late = T0 + LEASE_S + 100  # r1's retention pass outlasted its claim
+    assert store.claim_next("r1", LEASE_S, late) is None  # never its own running job again
+    expect(store, job, state="running", replica="r1", interruptions=0)
+    assert store.renew_claims("r1", LEASE_S, late) == []  # r1 renews it instead
+    assert store.claim_next("r2", LEASE_S, late + 1) is None  # renewed: nobody takes it
+    assert store.holding("r1") == {job}
+
+
+def test_a_job_that_keeps_ending_with_its_replica_fails_after_max_attempts(store: JobStore) -> None:
+    job = run_started(store, 1, "r1")
+    add(store, 2)
+    for attempt in (1, 2):
+        store.requeue_owned("r1")  # the generator was killed while it ran
+        expect(store, job, state="queued", interruptions=attempt)
+        claimed = store.claim_next("r1", LEASE_S, T0 + 10, max_attempts=3)
+        assert claimed is not None and claimed.job_id == job  # the oldest: it runs first again
+        assert store.mark_running(job, "r1", T0 + 11)
+    store.requeue_owned("r1")  # the third run ended the same way
+    nxt = store.claim_next("r1", LEASE_S, T0 + 20, max_attempts=3)
+    assert nxt is not None and nxt.job_id == jid(2)  # the queue moves on
+    expect(store, job, state="failed", error_reason="ATTEMPTS_EXHAUSTED", error_code="ABORTED", attempts=3,
+           interruptions=3, replica=None)  # fmt: skip
+
+
+def test_a_takeover_of_a_dead_replicas_running_job_counts_as_an_interruption(store: JobStore) -> None:
+    job = run_started(store, 1, "r1")
+    claimed = store.claim_next("r2", LEASE_S, T0 + LEASE_S + 1, max_attempts=1)
+    assert claimed is None  # max_attempts 1: the one interrupted run was its last
+    expect(store, job, state="failed", error_reason="ATTEMPTS_EXHAUSTED", interruptions=1)
+
+
+def test_requeue_after_the_backend_went_away_keeps_the_place_and_counts_nothing(store: JobStore) -> None:
+    job = run_started(store, 1, "r1")
+    add(store, 2)
+    assert store.requeue(job, "r1")
+    expect(store, job, state="queued", replica=None, interruptions=0, steps_done=0, started_at=None)
+    assert not store.requeue(job, "r1")  # no longer r1's
+    claimed = store.claim_next("r1", LEASE_S, T0 + 5)
+    assert claimed is not None and claimed.job_id == job
+
+
+def test_cancel_ends_at_once_what_no_live_replica_runs(store: JobStore) -> None:
+    add(store, 1)
+    assert store.claim_next("r1", LEASE_S, T0) is not None  # claimed by r1, not started
+    cancelled = store.request_cancel(jid(1), T0 + 1, replica="r1")  # r1 itself asks (it withdrew the run)
+    assert cancelled is not None and cancelled.state == "cancelled"
+    job = run_started(store, 2, "r2")
+    dead = store.request_cancel(job, T0 + LEASE_S + 10)  # r2's claim lapsed: its replica is gone
+    assert dead is not None and dead.state == "cancelled"
+    assert store.mark_deleted(job) is not None and store.remove(job) is not None
+
+
+def test_failed_and_cancelled_jobs_expire_sooner(store: JobStore) -> None:
+    ok, bad = run_started(store, 1), run_started(store, 2)
+    store.finish(ok, "r1", state="succeeded", now=T0 + 10)
+    store.finish(bad, "r1", state="failed", now=T0 + 10, error=("INTERNAL", "X", "boom"))
+    assert [r.job_id for r in store.expired(T0, T0 + 11)] == [bad]
+    assert [r.job_id for r in store.expired(T0 + 11)] == [ok, bad]
+
+
+def test_a_locked_database_is_unavailable_with_no_sql_in_the_message(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    store = JobStore.open(f"sqlite:///{path}", clock=lambda: T0, busy_timeout_ms=50)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(JobStoreUnavailableError) as err:
+            add(store, 1)
+        message = str(err.value)
+        assert "database is locked" in message and "SQL" not in message and str(tmp_path) not in message
+        assert err.value.grpc_code == "UNAVAILABLE" and err.value.retry_after_s > 0
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    add(store, 1)  # nothing was half-written
+    assert [r.job_id for r in store.list(limit=10)] == [jid(1)]
+    store.close()
+
+
+def test_list_loads_no_request_blob(store: JobStore) -> None:
+    """A page of jobs whose requests hold 64 MiB of parts reads none of them: the peak Python memory of the list
+    stays far below one part."""
+    part = 8 * 2**20
+    for i in range(8):
+        store.create(job_id=jid(i), request=b"slim", request_sha256=SHA_A, idempotency_key=None, spec={},
+                     steps_total=3, now=T0, max_queued=100, parts={"references[0]": bytes([i]) * part})  # fmt: skip
+    tracemalloc.start()
+    try:
+        page = store.list(limit=100)
+        one = store.get(jid(3))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(page) == 8 and one is not None
+    assert peak < part // 8, f"list/get peaked at {peak} bytes"
+
+
+V1_DDL = """
+CREATE TABLE meta (key VARCHAR(64) PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE jobs (
+    seq {seq}, job_id VARCHAR(40) NOT NULL UNIQUE, idempotency_key VARCHAR(256) UNIQUE, request {blob} NOT NULL,
+    request_sha256 VARCHAR(64) NOT NULL, spec TEXT NOT NULL, state VARCHAR(16) NOT NULL, stage VARCHAR(16) NOT NULL,
+    steps_done INTEGER NOT NULL, steps_total INTEGER NOT NULL, created_at {dbl} NOT NULL, started_at {dbl},
+    finished_at {dbl}, updated_at {dbl} NOT NULL, attempts INTEGER NOT NULL, replica VARCHAR(256),
+    claim_expires_at {dbl}, cancel_requested BOOLEAN NOT NULL, deleted BOOLEAN NOT NULL, error_code VARCHAR(64),
+    error_reason VARCHAR(128), error_message TEXT, result TEXT, content_sha256 VARCHAR(64),
+    content_type VARCHAR(256), content_filename TEXT, content_bytes BIGINT, content_available BOOLEAN NOT NULL
+);
+CREATE INDEX ix_jobs_state_seq ON jobs (state, seq);
+CREATE INDEX ix_jobs_replica ON jobs (replica);
+CREATE INDEX ix_jobs_content_sha256 ON jobs (content_sha256);
+INSERT INTO meta VALUES ('schema_version', '1');
+INSERT INTO jobs (seq, job_id, idempotency_key, request, request_sha256, spec, state, stage, steps_done,
+    steps_total, created_at, updated_at, attempts, cancel_requested, deleted, content_available)
+VALUES (7, 'job_00000000000000000000000000000007', 'old-key', {request}, '{sha}', '{{}}', 'queued', 'queued', 0, 3,
+    1.0, 1.0, 0, FALSE, FALSE, FALSE);
+"""
+
+
+def test_a_schema_1_store_is_migrated_keeping_its_jobs(url: str) -> None:
+    """A store an earlier release wrote (schema 1: global idempotency keys, whole requests in the row) opens as
+    schema 2: its job kept (owner anonymous, whole request), keys per owner, seq continuing after it."""
+    sqlite_url = url.startswith("sqlite")
+    ddl = V1_DDL.format(
+        seq="INTEGER PRIMARY KEY AUTOINCREMENT" if sqlite_url else "BIGSERIAL PRIMARY KEY",
+        blob="BLOB" if sqlite_url else "BYTEA", dbl="FLOAT" if sqlite_url else "DOUBLE PRECISION",
+        request="X'0a03726571'" if sqlite_url else "'\\x0a03726571'::bytea", sha=SHA_A,
+    )  # fmt: skip
+    engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    if sqlite_url:
+        Path(engine.url.database or "").parent.mkdir(parents=True, exist_ok=True)
+    with engine.begin() as conn:
+        for statement in filter(str.strip, ddl.split(";")):
+            conn.exec_driver_sql(statement)
+    engine.dispose()
+    store = JobStore.open(url, clock=lambda: T0)
+    try:
+        old = expect(store, jid(7), owner="anonymous", idempotency_key="old-key", state="queued", request_parts={})
+        assert store.request_of(old.job_id) == (b"\x0a\x03req", {})
+        other, created = store.create(
+            job_id=jid(8), request=b"r", request_sha256=SHA_B, idempotency_key="old-key", spec={}, steps_total=3,
+            now=T0, max_queued=10, owner="alice",
+        )  # fmt: skip
+        assert created and other.seq > old.seq  # the key is free for another owner; seq goes on
+    finally:
+        store.close()
+    reopened = JobStore.open(url)  # idempotent: schema 2 opens as it is
+    reopened.close()

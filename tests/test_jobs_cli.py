@@ -1,12 +1,18 @@
 """`ditserve jobs ...` against a real in-process generator (tests/jobskit.py): create --wait --out writes the MP4
-the job's record names, list / get / download / cancel / delete print JSON lines, bad ids exit 2, a failed call 1."""
+the job's record names, list / get / download / cancel / delete print JSON lines, bad ids exit 2, a failed call 1;
+the watch bar through a job's records."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
+import pytest
 from clikit import CliRunner
+
+from ditserve.jobs_cli import show_job
+from ditserve.progress import Progress
+from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 
 def test_create_wait_download_list_get_delete(jobs_target: str, run_cli: CliRunner, tmp_path: Path) -> None:
@@ -46,3 +52,35 @@ def test_bad_input_exits_2_naming_the_field(jobs_target: str, run_cli: CliRunner
     assert frames.code == 2 and "num_frames" in frames.err
     limit = run_cli(["jobs", "list", t, "--limit", "0"])
     assert limit.code == 2 and "--limit" in limit.err
+
+
+def _running(stage: pb.JobStage, done: int, total: int = 49) -> pb.Job:
+    return pb.Job(state=pb.JOB_STATE_RUNNING, progress=pb.JobProgress(stage=stage, steps_done=done, steps_total=total))
+
+
+def test_watch_bar_names_each_stage_after_the_last_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """A watch sees only the latest record, so the last step arrives as the decoding record (as a real job's watch
+    does): the bar is full from then on and names decoding, muxing and storing."""
+    records = [
+        pb.Job(state=pb.JOB_STATE_QUEUED, queue_position=2),
+        _running(pb.JOB_STAGE_PREPARING, 0),
+        _running(pb.JOB_STAGE_DENOISING, 48),
+        _running(pb.JOB_STAGE_DECODING, 49),
+        _running(pb.JOB_STAGE_MUXING, 49),
+        _running(pb.JOB_STAGE_STORING, 49),
+    ]
+    seen = []
+    with Progress("job_x", enabled=True) as bar:
+        for job in records:
+            show_job(bar, job)
+            seen.append((bar.bar.desc, bar.bar.n, bar.bar.total))
+    assert seen == [
+        ("job_x queued, position 2", 0, None),
+        ("job_x preparing", 0, 49),
+        ("job_x denoising", 48, 49),
+        ("job_x decoding", 49, 49),
+        ("job_x muxing", 49, 49),
+        ("job_x storing", 49, 49),
+    ]
+    drawn = capsys.readouterr().err
+    assert "job_x decoding: 100%" in drawn and "job_x storing: 100%" in drawn

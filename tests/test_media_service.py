@@ -22,6 +22,7 @@ import pytest
 import torch
 from oracle import diffusers_request_latents
 from PIL import Image
+from refmedia import spliced_video
 from servicekit import (
     Pair,
     audio_sampling_rate,
@@ -193,6 +194,23 @@ def test_unary_over_the_message_limit_is_resource_exhausted(narrow_pair: Pair) -
     assert hashlib.sha256(data).hexdigest() == header.media.sha256
     ok = narrow_pair.stub.Generate(to_proto({**BASE, "request_id": "fits"}), timeout=120)
     assert ok.sha256 == header.sha256 and ok.tensors
+
+
+def test_a_reference_bomb_is_invalid_argument_naming_the_reference(pair: Pair) -> None:
+    """A video reference that probes at 64 x 64 (its header and first frame) and decodes 1080p from frame 2 passes
+    admission and is refused when the run decodes it, at that frame (ditcore.references); the server serves on."""
+    bomb = spliced_video([(64, 64, 1), (1920, 1080, 16)])
+    req = {**BASE, "request_id": "ref-bomb", "references": [gen_pb.Reference(data=bomb)]}
+    with pytest.raises(grpc.RpcError) as ei:
+        pair.stub.Generate(to_proto(req), timeout=120)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+    details = ei.value.details() or ""
+    assert details.startswith("references[0]: its video frame 2 cannot be decoded"), details
+    assert "larger than the 64 x 64 its header and first frame give" in details
+    info, _ = status_details(ei.value)
+    assert info is not None and info.reason == "INVALID_REQUEST"
+    assert pair.status().queue_depth == 0
+    assert pair.stub.Generate(to_proto({**BASE, "request_id": "after-bomb"}), timeout=120).tensors
 
 
 def test_next_request_denoises_while_one_muxes(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:

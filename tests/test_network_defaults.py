@@ -395,3 +395,18 @@ def test_process_environment_is_private() -> None:
     """What keeps a token in the environment private: /proc/PID/environ is readable by its uid only."""
     mode = stat.S_IMODE(os.stat(f"/proc/{os.getpid()}/environ").st_mode)
     assert mode & 0o044 == 0, oct(mode)
+
+
+def test_serve_passes_the_facades_host_allow_list_and_cors_origins(tmp_path: Path) -> None:
+    """`serve --host 0.0.0.0 --openai-port` must be reachable by the names clients use: the facade refuses other
+    Host headers (DNS rebinding), so serve passes --openai-allowed-hosts (and --openai-cors-origins) through."""
+    _, children = _children(tmp_path, "--host", "0.0.0.0", "--openai-port", "8000",
+                            "--openai-allowed-hosts", "gpu-7.example.com", "--openai-cors-origins",
+                            "https://app.example.com")  # fmt: skip
+    [facade] = [c for c in children if c.name == "openai-api"]
+    argv = facade.argv
+    assert argv[argv.index("--allowed-hosts") + 1] == "gpu-7.example.com"
+    assert argv[argv.index("--cors-origins") + 1] == "https://app.example.com"
+    _, plain = _children(tmp_path / "plain", "--openai-port", "8000")
+    [facade] = [c for c in plain if c.name == "openai-api"]
+    assert "--allowed-hosts" not in facade.argv and "--cors-origins" not in facade.argv  # the facade's defaults

@@ -22,6 +22,7 @@ from servicekit import free_port, wait_for
 
 from ditserve.jobs_client import JobsClient
 from ditserve.openai.app import create_app
+from ditserve.openai.config import FacadeConfig
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client's notice of OpenAI's
@@ -34,7 +35,8 @@ QUICK = {"num_inference_steps": 3, "seed": 5}
 def base_url(jobs_target: str) -> Iterator[str]:
     port = free_port()
     with JobsClient(jobs_target) as jobs:
-        server = uvicorn.Server(uvicorn.Config(create_app(jobs, KEY), host="127.0.0.1", port=port, log_level="warning"))
+        app = create_app(jobs, FacadeConfig(api_key=KEY))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         wait_for(lambda: server.started, 30, "uvicorn to start")
@@ -46,8 +48,11 @@ def base_url(jobs_target: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    with pytest.MonkeyPatch.context() as mp:
+        # its X-Stainless-OS header: platform.platform() runs `uname -p`, a process this quick-tier module must not start
+        mp.setattr(openai._base_client, "get_platform", lambda: "Linux")
+        yield openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
 
 
 def _done(client: openai.OpenAI, video_id: str) -> openai.types.Video:
@@ -67,6 +72,7 @@ def test_create_poll_download_list_delete(client: openai.OpenAI, tmp_path: objec
     video = client.videos.create(prompt="a red fox", model="minimax-h3", seconds="5", size="64x32",
                                  extra_body=QUICK)  # fmt: skip
     assert video.status == "queued" and video.id.startswith("job_") and video.size == "64x32"
+    assert video.seconds == "5" and (video.model_extra or {})["duration_seconds"] == 5.167  # as asked; the real length
     done = _done(client, video.id)
     assert done.status == "completed" and done.progress == 100 and done.completed_at is not None
     data = client.videos.download_content(video.id).read()

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from generator_service.jobs.results import CHUNK_BYTES, TEMP_PREFIX, ContentMissingError, ContentRef, ResultStore
+from generator_service.jobs.results import (
+    CHUNK_BYTES,
+    STALE_TEMP_S,
+    TEMP_PREFIX,
+    ContentMissingError,
+    ContentRef,
+    ResultStore,
+)  # fmt: skip
 
 BIG = bytes(range(256)) * (CHUNK_BYTES // 256 * 3 + 7)  # a bit over 3 MiB: several copy chunks
 
@@ -63,10 +73,16 @@ def test_a_failed_write_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_stale_temp_files_are_removed_on_open(tmp_path: Path) -> None:
-    kept = ResultStore(tmp_path).put_bytes(b"kept", "video/mp4", "k.mp4")
-    (tmp_path / f"{TEMP_PREFIX}crashed").write_bytes(b"half a file")
-    ResultStore(tmp_path)
-    assert files(tmp_path) == [f"{kept.sha256[:2]}/{kept.sha256}"]
+    """A writer's own crashed temp files go at open; another writer's (a replica sharing the directory, maybe
+    writing now) stay until a day old."""
+    kept = ResultStore(tmp_path, writer="r1").put_bytes(b"kept", "video/mp4", "k.mp4")
+    (tmp_path / f"{TEMP_PREFIX}r1-crashed").write_bytes(b"half a file")
+    (tmp_path / f"{TEMP_PREFIX}r2-writing").write_bytes(b"being written")
+    old = tmp_path / f"{TEMP_PREFIX}r3-long-dead"
+    old.write_bytes(b"a day old")
+    os.utime(old, (time.time() - STALE_TEMP_S - 60,) * 2)
+    ResultStore(tmp_path, writer="r1")
+    assert files(tmp_path) == [f"{TEMP_PREFIX}r2-writing", f"{kept.sha256[:2]}/{kept.sha256}"]
 
 
 def test_a_file_being_read_is_not_removed(tmp_path: Path) -> None:
@@ -103,3 +119,47 @@ def test_a_bad_sha256_is_refused(tmp_path: Path, bad: str) -> None:
     with pytest.raises(ValueError, match="sha256: must be"), store.reading(bad):
         pass
     assert (tmp_path / "outside").exists()
+
+
+def test_a_write_holds_its_file_until_recorded_so_a_racing_remove_keeps_it(tmp_path: Path) -> None:
+    """The dedupe race: job A's content is there; job B stores the same bytes while A is deleted. B's write holds
+    the file until B's record names it, so A's removal leaves it."""
+    store = ResultStore(tmp_path)
+    first = store.put_bytes(b"same bytes", "video/mp4", "a.mp4")
+    with store.stored(b"same bytes", "video/mp4", "b.mp4") as second:
+        assert second.sha256 == first.sha256
+        assert store.remove(first.sha256) is False  # A deleted meanwhile: held by B's write
+    assert store.path(first.sha256).read_bytes() == b"same bytes"
+    assert store.remove(first.sha256) is True  # nobody holds it now
+
+
+def test_orphans_go_after_the_grace_period_and_named_files_stay(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path)
+    named = store.put_bytes(b"named", "video/mp4", "n.mp4")
+    orphan = store.put_bytes(b"orphan", "video/mp4", "o.mp4")
+    young = store.put_bytes(b"young orphan", "video/mp4", "y.mp4")
+    for ref in (named, orphan):
+        os.utime(store.path(ref.sha256), (time.time() - 7200,) * 2)
+    asked: list[list[str]] = []
+
+    def records_name(shas: list[str]) -> set[str]:
+        asked.append(sorted(shas))
+        return {named.sha256} & set(shas)
+
+    assert store.remove_orphans(records_name, grace_s=3600) == (1, len(b"orphan"))
+    assert asked == [sorted([named.sha256, orphan.sha256])]  # the young one is not even asked about
+    assert files(tmp_path) == sorted(f"{r.sha256[:2]}/{r.sha256}" for r in (named, young))
+    with store.reading(named.sha256):
+        os.utime(store.path(named.sha256), (time.time() - 7200,) * 2)
+        assert store.remove_orphans(lambda shas: set(), grace_s=3600) == (0, 0)  # held: kept
+
+
+def test_concurrent_writers_of_the_same_bytes_keep_one_file(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path)
+    refs: list[ContentRef] = []
+    threads = [threading.Thread(target=lambda: refs.append(store.put_bytes(BIG, "x", "x"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({r.sha256 for r in refs}) == 1 and len(files(tmp_path)) == 1

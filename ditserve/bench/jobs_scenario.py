@@ -33,7 +33,10 @@ def _sync_s(gen: pb_grpc.GeneratorStub, req: pb.GenerateRequest) -> tuple[float,
 def _job_s(jobs: pb_grpc.JobsStub, req: pb.GenerateRequest) -> tuple[float, str]:
     t0 = time.perf_counter()
     job = jobs.CreateJob(pb.CreateJobRequest(request=req), timeout=60).job
-    final = [w.job for w in jobs.WatchJob(pb.WatchJobRequest(job_id=job.job_id), timeout=1800)][-1]
+    final = job
+    while final.state not in (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED):
+        # a watch ends at the server's --watch-max-s: watch again
+        final = [w.job for w in jobs.WatchJob(pb.WatchJobRequest(job_id=job.job_id), timeout=1800)][-1]
     size = sum(len(m.chunk.data) for m in jobs.GetJobContent(pb.GetJobContentRequest(job_id=job.job_id)))
     elapsed = time.perf_counter() - t0
     if final.state != pb.JOB_STATE_SUCCEEDED or size != final.result.content.total_bytes:

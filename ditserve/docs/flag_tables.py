@@ -15,7 +15,9 @@ from ditruntime.flags import declared_option
 
 from .markdown import cell, code, field_doc, slug, table
 
-_UNIT_BY_SCALE = {1000**3: "GB", 1024**3: "GiB", 1000**2: "MB", 2**20: "MiB"}
+_UNIT_BY_SCALE = {1000**3: "GB", 1024**3: "GiB", 1000**2: "MB", 2**20: "MiB", 3600: "h"}
+"""A scaled flag's unit (its default and bounds are shown divided by the scale); the field name's suffix names the
+field's unit, not the flag's."""
 _UNIT_BY_SUFFIX = {"_s": "s", "_ms": "ms", "_bytes": "bytes", "_pixels": "pixels", "_gb": "GB", "_mb": "MiB"}
 _DEFAULT_NOTE = re.compile(r"\s*\(default:? %\(default\)s\)")
 HEADER = ("flag", "type", "default", "unit", "bounds / choices", "env", "meaning")
@@ -97,7 +99,9 @@ def _help(action: argparse.Action, prog: str) -> str:
 
 
 def _unit(name: str, scale: int = 1) -> str:
-    if scale in _UNIT_BY_SCALE:
+    if scale != 1:
+        if scale not in _UNIT_BY_SCALE:
+            raise ValueError(f"{name}: a flag scaled by {scale} needs its unit in _UNIT_BY_SCALE")
         return _UNIT_BY_SCALE[scale]
     return next((u for suffix, u in _UNIT_BY_SUFFIX.items() if name.endswith(suffix)), "")
 

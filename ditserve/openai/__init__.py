@@ -1,1 +1,2 @@
-"""The OpenAI-compatible `/v1/videos` HTTP facade over the Jobs API: its command, the FastAPI app, the mapping."""
+"""The OpenAI-compatible `/v1/videos` HTTP facade over the Jobs API: its command and flags, the FastAPI app, the
+guards before it, the mapping."""

@@ -1,5 +1,6 @@
-"""`ditserve openai-api`: its flags and the command (the app itself, and its FastAPI import, is
-ditserve.openai.app's, loaded only when the command runs)."""
+"""`ditserve openai-api`: its parser (the flags are `FacadeConfig`'s, ditserve.openai.config, beside the target, the
+key and TLS) and the command (the app itself, and its FastAPI import, is ditserve.openai.app's, loaded only when the
+command runs)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from ditruntime.auth import read_token_file
+from ditruntime.flags import add_flags, from_args
 
 from ..errors import UsageError
 from ..jobs_client import JobsClient
 from ..remote import add_client_flags, credentials_from_args
+from .config import FacadeConfig
 
 API_KEY_ENV = "DITSERVE_OPENAI_API_KEY"
 
@@ -20,8 +23,7 @@ API_KEY_ENV = "DITSERVE_OPENAI_API_KEY"
 def add_openai_api_parser(sub: Any) -> None:
     p = sub.add_parser("openai-api", help="serve an OpenAI-compatible /v1/videos HTTP API over a generator's jobs")
     p.add_argument("--target", required=True, help="generator address HOST:PORT")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
+    add_flags(p, FacadeConfig)
     p.add_argument("--api-key-file", default=None, help=f"bearer key clients must send (default: ${API_KEY_ENV}; "
                    "none: no key asked)")  # fmt: skip
     add_client_flags(p)
@@ -42,11 +44,13 @@ def cmd_openai_api(args: argparse.Namespace) -> int:
 
     from .app import create_app
 
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    key = api_key_of(args)
+    try:
+        config = from_args(FacadeConfig, args, api_key=api_key_of(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     with JobsClient(args.target, credentials=credentials_from_args(args)) as jobs:
-        print(f"openai-api on http://{args.host}:{args.port}/v1/videos -> {args.target} "
-              f"({'bearer key required' if key else 'no key'})", flush=True)  # fmt: skip
-        uvicorn.run(create_app(jobs, key), host=args.host, port=args.port, log_level="warning")
+        print(f"openai-api on http://{config.host}:{config.port}/v1/videos -> {args.target} "
+              f"({'bearer key required' if config.api_key else 'no key'}; Host: "
+              f"{','.join(config.host_patterns())})", flush=True)  # fmt: skip
+        uvicorn.run(create_app(jobs, config), host=config.host, port=config.port, log_level="warning")
     return 0

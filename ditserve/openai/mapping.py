@@ -2,18 +2,22 @@
 
 - A create body (`prompt`, `model`, `seconds`, `size`, plus H3's own fields under their proto names) becomes a
   GenerateRequest: `seconds` -> the nearest valid `num_frames` (17n + 5 at 24 fps, 5 to 15 s), `size` "WIDTHxHEIGHT"
-  -> width, height; the output type is MP4 (what `/content` serves).
+  -> width, height; the output type is MP4 (what `/content` serves). JSON is parsed strictly: a number that is not
+  finite (`NaN`, `Infinity`, `1e999`) is refused naming its field, an integer field takes only integers.
 - A Job becomes OpenAI's `Video` object: status queued | in_progress | completed | failed (a cancelled job is
-  `failed` with error code "cancelled"), progress from the steps actually finished (100 only once completed), with
-  ditserve's own fields beside OpenAI's (`ditserve_state`, `queue_position`, `stage`, `steps_done`, `steps_total`,
-  `sha256`).
-- A gRPC status becomes OpenAI's error body `{"error": {"message", "type", "param", "code"}}` and HTTP status.
+  `failed` with error code "cancelled"), progress from the steps actually finished in any state (100 only once
+  completed), `seconds` as the client asked it (the real length in `duration_seconds`), `expires_at` from the
+  retention policy, with ditserve's own fields beside OpenAI's (`ditserve_state`, `queue_position`, `stage`,
+  `steps_done`, `steps_total`, `sha256`).
+- An error becomes OpenAI's body `{"error": {"message", "type", "param", "code"}}` and HTTP status (`code` never
+  null); a gRPC status through the one table `_HTTP`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -29,12 +33,19 @@ from protos.ditserve.generator.v1 import generator_pb2 as pb
 MODELS = ("minimax-h3",)
 """The model names the facade accepts (`model`; default the first)."""
 MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
-EXTRA_FIELDS = {"seed": int, "num_inference_steps": int, "flow_shift": float, "audio_flow_shift": float}
-"""H3's request fields a create body may carry beside OpenAI's, with their types."""
+INT_FIELDS = {"seed": (0, 2**63 - 1), "num_inference_steps": (1, 2**31 - 1)}
+"""H3's integer request fields a create body may carry beside OpenAI's, with what the proto holds (the generator
+checks its own limits after)."""
+FLOAT_FIELDS = ("flow_shift", "audio_flow_shift")
+"""H3's number request fields a create body may carry beside OpenAI's."""
+EXTRA_FIELDS = (*INT_FIELDS, *FLOAT_FIELDS)
+FILE_PARTS = ("input_reference", "first_frame", "last_frame")
+"""The multipart parts that may be files (the keyframes); another file part is refused naming it."""
 CREATE_FIELDS = frozenset({"prompt", "model", "seconds", "size", "input_reference", "first_frame", "last_frame",
                            "output_type", "idempotency_key", *EXTRA_FIELDS})  # fmt: skip
 """Every field a create body may carry (another is refused naming it, not ignored)."""
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+_INTEGER = re.compile(r"[+-]?\d{1,20}")
 _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.S)
 _STATUS = {
     pb.JOB_STATE_QUEUED: "queued", pb.JOB_STATE_RUNNING: "in_progress", pb.JOB_STATE_SUCCEEDED: "completed",
@@ -42,13 +53,33 @@ _STATUS = {
 }  # fmt: skip
 
 
+_CODES = {
+    400: "invalid_value", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
+    405: "method_not_allowed", 409: "conflict", 413: "request_too_large", 415: "unsupported_media_type",
+    422: "invalid_value", 429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable",
+    504: "timeout",
+}  # fmt: skip
+"""An error's `code` when nothing more specific names it, by HTTP status."""
+_KINDS = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+"""OpenAI's error `type` by HTTP status (other 4xx: invalid_request_error, 5xx: server_error)."""
+
+
+def error_kind(status: int) -> str:
+    return _KINDS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_code(status: int) -> str:
+    return _CODES.get(status, "server_error" if status >= 500 else "invalid_request")
+
+
 class ApiError(Exception):
-    """An HTTP error in OpenAI's shape."""
+    """An HTTP error in OpenAI's shape; `code` and `kind` (the body's `type`) default from the status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:  # fmt: skip
+                 kind: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.status, self.message, self.param = status, message, param
+        self.code, self.kind = code or error_code(status), kind or error_kind(status)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -79,13 +110,86 @@ def parse_size(value: Any) -> tuple[int, int]:
     return height, width
 
 
+def seconds_label(num_frames: int) -> str:
+    """A job's `seconds` when the client's own text is not at hand: the whole seconds that map to its frame count
+    (what an OpenAI-style "5" asked), else its real length."""
+    for whole in range(int(MIN_SECONDS), int(MAX_SECONDS) + 1):
+        if frames_for_seconds(whole) == num_frames:
+            return str(whole)
+    return f"{num_frames / FPS:.2f}".rstrip("0").rstrip(".")
+
+
 @dataclass(frozen=True)
 class CreateBody:
-    """A parsed create request: the GenerateRequest, the model named, the idempotency key."""
+    """A parsed create request: the GenerateRequest, the model named, the idempotency key, `seconds` as given."""
 
     request: pb.GenerateRequest
     model: str
     idempotency_key: str
+    seconds: str | None = None
+    """The client's `seconds` as text ("5" for 5 or "5"), echoed in the answer; None when not given."""
+
+
+class _NonFinite:
+    """A JSON number that is not finite (`NaN`, `Infinity`, `1e999`), held until its field is named."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _finite_float(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def _non_finite_in(value: Any) -> _NonFinite | None:
+    """The first non-finite number anywhere in a parsed JSON value (walked without recursion)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, _NonFinite):
+            return v
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return None
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON create body as its fields: an object, every number finite (else 400 naming the field)."""
+    try:
+        fields = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON (UTF-8)", None, "invalid_json") from None
+    if not isinstance(fields, dict):
+        raise ApiError(400, f"the body must be a JSON object, got a JSON {type(fields).__name__}", None, "invalid_json")
+    for name, value in fields.items():
+        bad = _non_finite_in(value)
+        if bad is not None:
+            raise ApiError(400, f"{name} must be a finite number, got {bad.text}", name)
+    return fields
+
+
+def integer_field(name: str, value: Any, low: int, high: int) -> int:
+    """An integer field: a JSON integer or (multipart) its decimal text, in [low, high]; 1.5, "1.5" and true are
+    refused naming `name`, never rounded."""
+    if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+    return value
+
+
+def number_field(name: str, value: Any) -> float:
+    """A number field: a JSON number or (multipart) its text, finite; ApiError naming `name`."""
+    try:
+        number = float(value) if isinstance(value, int | float | str) and not isinstance(value, bool) else math.nan
+    except (ValueError, OverflowError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise ApiError(400, f"{name} must be a finite number, got {value!r}", name)
+    return number
 
 
 def reference_image(value: Any, name: str) -> bytes:
@@ -115,7 +219,7 @@ def create_body(fields: dict[str, Any], first_frame: bytes = b"", last_frame: by
     prompt = fields.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "prompt is required: a non-empty string", "prompt")
-    model = str(fields.get("model") or MODELS[0])
+    model = fields.get("model") or MODELS[0]
     if model not in MODELS:
         raise ApiError(400, f"model must be one of {', '.join(MODELS)}, got {model!r}", "model", "model_not_found")
     req = pb.GenerateRequest(prompt=prompt, output_type=pb.OUTPUT_TYPE_MP4, first_frame=first_frame,
@@ -124,28 +228,30 @@ def create_body(fields: dict[str, Any], first_frame: bytes = b"", last_frame: by
         req.num_frames = frames_for_seconds(fields["seconds"])
     if fields.get("size") not in (None, ""):
         req.height, req.width = parse_size(fields["size"])
-    for name, kind in EXTRA_FIELDS.items():
+    for name, (low, high) in INT_FIELDS.items():
         if fields.get(name) not in (None, ""):
-            try:
-                setattr(req, name, kind(fields[name]))
-            except (TypeError, ValueError):
-                raise ApiError(400, f"{name} must be {kind.__name__}, got {fields[name]!r}", name) from None
+            setattr(req, name, integer_field(name, fields[name], low, high))
+    for name in FLOAT_FIELDS:
+        if fields.get(name) not in (None, ""):
+            setattr(req, name, number_field(name, fields[name]))
     if fields.get("output_type") not in (None, "", "mp4"):
         raise ApiError(400, f"output_type must be mp4 here (what /content serves), got {fields['output_type']!r}",
                        "output_type")  # fmt: skip
-    key = str(fields.get("idempotency_key") or "")
-    return CreateBody(req, model, key)
+    key = fields.get("idempotency_key") or ""
+    if not isinstance(key, str):
+        raise ApiError(400, f"idempotency_key must be a string, got {key!r}", "idempotency_key")
+    asked = fields.get("seconds")
+    seconds = None if asked in (None, "") else asked if isinstance(asked, str) else json.dumps(asked)
+    return CreateBody(req, model, key, seconds)
 
 
-def video_object(job: pb.Job, model: str = MODELS[0]) -> dict[str, Any]:
+def video_object(job: pb.Job, model: str = MODELS[0], seconds: str | None = None) -> dict[str, Any]:
+    """The job as OpenAI's Video; `seconds` the client's own text when at hand (create), else `seconds_label`."""
     spec, p = job.spec, job.progress
     status = _STATUS.get(job.state, "queued")
-    if status == "completed":
-        progress = 100
-    elif job.state == pb.JOB_STATE_RUNNING and p.steps_total:
-        progress = min(99, int(99 * p.steps_done / p.steps_total))
-    else:
-        progress = 0
+    # the steps done whatever the state (a job cancelled at step 6 of 99 says 6); 100 only once completed
+    done = min(99, int(99 * p.steps_done / p.steps_total)) if p.steps_total else 0
+    progress = 100 if status == "completed" else done
     error = None
     if job.state == pb.JOB_STATE_CANCELLED:
         error = {"code": "cancelled", "message": job.error.message or "the job was cancelled"}
@@ -154,8 +260,9 @@ def video_object(job: pb.Job, model: str = MODELS[0]) -> dict[str, Any]:
     return {
         "id": job.job_id, "object": "video", "model": model, "status": status, "progress": progress,
         "created_at": job.created_at.seconds, "completed_at": job.finished_at.seconds if status == "completed" else None,
-        "expires_at": None, "prompt": spec.prompt, "seconds": f"{spec.num_frames / FPS:.2f}".rstrip("0").rstrip("."),
-        "size": f"{spec.width}x{spec.height}", "error": error, "remixed_from_video_id": None,
+        "expires_at": job.expires_at.seconds if job.HasField("expires_at") else None, "prompt": spec.prompt,
+        "seconds": seconds if seconds is not None else seconds_label(spec.num_frames),
+        "duration_seconds": round(spec.num_frames / FPS, 3), "size": f"{spec.width}x{spec.height}", "error": error, "remixed_from_video_id": None,
         "ditserve_state": pb.JobState.Name(job.state).removeprefix("JOB_STATE_").lower(),
         "queue_position": job.queue_position if job.HasField("queue_position") else None,
         "stage": pb.JobStage.Name(p.stage).removeprefix("JOB_STAGE_").lower(),
@@ -165,33 +272,51 @@ def video_object(job: pb.Job, model: str = MODELS[0]) -> dict[str, Any]:
 
 
 _HTTP = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (409, "invalid_request_error"),
-    grpc.StatusCode.ABORTED: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_argument"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "out_of_range"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "already_exists"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "invalid_request_error", "failed_precondition"),
+    grpc.StatusCode.ABORTED: (409, "invalid_request_error", "aborted"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "backend_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "backend_timeout"),
 }
-"""gRPC status -> (HTTP status, OpenAI error type); anything else is 500 server_error."""
+"""gRPC status -> (HTTP status, OpenAI error type, the code when the status carries no ErrorInfo reason); anything
+else is 500 server_error, `backend_error`. UNAUTHENTICATED is always `invalid_api_key` (what OpenAI's clients test)."""
+_UNEXPLAINED = {
+    500: "the generator failed on this request", 503: "the generator is unavailable; try again",
+    504: "the generator did not answer in time",
+}  # fmt: skip
+"""A 5xx without the services' own ErrorInfo came from the gRPC runtime or an unexpected fault: its text (addresses,
+internals) stays in the facade, the client gets these."""
+_DEFAULT_RETRY_AFTER_S = 1
 
 
 def from_rpc_error(err: grpc.RpcError) -> ApiError:
     """The gRPC failure as OpenAI's error: the field a BadRequest names as `param`, the ErrorInfo reason as `code`,
-    RetryInfo as a Retry-After header."""
-    status, kind = _HTTP.get(err.code(), (500, "server_error"))
-    param, code, headers = None, None, {}
-    details = rpc_status.from_call(err)  # type: ignore[arg-type]
+    RetryInfo as a Retry-After header (a 429 always has one)."""
+    status, kind, code = _HTTP.get(err.code(), (500, "server_error", "backend_error"))
+    param, reason, headers = None, None, {}
+    try:
+        details = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except (ValueError, AttributeError):  # a status whose details contradict it: the code alone
+        details = None
     for d in details.details if details is not None else ():
         info, bad, retry = error_details_pb2.ErrorInfo(), error_details_pb2.BadRequest(), error_details_pb2.RetryInfo()
         if d.Unpack(info):
-            code = info.reason.lower()
+            reason = info.reason.lower()
         elif d.Unpack(bad) and bad.field_violations:
             param = bad.field_violations[0].field
         elif d.Unpack(retry):
             headers["Retry-After"] = str(max(1, math.ceil(retry.retry_delay.ToNanoseconds() / 1e9)))
-    return ApiError(status, err.details() or err.code().name, param, code, kind, headers)
+    if status == 429:
+        headers.setdefault("Retry-After", str(_DEFAULT_RETRY_AFTER_S))
+    message = err.details() or err.code().name
+    if status >= 500 and reason is None:
+        message = _UNEXPLAINED.get(status, _UNEXPLAINED[500])
+    if reason and err.code() != grpc.StatusCode.UNAUTHENTICATED:
+        code = reason
+    return ApiError(status, message, param, code, kind, headers)

@@ -26,7 +26,7 @@ from ditruntime.slab import check_device, device_uuid
 from ..errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
 from .base import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
 from .replica_port import ReplicaPort
-from .sidecar_port import Attachment, Committed, SidecarSession
+from .sidecar_port import NOT_ATTACHED, Attachment, Committed, SidecarSession
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class CachedBackend(Backend):
     def _attachment(self) -> Attachment:
         att = self.link.attachment
         if att is None:
-            raise SidecarUnavailableError(f"not attached to the plan-cache sidecar: {self.link.last_error}")
+            raise SidecarUnavailableError(NOT_ATTACHED)  # why: in the log (SidecarClient notes each error once)
         return att
 
     def model(self) -> H3Model:

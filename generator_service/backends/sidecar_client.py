@@ -41,7 +41,7 @@ from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
 from ..errors import CommitOutcomeUnknownError, LeaseCheckError, SidecarError, SidecarUnavailableError
 from ..health import ServingState
-from .sidecar_port import Attachment, Committed, RemoteLease, SidecarSession
+from .sidecar_port import NOT_ATTACHED, Attachment, Committed, RemoteLease, SidecarSession
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +228,7 @@ class SidecarClient(SidecarSession):
     ) -> RemoteLease:
         att = self._att
         if att is None:
-            raise SidecarUnavailableError(
-                f"not attached to the plan-cache sidecar at {self.target}: {self._last_error}"
-            )
+            raise SidecarUnavailableError(NOT_ATTACHED)  # its address and the cause: in the log, not to clients
         tag = f"{request_id}#{next(self._calls)}"
         req = pb.PreparePlansRequest(
             session_id=att.session_id,

@@ -153,6 +153,10 @@ class RemoteLease:
         self._session.release(self)
 
 
+NOT_ATTACHED = "not attached to the plan-cache sidecar (it is starting, restarting or unreachable); retry shortly"
+"""What a caller is told while detached: the sidecar's address and the last error stay in the generator's log."""
+
+
 class SidecarSession(ABC):
     """The generator's session with its sidecar; keeps itself attached once started."""
 

@@ -39,6 +39,7 @@ from .runs import (
     RunEvent,
     Started,
     StepDone,
+    quiet_run_stops,
 )
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Runner:
         self._prefetcher = prefetcher
         self._on_finish = on_finish
         self._denoise_step = denoise
+        quiet_run_stops()  # a cancel or deadline passes diffusers' blocks quietly: Run.emit logs it in one line
         self.thread = threading.Thread(target=self._loop, name="executor", daemon=True)
 
     def _loop(self) -> None:

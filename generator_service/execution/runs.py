@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ditcore import GenerationRequest, GenerationResult
 from ditcore.media import EncodedMedia
+from ditcore.pipeline import quiet_block_errors
 from ditcore.report import CacheReport
 
 from ..backends.base import ServedLease
@@ -107,6 +108,8 @@ class Run:
     _watchers: list[queue.Queue[RunEvent]] = field(default_factory=list, repr=False)
     _listeners: list[RunListener] = field(default_factory=list, repr=False)
     _watch_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stage: str = field(default="queued", repr=False)  # where it is, and its steps done of total: what a stop logs
+    _steps: tuple[int, int] = field(default=(0, 0), repr=False)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -136,6 +139,7 @@ class Run:
             self._listeners.append(listener)
 
     def emit(self, event: RunEvent) -> None:
+        self._note(event)
         if isinstance(event, Failed):  # whoever keeps the error from here on keeps none of the request's tensors
             forget_frame_locals(event.error)
         with self._watch_lock:
@@ -148,6 +152,35 @@ class Run:
                 listener(self, event)
             except Exception:  # a listener's fault must not stop the executor
                 log.exception("run %s: event listener failed", self.job_id or self.request.request_id)
+
+    def _note(self, event: RunEvent) -> None:
+        """Where the run got to; a stop (cancel, deadline) is a normal end: one line, no traceback."""
+        match event:
+            case Started():
+                self._stage = "preparing"
+            case StepDone(step, total):
+                self._stage, self._steps = "denoising", (step, total)
+            case Decoding():
+                self._stage = "decoding"
+            case Muxing():
+                self._stage = "muxing"
+            case Failed(error) if isinstance(error, RUN_STOPS):
+                what = "cancelled" if isinstance(error, CancelledError) else "stopped at its deadline"
+                job = f" (job {self.job_id})" if self.job_id else ""
+                done, total = self._steps
+                rid = self.request.request_id
+                log.info("request %s%s %s while %s, after step %d of %d", rid, job, what, self._stage, done,
+                         total or self.request.steps, extra={"request_id": rid, "job_id": self.job_id})  # fmt: skip
+
+
+RUN_STOPS = (CancelledError, DeadlineExceededError)
+"""What `Run.check_live` raises: a run stopped on purpose, raised from the step callback or the decode's check
+through diffusers' blocks."""
+
+
+def quiet_run_stops() -> None:
+    """A run's stop passes diffusers' blocks quietly (Run.emit logs it in one line); any other error's records stay."""
+    quiet_block_errors(*RUN_STOPS)
 
 
 FinishListener = Callable[[Run, RunResult | None, BaseException | None], None]

@@ -10,32 +10,60 @@ generator_service.jobs.results), `failed` or `cancelled`. The recorder writes th
 the store.
 
 Restart: on start, every job this replica held and did not finish is queued again where it was (its seq), so queued
-jobs run in order and a job that was running runs again (deterministic by seed). A replica's claims are leases
-renewed every `claim_s / 3`; one whose replica died is claimed by another after `claim_s`. A job another replica
-asked to cancel is cancelled here at the next renewal.
+jobs run in order and a job that was running runs again (deterministic by seed); the `max_attempts`-th run a stop
+ended fails it (generator_service.jobs.store.claim_next). Jobs are claimed only while the backend serves (attached
+to its sidecar, weights loaded), and a run that failed because the backend went away (UNAVAILABLE: the sidecar
+restarting, a rank lost) queues its job again instead of failing it. A replica's claims are leases renewed every
+`claim_s / 3`; one whose replica died is claimed by another after `claim_s`, never by its own holder; a run whose
+claim another replica took over (ours lapsed) is cancelled here at the next renewal. A job another replica asked
+to cancel is cancelled here at the next renewal.
+
+The final write of a job (its outcome) retries with backoff until the store takes it (`FINISH_RETRY_S`), holding
+the result file against retention meanwhile: a store that is down for a while delays the record, never loses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import safetensors.torch
 
-from ..errors import NotServingError, QueueFullError
+from ..errors import JobStoreUnavailableError, NotServingError, QueueFullError
 from ..execution.registry import RunRegistry
 from ..execution.runs import Decoding, Failed, Finished, Muxing, Run, RunEvent, RunResult, Started, StepDone
 from .live import LiveJobs
 from .results import ContentRef, ResultStore
 from .retention import Retention
-from .schema import TERMINAL
+from .schema import TERMINAL, Job
 from .store import JobStore
-from .types import DISPATCH_AHEAD, LATENTS_CONTENT, Classifier, Decoder, JobsObserver, JobsPolicy, LiveJob
+from .types import (
+    DISPATCH_AHEAD,
+    LATENTS_CONTENT,
+    TRANSIENT_REASONS,
+    Classifier,
+    Decoder,
+    JobsObserver,
+    JobsPolicy,
+    LiveJob,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FINISH_RETRY_S = 600.0
+"""How long a job's final write is retried (backoff 0.1 s doubling to 5 s) before the recorder gives up on it; the
+job then stays held by this replica, and the next start queues it again."""
+
+
+def is_transient(code: str, reason: str) -> bool:
+    """A run that failed so ended because the backend went away, not because of its job."""
+    return code == "UNAVAILABLE" or reason in TRANSIENT_REASONS
 
 
 class Recorder:
@@ -55,7 +83,7 @@ class Recorder:
         clock: Callable[[], float],
     ) -> None:
         self.store, self.results, self.registry = store, results, registry
-        self._classify, self.policy, self.observer, self._clock = classify, policy, observer, clock
+        self.classify, self.policy, self.observer, self._clock = classify, policy, observer, clock
         self._retention, self._live = retention, live
         self._records: queue.Queue[tuple[Run, RunEvent] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._record_loop, name="jobs-record", daemon=True)
@@ -113,22 +141,39 @@ class Recorder:
                 if self._live.stopping and not run.cancelled.is_set():
                     self.forget(run)  # dropped by the stopping executor: queued again by the next start
                     return
+                code, reason, message = self.classify(error)
+                if not run.cancelled.is_set() and is_transient(code, reason):
+                    self._requeue(run, message)
+                    return
                 state = self.finish_failed(run.job_id, error)
                 self.forget(run, state)
+
+    def _requeue(self, run: Run, why: str) -> None:
+        """The backend went away under the run: its job waits in the queue (where it was) for it to come back."""
+        self._write_durably(run.job_id, lambda: self.store.requeue(run.job_id, self.policy.replica))
+        log.info("job %s queued again: %s", run.job_id, why, extra={"job_id": run.job_id})
+        self.forget(run)
 
     def _store_result(self, run: Run, res: RunResult) -> None:
         state = "succeeded"
         try:
-            ref = self._write_content(run, res)
-            result = {
-                "sha256": res.result.sha256, "generation": res.generation, "output_type": run.request.output_type,
-                "timings_ms": res.timings_ms, "attention_backend": res.result.attention_backend,
-                "cache": res.result.cache.to_dict() if res.result.cache is not None else None,
-            }  # fmt: skip
-            self.store.finish(run.job_id, self.policy.replica, state="succeeded", now=self._clock(), result=result,
-                              content=ref)  # fmt: skip
-            log.info("job %s succeeded: %s (%d bytes, sha256 %s)", run.job_id, ref.filename, ref.size,
-                     ref.sha256[:16], extra={"job_id": run.job_id, "sha256": ref.sha256})  # fmt: skip
+            with self._content(run, res) as ref:  # held against retention until its record names it
+                result = {
+                    "sha256": res.result.sha256, "generation": res.generation,
+                    "output_type": run.request.output_type, "timings_ms": res.timings_ms,
+                    "attention_backend": res.result.attention_backend,
+                    "cache": res.result.cache.to_dict() if res.result.cache is not None else None,
+                }  # fmt: skip
+                done = self._write_durably(run.job_id, lambda: self.store.finish(
+                    run.job_id, self.policy.replica, state="succeeded", now=self._clock(), result=result, content=ref,
+                ))  # fmt: skip
+            if done is None:  # not counted as succeeded: the record says otherwise (or nothing yet)
+                state = ""
+                log.warning("job %s: its result was not recorded: another replica holds the job now, it ended "
+                            "meanwhile, or the store refused it", run.job_id, extra={"job_id": run.job_id})  # fmt: skip
+            else:
+                log.info("job %s succeeded: %s (%d bytes, sha256 %s)", run.job_id, ref.filename, ref.size,
+                         ref.sha256[:16], extra={"job_id": run.job_id, "sha256": ref.sha256})  # fmt: skip
             self._remove_if_deleted(run.job_id)
         except Exception as e:
             log.exception("job %s: storing its result failed", run.job_id)
@@ -138,15 +183,31 @@ class Recorder:
                 res.media.close()
             self.forget(run, state)
 
-    def _write_content(self, run: Run, res: RunResult) -> ContentRef:
+    def _content(self, run: Run, res: RunResult) -> contextlib.AbstractContextManager[ContentRef]:
         rid = run.request.request_id
         if res.media is not None:
             m = res.media
-            return self.results.put_bytes(m.chunks(), m.content_type, f"{rid}{m.suffix}")
+            return self.results.stored(m.chunks(), m.content_type, f"{rid}{m.suffix}")
         tensors = {n: t.contiguous() for n, t in (("video", res.result.video), ("audio", res.result.audio))
                    if t is not None}  # fmt: skip
         content_type, suffix = LATENTS_CONTENT
-        return self.results.put_bytes(safetensors.torch.save(tensors), content_type, f"{rid}{suffix}")
+        return self.results.stored(safetensors.torch.save(tensors), content_type, f"{rid}{suffix}")
+
+    def _write_durably(self, job_id: str, write: Callable[[], T]) -> T | None:
+        """`write()` until the store takes it: JobStoreUnavailableError retried with backoff for FINISH_RETRY_S
+        (then logged and given up: the job stays held here, and the next start queues it again)."""
+        delay, deadline = 0.1, time.monotonic() + FINISH_RETRY_S
+        while True:
+            try:
+                return write()
+            except JobStoreUnavailableError as e:
+                if time.monotonic() + delay > deadline:
+                    log.error("job %s: the job store refused its final write for %.0f s; the next start of this "
+                              "replica queues it again", job_id, FINISH_RETRY_S)  # fmt: skip
+                    return None
+                log.warning("job %s: %s; retrying its final write in %.1f s", job_id, e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def _write_progress(self, job_id: str) -> None:
         """The live job's stage and steps into its record (nothing once it is no longer live here)."""
@@ -157,11 +218,14 @@ class Recorder:
 
     def finish_failed(self, job_id: str, error: BaseException) -> str:
         """Record the job failed (or cancelled) with `error`; its final state."""
-        code, reason, message = self._classify(error)
+        code, reason, message = self.classify(error)
         state = "cancelled" if code == "CANCELLED" else "failed"
-        self._write_progress(job_id)  # the steps it really finished, not the last progress written
-        self.store.finish(job_id, self.policy.replica, state=state, now=self._clock(), error=(code, reason, message))
-        log.info("job %s %s: %s (%s)", job_id, state, message, reason, extra={"job_id": job_id, "reason": reason})
+        with contextlib.suppress(JobStoreUnavailableError):  # the outcome matters here, the progress less
+            self._write_progress(job_id)  # the steps it really finished, not the last progress written
+        self._write_durably(job_id, lambda: self.store.finish(
+            job_id, self.policy.replica, state=state, now=self._clock(), error=(code, reason, message)))  # fmt: skip
+        level = logging.DEBUG if state == "cancelled" else logging.INFO  # a cancel: the run's own line says it
+        log.log(level, "job %s %s: %s (%s)", job_id, state, message, reason, extra={"job_id": job_id, "reason": reason})
         self._remove_if_deleted(job_id)
         return state
 
@@ -191,7 +255,10 @@ class Dispatcher:
         live: LiveJobs,
         recorder: Recorder,
         clock: Callable[[], float],
+        serving: Callable[[], bool] = lambda: True,
     ) -> None:
+        self._serving = serving
+        """Whether the backend serves now (attached to its sidecar, weights loaded): no claim while it does not."""
         self.store, self.registry, self.executor = store, registry, registry.executor
         self._decode, self.policy, self._clock = decode, policy, clock
         self._retention, self._live, self._recorder = retention, live, recorder
@@ -235,34 +302,48 @@ class Dispatcher:
                 log.exception("jobs: dispatch pass failed")
 
     def _ready_for_more(self) -> bool:
-        if self._live.stopping or not self.executor.has_room:
+        if self._live.stopping or not self.executor.has_room or not self._serving():
             return False
         return self.executor.waiting(lambda j: bool(j.job_id)) < DISPATCH_AHEAD
 
     def _dispatch_one(self) -> bool:
         """Claim the oldest queued job and submit it as a run; False when there is none."""
-        record = self.store.claim_next(self.policy.replica, self.policy.claim_s, self._clock())
+        p = self.policy
+        record = self.store.claim_next(p.replica, p.claim_s, self._clock(), p.max_attempts)
         if record is None:
             return False
         try:
-            request, expected = self._decode(record.request)
+            run = self._run_of(record)
         except Exception as e:
             self._recorder.finish_failed(record.job_id, e)
             return True
-        run = Run(request, job_id=record.job_id, expected_generation=expected)
         self._live.add(record.job_id, LiveJob(run, record.created_at, steps_total=record.steps_total))
         run.subscribe(self._recorder.on_event)
         try:
             self.registry.submit(run)
-        except (QueueFullError, NotServingError):  # a Generate call took the room, or we are stopping
+        except Exception as e:
             self._live.pop(record.job_id)
-            self.store.unclaim(record.job_id, self.policy.replica)
-            return False
-        except Exception as e:  # refused now (e.g. the weights moved past its expected_generation)
-            self._live.pop(record.job_id)
-            self._recorder.finish_failed(record.job_id, e)
+            code, reason, _ = self._recorder.classify(e)
+            if isinstance(e, QueueFullError | NotServingError) or is_transient(code, reason):
+                self.store.unclaim(record.job_id, p.replica)  # a Generate took the room; stopping; backend gone
+                return False
+            self._recorder.finish_failed(record.job_id, e)  # refused (the weights moved past expected_generation)
         return True
 
+    def _run_of(self, record: Job) -> Run:
+        stored = self.store.request_of(record.job_id)
+        if stored is None:
+            raise ValueError(f"job {record.job_id}: its stored request is gone")
+        request, expected = self._decode(*stored)
+        return Run(request, job_id=record.job_id, expected_generation=expected)
+
     def _renew(self) -> None:
-        for job_id in self.store.renew_claims(self.policy.replica, self.policy.claim_s, self._clock()):
+        p = self.policy
+        for job_id in self.store.renew_claims(p.replica, p.claim_s, self._clock()):
             self.cancel_here(job_id)
+        held = self.store.holding(p.replica)
+        for job_id in self._live.ids():
+            if job_id not in held:  # our claim lapsed and another replica took the job (or it ended meanwhile)
+                log.warning("job %s: another replica holds it now; its run here stops", job_id,
+                            extra={"job_id": job_id})  # fmt: skip
+                self.cancel_here(job_id)

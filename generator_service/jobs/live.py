@@ -55,6 +55,11 @@ class LiveJobs:
             live = self._jobs.get(job_id)
             return dataclasses.replace(live) if live is not None else None
 
+    def ids(self) -> list[str]:
+        """The jobs our executor holds now."""
+        with self._cond:
+            return list(self._jobs)
+
     def add(self, job_id: str, live: LiveJob) -> None:
         with self._cond:
             self._jobs[job_id] = live

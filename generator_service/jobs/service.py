@@ -7,6 +7,10 @@ Cancel: a queued job nobody holds is cancelled in the store; a job this replica 
 registry (out of the queue, or at its next step boundary); one another replica runs gets `cancel_requested`, which its
 owner sees at its next renewal. Delete cancels first and removes the record once the job has stopped. Retention:
 `ttl_s` removes finished jobs, `results_max_bytes` removes the oldest content first, never content being read.
+
+Owners: every call names its caller's owner (`Owner`: a name, or None for an admin, who sees every job); another
+owner's job is JobNotFoundError, exactly as an unknown one. An idempotent retry is found by (owner, key) before any
+admission step (`find_retry`), so a retry whose upload expired meanwhile still gets its job back.
 """
 
 from __future__ import annotations
@@ -19,19 +23,29 @@ from contextlib import contextmanager
 from functools import partial
 from typing import BinaryIO
 
-from ..errors import JobNotFoundError, JobQueueFullError, JobStateError, NotServingError, OffsetError
+from ..errors import (
+    IdempotencyConflictError,
+    JobNotFoundError,
+    JobQueueFullError,
+    JobStateError,
+    NotServingError,
+    OffsetError,
+)  # fmt: skip
 from ..execution.executor import Executor
 from ..execution.registry import RunRegistry
 from ..execution.runs import Run
 from .dispatch import Dispatcher, Recorder
 from .live import LiveJobs
 from .results import ContentRef, ResultStore
-from .retention import Retention
+from .retention import Retention, RetentionPolicy
 from .schema import TERMINAL, Job
 from .store import JobStore
 from .types import Classifier, Decoder, JobsObserver, JobsPolicy, JobView, NewJob
 
 log = logging.getLogger(__name__)
+
+Owner = str | None
+"""Whose jobs a call may see: an owner's name, or None (an admin: every job)."""
 
 
 def new_job_id() -> str:
@@ -51,19 +65,21 @@ class JobService:
         policy: JobsPolicy,
         observer: JobsObserver | None = None,
         clock: Callable[[], float] = time.time,
+        serving: Callable[[], bool] = lambda: True,
     ) -> None:
         self.observer = observer or JobsObserver()
         self.store, self.results, self.registry = store, results, registry
         self.executor: Executor = registry.executor
         self.policy, self._clock = policy, clock
         self._live = LiveJobs()
-        self._retention = Retention(
-            store, results, policy.ttl_s, policy.results_max_bytes, self.now, self._live.changed
-        )
+        retention = RetentionPolicy(policy.ttl_s, policy.results_max_bytes, policy.unsucceeded_ttl_s)
+        self._retention = Retention(store, results, retention, self.now, self._live.changed)
         recorder = Recorder(
             store, results, registry, classify, policy, self.observer, self._retention, self._live, self.now
         )
-        self._dispatcher = Dispatcher(store, registry, decode, policy, self._retention, self._live, recorder, self.now)
+        self._dispatcher = Dispatcher(
+            store, registry, decode, policy, self._retention, self._live, recorder, self.now, serving
+        )
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -88,48 +104,72 @@ class JobService:
         self._retention.run()
 
     # ---------------------------------------------------------------- the API
-    def create(self, new: NewJob, idempotency_key: str | None) -> tuple[JobView, bool]:
-        """Check the request as Generate would (but the queue's capacity), store it queued; or, for an idempotent
-        retry, return the job the first call made."""
+    def find_retry(self, owner: str, key: str, meaning: Callable[[Job], str]) -> JobView | None:
+        """The job `owner` created under `key`, when `meaning(job)` (the retried request's meaning, read with what
+        the job knows of its uploads) is the job's; None when the key is free. IdempotencyConflictError when the key
+        holds another request, or a job being deleted."""
+        record = self.store.find_key(owner, key)
+        if record is None:
+            return None
+        meta = {"idempotency_key": key, "job_id": record.job_id}
+        if record.deleted:
+            raise IdempotencyConflictError(
+                f"idempotency_key {key!r} belongs to job {record.job_id}, which is being deleted; retry once it is "
+                "gone (the key is free then)",
+                meta,
+            )
+        if meaning(record) != record.request_sha256:
+            raise IdempotencyConflictError(
+                f"idempotency_key {key!r} was used by job {record.job_id} for a different request; use a new key",
+                meta,
+            )
+        return self._view(record)
+
+    def create(self, new: NewJob, idempotency_key: str | None, owner: str) -> tuple[JobView, bool]:
+        """Check the request as Generate would (but the queue's capacity), store it queued for `owner`; or, for an
+        idempotent retry, return the job the first call made."""
         self.executor.check(Run(new.request, expected_generation=new.expected_generation))
         self._retention.check_room(self.executor.retry_after_s)
-        job_id = new_job_id()
-        request_bytes = new.request_bytes
-        spec = {**new.request.to_dict(), "expected_generation": new.expected_generation}
+        spec = {
+            **new.request.to_dict(), "expected_generation": new.expected_generation,
+            "upload_ids": {uid: list(d) for uid, d in new.uploads.items()},
+        }  # fmt: skip
         try:
             record, created = self.store.create(
-                job_id=job_id, request=request_bytes, request_sha256=new.request_sha256,
+                job_id=new.job_id, request=new.request_bytes, request_sha256=new.request_sha256,
                 idempotency_key=idempotency_key, spec=spec, steps_total=new.request.steps, now=self._clock(),
-                max_queued=self.policy.max_queued,
+                max_queued=self.policy.max_queued, owner=owner, parts=new.parts,
             )  # fmt: skip
         except JobQueueFullError as e:
             e.retry_after_s = self.executor.retry_after_s()
             e.quota_violation = ("--max-queued-jobs", str(e))
             raise
         if created:
-            log.info("job %s created (request %s)", record.job_id, new.request.request_id,
+            log.info("job %s created (request %s, owner %s)", record.job_id, new.request.request_id, owner,
                      extra={"job_id": record.job_id, "request_id": new.request.request_id})  # fmt: skip
         self._live.changed()
         return self._view(record), created
 
-    def get(self, job_id: str) -> JobView:
-        return self._view(self._record_of(job_id))
+    def get(self, job_id: str, owner: Owner = None) -> JobView:
+        return self._view(self._record_of(job_id, owner))
 
     def list(
-        self, states: Sequence[str], limit: int, after_seq: int | None, oldest_first: bool
+        self, states: Sequence[str], limit: int, after_seq: int | None, oldest_first: bool, owner: Owner = None
     ) -> tuple[list[JobView], int | None]:
-        """A page of jobs and the seq to continue after (None on the last page)."""
-        records = self.store.list(states=states, limit=limit + 1, after_seq=after_seq, oldest_first=oldest_first)
+        """A page of `owner`'s jobs and the seq to continue after (None on the last page)."""
+        records = self.store.list(
+            states=states, limit=limit + 1, after_seq=after_seq, oldest_first=oldest_first, owner=owner
+        )
         more = len(records) > limit
         page = [self._view(r) for r in records[:limit]]
         return page, (records[limit - 1].seq if more else None)
 
-    def watch(self, job_id: str, alive: Callable[[], bool]) -> Iterator[JobView]:
+    def watch(self, job_id: str, alive: Callable[[], bool], owner: Owner = None) -> Iterator[JobView]:
         """The job now and after each change, until it is final (or `alive` says the watcher went away)."""
         last: tuple[object, ...] | None = None
         while alive():
             version = self._live.version()
-            view = self.get(job_id)
+            view = self.get(job_id, owner)
             if view.change_key() != last:
                 last = view.change_key()
                 yield view
@@ -139,42 +179,45 @@ class JobService:
             if self._live.wait_moved(version, self.policy.poll_s):
                 raise NotServingError("the generator is shutting down")
 
-    def _record_of(self, job_id: str) -> Job:
-        return _found(self.store.get(job_id), job_id)
+    def _record_of(self, job_id: str, owner: Owner) -> Job:
+        return _found(self.store.get(job_id, owner), job_id)
 
-    def cancel(self, job_id: str) -> JobView:
-        record = self._record_of(job_id)
+    def cancel(self, job_id: str, owner: Owner = None) -> JobView:
+        """Cancel a queued or running job: CANCELLED at once unless another replica runs it (then
+        `cancel_requested` until its owner stops it)."""
+        record = self._record_of(job_id, owner)
         if record.state in ("succeeded", "failed"):
             raise JobStateError(
                 f"job {job_id} already {record.state}: only a queued or running job can be cancelled",
                 {"job_id": job_id, "state": record.state},
             )
         if record.state != "cancelled":
-            self.store.request_cancel(job_id, self._clock())
-            self._dispatcher.cancel_here(job_id)
+            self._dispatcher.cancel_here(job_id)  # out of our executor's queue first: it cannot start after this
+            self.store.request_cancel(job_id, self._clock(), self.policy.replica)
             self._live.changed()
-        return self.get(job_id)
+        return self.get(job_id, owner)
 
-    def delete(self, job_id: str) -> bool:
-        """True when the record and content are gone now; False when it still runs (cancelled; removed once it
-        stopped)."""
+    def delete(self, job_id: str, owner: Owner = None) -> bool:
+        """True when the record and content are gone now (a final or a queued job); False when it still runs
+        (cancelled; removed once it stopped)."""
+        _found(self.store.get(job_id, owner), job_id)
         record = _found(self.store.mark_deleted(job_id), job_id)
         self._live.changed()
         if record.state in TERMINAL:
             self._retention.remove(job_id)
             return True
-        self.store.request_cancel(job_id, self._clock())
         self._dispatcher.cancel_here(job_id)
+        self.store.request_cancel(job_id, self._clock(), self.policy.replica)
         now = self.store.get_any(job_id)
-        if now is not None and now.state in TERMINAL:  # it was queued: cancelled at once
+        if now is not None and now.state in TERMINAL:  # it was queued (or its replica gone): cancelled at once
             self._retention.remove(job_id)
             return True
         return False
 
     @contextmanager
-    def content(self, job_id: str, offset: int) -> Iterator[tuple[ContentRef, Iterator[bytes]]]:
+    def content(self, job_id: str, offset: int, owner: Owner = None) -> Iterator[tuple[ContentRef, Iterator[bytes]]]:
         """A succeeded job's content from `offset`, held against retention while the caller reads it."""
-        view = self.get(job_id)
+        view = self.get(job_id, owner)
         r = view.record
         if view.state != "succeeded":
             raise JobStateError(
@@ -206,7 +249,8 @@ class JobService:
         position = None
         if state == "queued":
             position = self._position(record, overlay.run if overlay is not None else None)
-        return JobView(record, state, stage, done, total, position)
+        expires = self._retention.expires_at(record.state, record.finished_at)
+        return JobView(record, state, stage, done, total, position, expires)
 
     def _position(self, record: Job, run: Run | None) -> int:
         """Jobs that start before it: its place in the executor's queue, or the store's queued jobs ahead of it

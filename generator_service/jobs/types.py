@@ -3,7 +3,8 @@ state of a job this replica runs, and what the metrics hear. No grpc here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ditcore import GenerationRequest
@@ -15,8 +16,9 @@ DISPATCH_AHEAD = 1
 """Jobs of ours waiting in the executor's queue at most: one, whose plans prefetch while the running one denoises."""
 LATENTS_CONTENT = ("application/octet-stream", ".safetensors")
 
-Decoder = Callable[[bytes], tuple[GenerationRequest, int | None]]
-"""A stored request's bytes -> (request, expected_generation): the adapter's own parse of a GenerateRequest."""
+Decoder = Callable[[bytes, Mapping[str, bytes]], tuple[GenerationRequest, int | None]]
+"""A stored request's bytes and its parts -> (request, expected_generation): the adapter's own parse of a
+GenerateRequest."""
 Classifier = Callable[[BaseException], tuple[str, str, str]]
 """An error -> (status code name, reason, message): the one error mapping's (ditruntime.rpc_errors)."""
 
@@ -31,16 +33,28 @@ class JobsPolicy:
     results_max_bytes: int
     claim_s: float = 30.0
     poll_s: float = 1.0
+    max_attempts: int = 3
+    unsucceeded_ttl_s: float | None = None
 
 
 @dataclass(frozen=True)
 class NewJob:
-    """What CreateJob stores: the request as the adapter parsed it, and its bytes (what a restart parses again)."""
+    """What CreateJob stores: the request as the adapter parsed it, and its bytes (what a restart parses again):
+    the message without its large parts, and the parts (stored once each, by content)."""
 
+    job_id: str
     request: GenerationRequest
     expected_generation: int | None
     request_bytes: bytes
-    request_sha256: str  # of the client's message (an idempotent retry sends the same)
+    parts: Mapping[str, bytes]
+    request_sha256: str  # of the request's meaning (an idempotent retry means the same)
+    uploads: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    """upload_id -> (sha256, bytes) of the uploads it named: a retry naming them after they expired still matches."""
+
+
+TRANSIENT_REASONS = frozenset({"SIDECAR_UNAVAILABLE", "NOT_SERVING", "LEASE_CHECK_FAILED", "REPLICA_RANK_LOST"})
+"""A run that failed with one of these failed because the backend went away (the sidecar restarting, a rank lost),
+not because of its request: its job is queued again, not failed."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,9 @@ class JobView:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+    expires_at: float | None = None
+    """When retention removes it (epoch seconds; None while it is live)."""
 
     def change_key(self) -> tuple[object, ...]:
         r = self.record

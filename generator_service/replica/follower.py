@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from ditcore import H3Model, RequestError, RequestLimits, generate, load_model, validate_checkpoint
 from ditcore.model import RunOptions
 from ditcore.parallel import SplitError
+from ditcore.pipeline import quiet_block_errors
 from ditcore.replica import Replica, ReplicaLostError
 from ditruntime.slab import SlabMapping, descriptor_from_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as cpb
@@ -45,6 +48,7 @@ class Follower:
         self.served = _Served()
         self.mapping: SlabMapping | None = None
         self.epoch = -1
+        quiet_block_errors(RankStoppedError)  # rank 0 stopping a request is no block's error: rank 0 logs it
         if mode == "resident":  # rank 0 loads the same checkpoint at start (ResidentBackend)
             self.served.model = self._load(validate_checkpoint(checkpoint, require_adaln=True))
 
@@ -155,10 +159,21 @@ class Follower:
 
 
 def follow(follower: Follower) -> int:
-    """A rank's main loop: exit 0 on Stop, EXIT_REPLICA_LOST when the group broke or this rank failed alone."""
+    """A rank's main loop: exit 0 on Stop, EXIT_REPLICA_LOST when the group broke or this rank failed alone.
+
+    SIGINT and SIGTERM (a terminal's Ctrl-C, torchrun's agent passing one on) reach every rank at once: this one keeps
+    following until rank 0, which stops on them, sends Stop; if rank 0 is gone first, the broken group is that stop,
+    not a failure (one line, exit 0)."""
+    signalled = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: signalled.set())
     try:
         return follower.serve()
-    except Exception:
+    except Exception as e:
+        if signalled.is_set():
+            log.info("replica rank %d: stopped with rank 0 (%s)", follower.replica.rank, type(e).__name__)
+            return 0
         log.exception("replica rank %d: the replica broke; exiting for a restart as a unit", follower.replica.rank)
         logging.shutdown()
         os._exit(EXIT_REPLICA_LOST)

@@ -23,6 +23,8 @@ rank handles it, and the ranks gather one status each ("" = fine), so every rank
     Stage / Swap   a weight update: every rank loads the new weights beside the served ones (or the update is
              dropped on every rank), then every rank installs them (rollback / retire / drop alike).
     (empty)  a keep-alive while idle, so an idle rank's wait never reaches the group's timeout.
+    Stop     rank 0 stops: every rank exits 0. A SIGINT or SIGTERM reaching every rank at once stops rank 0 alone;
+             the others follow until its Stop, or end quietly when it is gone first (follower.follow).
 
 A rank that dies breaks the group: rank 0's next collective fails (gloo reports the closed connection at once), the
 request fails with UNAVAILABLE (ReplicaUnavailableError), the replica goes NOT_SERVING, and rank 0 exits with
@@ -58,6 +60,10 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 30.0
 """How often an idle rank 0 sends the keep-alive."""
+REPLICA_TIMEOUT_MIN_S = 2 * KEEPALIVE_S
+"""The shortest collective timeout (--replica-timeout-s) a replica runs with: an idle rank waits in a broadcast
+until the next keep-alive, so a timeout under KEEPALIVE_S breaks every idle replica (which then restarts as a unit,
+again and again); twice it leaves a late keep-alive (rank 0 busy, a slow host) its slack."""
 
 
 # ---------------------------------------------------------------------------- rank 0
@@ -86,8 +92,11 @@ class ReplicaLink:
     def _lose(self, e: BaseException) -> ReplicaUnavailableError:
         if not self.lost:
             self.lost = f"replica rank lost: {e}"
-            log.error("%s; this replica stops serving and restarts as a unit", self.lost)
-            self._on_lost(self.lost)
+            if self._stop.is_set():  # stopping: the other ranks may have stopped first (signalled with this one)
+                log.info("replica: the other ranks had gone when this one stopped")
+            else:
+                log.error("%s; this replica stops serving and restarts as a unit", self.lost)
+                self._on_lost(self.lost)
         return ReplicaUnavailableError(self.lost)
 
     def _check_alive(self) -> None:

@@ -1,28 +1,29 @@
-"""The Jobs gRPC adapter: proto <-> the jobs core (generator_service.jobs.service), every error through the one
-mapping (ditruntime.rpc_errors). WatchJob and GetJobContent are streams: they take a request-handler slot (as
+"""The Jobs gRPC adapter: proto <-> the jobs core (generator_service.jobs.service), every call as its authenticated
+caller (generator_service.serving.auth: another owner's job is NOT_FOUND), every error through the one mapping
+(ditruntime.rpc_errors). CreateJob looks an idempotency key up before any admission step, comparing the request's
+meaning (generator_service.serving.convert.request_meaning), and stores the request slim (its large parts apart). WatchJob and GetJobContent are streams: they take a request-handler slot (as
 GenerateStream does) and GetJobContent's sends are watched for stalled readers (generator_service.serving.streams)."""
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import grpc
 from google.protobuf import timestamp_pb2
 
 from ditcore import GenerationRequest, RequestError
-from ditruntime.errors import ServiceError
 from ditruntime.rpc_errors import abort, classify
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 
-from ..errors import HandlersBusyError
-from ..jobs.schema import STATES
-from ..jobs.service import JobService
+from ..errors import HandlersBusyError, UnauthenticatedError
+from ..jobs.schema import STATES, Job
+from ..jobs.service import JobService, new_job_id
 from ..jobs.types import JobView, NewJob
-from .convert import request_from_proto, resolve_uploads
+from .auth import JobsAuth
+from .convert import join_parts, request_from_proto, request_meaning, resolve_uploads, split_parts
 from .streams import HandlerSlots, SendWatchdog
 from .uploads import UploadStore
 
@@ -42,9 +43,9 @@ _KEY = re.compile(r"[\x20-\x7e]{1,256}")
 DEFAULT_PAGE, MAX_PAGE = 50, 1000
 
 
-def decode_request(data: bytes) -> tuple[GenerationRequest, int | None]:
-    """A stored GenerateRequest's bytes, parsed as Generate parses it (the jobs core's Decoder)."""
-    return request_from_proto(pb.GenerateRequest.FromString(data))
+def decode_request(data: bytes, parts: Mapping[str, bytes]) -> tuple[GenerationRequest, int | None]:
+    """A stored GenerateRequest's bytes and parts, parsed as Generate parses it (the jobs core's Decoder)."""
+    return request_from_proto(join_parts(data, parts))
 
 
 def classify_error(error: BaseException) -> tuple[str, str, str]:
@@ -89,9 +90,11 @@ def job_to_proto(view: JobView) -> pb.Job:
         progress=pb.JobProgress(stage=_STAGES.get(view.stage, pb.JOB_STAGE_UNSPECIFIED), steps_done=view.steps_done,
                                 steps_total=view.steps_total),
         attempts=r.attempts, cancel_requested=r.cancel_requested and not view.terminal, replica=r.replica or "",
+        owner=r.owner,
     )  # fmt: skip
-    for name in ("created_at", "started_at", "finished_at"):
-        ts = _ts(getattr(r, name))
+    for name, when in (("created_at", r.created_at), ("started_at", r.started_at), ("finished_at", r.finished_at),
+                       ("expires_at", view.expires_at)):  # fmt: skip
+        ts = _ts(when)
         if ts is not None:
             getattr(job, name).CopyFrom(ts)
     if view.queue_position is not None:
@@ -150,7 +153,9 @@ class JobsServicer(pb_grpc.JobsServicer):
         watchdog: SendWatchdog,
         chunk_bytes: int,
         uploads: UploadStore | None = None,
+        auth: JobsAuth | None = None,
     ) -> None:
+        self.auth = auth or JobsAuth({})
         self.uploads = uploads
         """UploadReference's store: a job's references named by upload_id are resolved into the stored request."""
         self.jobs = jobs
@@ -160,31 +165,57 @@ class JobsServicer(pb_grpc.JobsServicer):
 
     def CreateJob(self, request: pb.CreateJobRequest, context: grpc.ServicerContext) -> pb.CreateJobResponse:
         try:
+            caller = self.auth.caller(context)
             key = request.idempotency_key
             if key and not _KEY.fullmatch(key):
                 raise RequestError("idempotency_key", "must be 1 to 256 printable ASCII characters")
             if not request.HasField("request"):
                 raise RequestError("request", "is required: the Generate request the job runs")
-            client_sha = hashlib.sha256(request.request.SerializeToString(deterministic=True)).hexdigest()
-            resolved = resolve_uploads(request.request, self.uploads)  # the job keeps the bytes, not the upload
-            parsed, expected = request_from_proto(resolved)
+            msg = request.request
+            if key:  # a retry gets its job back before any admission step (its upload may have expired since)
+                found = self.jobs.find_retry(caller.name, key, lambda job: self._meaning(msg, job)[0])
+                if found is not None:
+                    return pb.CreateJobResponse(job=job_to_proto(found), created=False)
+            meaning, uploads = self._meaning(msg, None)
+            resolved = resolve_uploads(msg, self.uploads)  # the job keeps the bytes, not the upload
+            job_id = new_job_id()
             stored = pb.GenerateRequest()
             stored.CopyFrom(resolved)
-            stored.request_id = parsed.request_id  # a restart runs it under the same id
-            new = NewJob(parsed, expected, stored.SerializeToString(deterministic=True), client_sha)
-            view, created = self.jobs.create(new, key or None)
-        except (RequestError, ServiceError) as e:
+            stored.request_id = msg.request_id or job_id  # the proto's promise; a restart runs it under the same id
+            parsed, expected = request_from_proto(stored)
+            slim, parts = split_parts(stored)
+            del stored, resolved
+            new = NewJob(job_id, parsed, expected, slim, parts, meaning, uploads)
+            view, created = self.jobs.create(new, key or None, caller.name)
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
             abort(context, e)
         return pb.CreateJobResponse(job=job_to_proto(view), created=created)
 
+    def _meaning(self, msg: pb.GenerateRequest, job: Job | None) -> tuple[str, dict[str, tuple[str, int]]]:
+        """The request's meaning, its uploads read from the upload store, else from what `job` recorded of them."""
+        known = {uid: (str(d[0]), int(d[1])) for uid, d in (job.spec.get("upload_ids") or {}).items()} if job else {}
+
+        def digest(upload_id: str) -> tuple[str, int] | None:
+            if self.uploads is not None:
+                try:
+                    up = self.uploads.get(upload_id, "references")
+                    return up.sha256, len(up.reference.data)
+                except RequestError:
+                    pass
+            return known.get(upload_id)
+
+        return request_meaning(msg, digest)
+
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.GetJobResponse:
         try:
-            return pb.GetJobResponse(job=job_to_proto(self.jobs.get(_check_id(request.job_id))))
-        except (RequestError, ServiceError) as e:
+            sees = self.auth.caller(context).sees
+            return pb.GetJobResponse(job=job_to_proto(self.jobs.get(_check_id(request.job_id), sees)))
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
             abort(context, e)
 
     def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
         try:
+            sees = self.auth.caller(context).sees
             if request.page_size > MAX_PAGE:
                 raise RequestError(
                     "page_size", f"must be in [1, {MAX_PAGE}] (0: {DEFAULT_PAGE}), got {request.page_size}"
@@ -197,43 +228,58 @@ class JobsServicer(pb_grpc.JobsServicer):
                 states.append(_STATE_NAMES[s])
             after = _after(request.page_token, states, request.oldest_first)
             limit = request.page_size or DEFAULT_PAGE
-            views, last = self.jobs.list(states, limit, after, request.oldest_first)
-        except (RequestError, ServiceError) as e:
+            views, last = self.jobs.list(states, limit, after, request.oldest_first, sees)
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
             abort(context, e)
         token = _page_token(last, states, request.oldest_first) if last is not None else ""
         return pb.ListJobsResponse(jobs=[job_to_proto(v) for v in views], next_page_token=token)
 
     def WatchJob(self, request: pb.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchJobResponse]:
+        pool = self.slots.upload_watch  # its own slots: idle watches never take Generate's threads
         try:
-            with self.slots.take():
-                for view in self.jobs.watch(_check_id(request.job_id), context.is_active):
-                    yield pb.WatchJobResponse(job=job_to_proto(view))
-        except (RequestError, ServiceError) as e:  # HandlersBusyError included
+            sees = self.auth.caller(context).sees
+            pool.acquire()
+        except (HandlersBusyError, UnauthenticatedError) as e:
             abort(context, e)
+        sends = self.watchdog.watch(request.job_id[:64] or "(no job_id)", context.cancel)  # a reader that stalls
+        try:
+            alive = pool.watch_alive(context.is_active)  # False after --watch-max-s: the watch ends OK
+            for view in self.jobs.watch(_check_id(request.job_id), alive, sees):
+                sends.sending()
+                yield pb.WatchJobResponse(job=job_to_proto(view))
+                sends.sent()
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
+            abort(context, e)
+        finally:
+            sends.close()
+            pool.release()
 
     def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.CancelJobResponse:
         try:
-            return pb.CancelJobResponse(job=job_to_proto(self.jobs.cancel(_check_id(request.job_id))))
-        except (RequestError, ServiceError) as e:
+            sees = self.auth.caller(context).sees
+            return pb.CancelJobResponse(job=job_to_proto(self.jobs.cancel(_check_id(request.job_id), sees)))
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
             abort(context, e)
 
     def DeleteJob(self, request: pb.DeleteJobRequest, context: grpc.ServicerContext) -> pb.DeleteJobResponse:
         try:
+            sees = self.auth.caller(context).sees
             job_id = _check_id(request.job_id)
-            return pb.DeleteJobResponse(job_id=job_id, deleted=self.jobs.delete(job_id))
-        except (RequestError, ServiceError) as e:
+            return pb.DeleteJobResponse(job_id=job_id, deleted=self.jobs.delete(job_id, sees))
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
             abort(context, e)
 
     def GetJobContent(
         self, request: pb.GetJobContentRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GetJobContentResponse]:
         try:
+            sees = self.auth.caller(context).sees
             self.slots.acquire()
-        except HandlersBusyError as e:
+        except (HandlersBusyError, UnauthenticatedError) as e:
             abort(context, e)
         watch = self.watchdog.watch(request.job_id[:64] or "(no job_id)", context.cancel)
         try:
-            with self.jobs.content(_check_id(request.job_id), request.offset) as (ref, chunks):
+            with self.jobs.content(_check_id(request.job_id), request.offset, sees) as (ref, chunks):
                 header = pb.ContentHeader(content=pb.JobContent(
                     content_type=ref.content_type, total_bytes=ref.size, sha256=ref.sha256, filename=ref.filename,
                     available=True,
@@ -243,7 +289,7 @@ class JobsServicer(pb_grpc.JobsServicer):
                     watch.sending()
                     yield message
                     watch.sent()
-        except (RequestError, ServiceError) as e:
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
             abort(context, e)
         finally:
             watch.close()

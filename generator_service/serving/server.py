@@ -24,10 +24,11 @@ from ..health import ServingState
 from ..jobs.service import JobService
 from ..metrics import GeneratorMetrics
 from ..updates import UpdateCoordinator
+from .auth import JobsAuth
 from .jobs_servicer import SERVICE_NAME as JOBS_SERVICE
 from .jobs_servicer import JobsServicer
 from .servicer import SERVICE_NAME, GeneratorServicer
-from .streams import HandlerSlots, SendWatchdog
+from .streams import HandlerSlots, SendWatchdog, UploadWatchSlots
 from .uploads import UploadStore
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class GeneratorServer:
         self._release_jobs_dir = release_jobs_dir  # its lock, or the temporary dir itself: at stop
         self.metrics_server: MetricsServer | None = None
         self.server = _grpc_server(cfg, metrics)
-        self.slots = HandlerSlots(cfg.request_handlers, cfg.workers)
+        upload_watch = UploadWatchSlots(cfg.upload_watch_workers, cfg.upload_stall_s, cfg.upload_max_s, cfg.watch_max_s)
+        self.slots = HandlerSlots(cfg.workers, cfg.control_workers, upload_watch)  # budgets within the pool's threads
         self.watchdog = SendWatchdog(
             cfg.stream_stall_s, cfg.stream_transfer_s, lambda why: metrics.streams_cancelled.labels(why).inc()
         )
@@ -109,7 +111,8 @@ class GeneratorServer:
             cfg, backend, executor, updates, metrics, self.slots, self.watchdog, registry, self.uploads
         )
         pb_grpc.add_GeneratorServicer_to_server(servicer, self.server)
-        jobs_servicer = JobsServicer(jobs, self.slots, self.watchdog, cfg.chunk_bytes, self.uploads)
+        auth = JobsAuth(cfg.client_keys, cfg.admin_secret, client_certs=cfg.tls_client_ca is not None)
+        jobs_servicer = JobsServicer(jobs, self.slots, self.watchdog, cfg.chunk_bytes, self.uploads, auth)
         pb_grpc.add_JobsServicer_to_server(jobs_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(publisher.servicer, self.server)
         if cfg.reflection:

@@ -230,9 +230,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def UploadReference(
         self, request_iterator: Iterator[pb.UploadReferenceRequest], context: grpc.ServicerContext
     ) -> pb.UploadReferenceResponse:
+        pool = self.slots.upload_watch  # its own slots: idle uploads never take Generate's threads
         try:
-            with self.slots.take():
-                chunks = ((m.chunk, reference_kind(m.kind, "kind")) for m in request_iterator)
+            with pool.take(), pool.receive(request_iterator) as messages:  # --upload-stall-s, --upload-max-s
+                chunks = ((m.chunk, reference_kind(m.kind, "kind")) for m in messages)
                 upload = self.uploads.put(chunks, self.executor.limits.reference_limits())
         except (RequestError, ServiceError) as e:
             abort(context, e)

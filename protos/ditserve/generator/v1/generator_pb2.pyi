@@ -550,7 +550,7 @@ class JobResult(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., content: _Optional[_Union[JobContent, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "spec", "idempotency_key", "created_at", "started_at", "finished_at", "queue_position", "progress", "error", "result", "attempts", "cancel_requested", "replica")
+    __slots__ = ("job_id", "state", "spec", "idempotency_key", "created_at", "started_at", "finished_at", "queue_position", "progress", "error", "result", "attempts", "cancel_requested", "replica", "expires_at", "owner")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -565,6 +565,8 @@ class Job(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     spec: JobSpec
@@ -579,7 +581,9 @@ class Job(_message.Message):
     attempts: int
     cancel_requested: bool
     replica: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., attempts: _Optional[int] = ..., cancel_requested: _Optional[bool] = ..., replica: _Optional[str] = ...) -> None: ...
+    expires_at: _timestamp_pb2.Timestamp
+    owner: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., queue_position: _Optional[int] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., attempts: _Optional[int] = ..., cancel_requested: _Optional[bool] = ..., replica: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
     __slots__ = ("request", "idempotency_key")

@@ -283,8 +283,13 @@ class JobsStub:
     """---- Jobs: requests with an identity that outlives their connection. A job is created, runs on the
     generator's one executor (beside synchronous Generate calls), and its record and result stay in the
     job store (SQLite in --state-dir, or a shared PostgreSQL) until it is deleted or retention removes
-    it: a client may disconnect, a proxy time out, the generator restart (queued jobs are queued again in
-    order, a running one is run again: the output is deterministic by seed).
+    it: a client may disconnect, a proxy time out, the generator or its sidecar restart (queued jobs are
+    queued again in order, a running one is run again: the output is deterministic by seed; a job whose runs
+    ended with the generator --job-max-attempts times fails with reason ATTEMPTS_EXHAUSTED).
+    Authentication: when the server has any credential configured (--client-keys-file, --admin-token,
+    --tls-client-ca) every Jobs call needs `authorization: Bearer <key>` metadata or a client certificate
+    (else UNAUTHENTICATED). A job belongs to the client that created it: other clients' jobs are NOT_FOUND
+    to it; the admin token sees every job.
     The asynchronous jobs API, on the generator's public port.
     """
 
@@ -335,16 +340,25 @@ class JobsServicer:
     """---- Jobs: requests with an identity that outlives their connection. A job is created, runs on the
     generator's one executor (beside synchronous Generate calls), and its record and result stay in the
     job store (SQLite in --state-dir, or a shared PostgreSQL) until it is deleted or retention removes
-    it: a client may disconnect, a proxy time out, the generator restart (queued jobs are queued again in
-    order, a running one is run again: the output is deterministic by seed).
+    it: a client may disconnect, a proxy time out, the generator or its sidecar restart (queued jobs are
+    queued again in order, a running one is run again: the output is deterministic by seed; a job whose runs
+    ended with the generator --job-max-attempts times fails with reason ATTEMPTS_EXHAUSTED).
+    Authentication: when the server has any credential configured (--client-keys-file, --admin-token,
+    --tls-client-ca) every Jobs call needs `authorization: Bearer <key>` metadata or a client certificate
+    (else UNAUTHENTICATED). A job belongs to the client that created it: other clients' jobs are NOT_FOUND
+    to it; the admin token sees every job.
     The asynchronous jobs API, on the generator's public port.
     """
 
     def CreateJob(self, request, context):
         """Create a job from a Generate request. The request is checked as Generate checks it (INVALID_ARGUMENT
-        naming the field) before anything is stored. With an idempotency_key, a retry with the same key and the
-        same request returns the job the first call created (created = false); a different request under a used
-        key is ALREADY_EXISTS. A full job queue is RESOURCE_EXHAUSTED with RetryInfo and QuotaFailure.
+        naming the field) before anything is stored. With an idempotency_key (per client), a retry with the same
+        key and the same request returns the job the first call created (created = false), found before any
+        check (so a retry whose upload expired still gets its job); "the same request" is the same meaning:
+        fields left unset equal their defaults, a file sent inline equals the same file uploaded, request_id is
+        not compared. A different request under a used key is ALREADY_EXISTS. A full job queue is
+        RESOURCE_EXHAUSTED with RetryInfo and QuotaFailure; a job store that does not answer is UNAVAILABLE with
+        RetryInfo.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -373,9 +387,9 @@ class JobsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
-        """Cancel a job: a queued one leaves the queue at once; a running one stops at its next denoise step
-        boundary and ends CANCELLED. Cancelling a cancelled job is a no-op; a succeeded or failed one is
-        FAILED_PRECONDITION.
+        """Cancel a job: a queued one is CANCELLED at once (unless another replica has claimed it: then
+        cancel_requested until that replica stops it); a running one stops at its next denoise step boundary and
+        ends CANCELLED. Cancelling a cancelled job is a no-op; a succeeded or failed one is FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -447,8 +461,13 @@ class Jobs:
     """---- Jobs: requests with an identity that outlives their connection. A job is created, runs on the
     generator's one executor (beside synchronous Generate calls), and its record and result stay in the
     job store (SQLite in --state-dir, or a shared PostgreSQL) until it is deleted or retention removes
-    it: a client may disconnect, a proxy time out, the generator restart (queued jobs are queued again in
-    order, a running one is run again: the output is deterministic by seed).
+    it: a client may disconnect, a proxy time out, the generator or its sidecar restart (queued jobs are
+    queued again in order, a running one is run again: the output is deterministic by seed; a job whose runs
+    ended with the generator --job-max-attempts times fails with reason ATTEMPTS_EXHAUSTED).
+    Authentication: when the server has any credential configured (--client-keys-file, --admin-token,
+    --tls-client-ca) every Jobs call needs `authorization: Bearer <key>` metadata or a client certificate
+    (else UNAUTHENTICATED). A job belongs to the client that created it: other clients' jobs are NOT_FOUND
+    to it; the admin token sees every job.
     The asynchronous jobs API, on the generator's public port.
     """
 
