@@ -45,11 +45,12 @@ OPTIONAL = {
     "grpc_tools": "protos.generate, which regenerates the code (a dev tool)",
     "fastapi": "ditserve.openai.app, the /v1/videos facade (the check does not serve it)",
     "uvicorn": "ditserve.openai.app's HTTP server",
-    "starlette": "FastAPI's own toolkit, which ditserve.openai.app imports for its exception and threadpool",
+    "starlette": "FastAPI's own toolkit, which ditserve.openai.app and .guards import (Host, key and body guards)",
+    "anyio": "ditserve.openai.app's task group (carried anyway, for huggingface-hub's HTTP client)",
     "psycopg": "a PostgreSQL job store (--job-store postgresql://...; the check's is SQLite)",
 }
 """Modules the code imports that the check never reaches, and why."""
-SKIP_MODULES = ("protos.generate", "ditserve.openai.app")
+SKIP_MODULES = ("protos.generate", "ditserve.openai.app", "ditserve.openai.guards")
 """Project modules not imported (their imports are OPTIONAL); `__main__` modules are never imported either."""
 
 

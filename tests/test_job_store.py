@@ -651,3 +651,28 @@ def test_a_schema_1_store_is_migrated_keeping_its_jobs(url: str) -> None:
         store.close()
     reopened = JobStore.open(url)  # idempotent: schema 2 opens as it is
     reopened.close()
+
+
+def test_the_sqlite_file_shrinks_once_its_jobs_are_removed(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    store = JobStore.open(f"sqlite:///{path}", clock=lambda: T0)
+    try:
+        empty = _db_bytes(path)
+        store.create(job_id=jid(1), request=b"slim", request_sha256=SHA_A, idempotency_key=None, spec={},
+                     steps_total=3, now=T0, max_queued=10, parts={"references[0]": b"\x07" * 8 * 2**20})  # fmt: skip
+        grown = _db_bytes(path)
+        assert grown > empty + 8 * 2**20
+        store.request_cancel(jid(1), T0)
+        assert store.remove(jid(1)) is not None
+        store.reclaim()
+        assert _db_bytes(path) < empty + 2**20  # the blob's pages went back to the file system
+    finally:
+        store.close()
+
+
+def _db_bytes(path: Path) -> int:
+    """The database's bytes: the file and its write-ahead log (checkpointed into the file by then, or not)."""
+    wal = path.with_name(path.name + "-wal")
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)

@@ -24,6 +24,7 @@ import builtins
 import hashlib
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -135,11 +136,14 @@ class JobStore:
     def reclaim(self) -> None:
         """Give the space of removed rows and blobs back (SQLite: incremental vacuum; PostgreSQL's autovacuum makes
         it reusable by itself)."""
-        if self.dialect == "sqlite":
-            try:
-                self._pragma("PRAGMA incremental_vacuum")
-            except sa.exc.DBAPIError as e:  # busy: the next pass frees the pages
-                log.info("job store: incremental vacuum deferred: %s", _kind(e))
+        if self.dialect != "sqlite":
+            return
+        try:
+            with self._engine.connect() as conn:
+                # executescript steps the pragma to its end (execute would free one page per call)
+                conn.connection.dbapi_connection.executescript("PRAGMA incremental_vacuum;")  # type: ignore[union-attr]
+        except (sa.exc.DBAPIError, sqlite3.OperationalError) as e:  # busy: the next pass frees the pages
+            log.info("job store: incremental vacuum deferred: %s", e)
 
     def _pragma(self, statement: str) -> Any:
         """SQLite: `statement` (PRAGMA ... / VACUUM) outside any transaction; its first value."""
@@ -147,10 +151,10 @@ class JobStore:
             cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
                 cur.execute(statement if statement.startswith(("PRAGMA", "VACUUM")) else f"PRAGMA {statement}")
-                row = cur.fetchone()
+                rows = cur.fetchall()
             finally:
                 cur.close()
-            return row[0] if row else None
+            return rows[0][0] if rows else None
 
     # ---------------------------------------------------------------- creating and reading
     def create(
