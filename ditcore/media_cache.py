@@ -7,7 +7,8 @@ import functools
 from typing import Any
 
 from .keyframes import ImageLimits, decode_image
-from .references import Reference, ReferenceLimits, ReferenceProbe, decode_reference, probe_references
+from .reference_decode import decode_reference
+from .references import Reference, ReferenceLimits, ReferenceProbe, probe_references
 
 
 @functools.lru_cache(maxsize=2)

@@ -11,15 +11,7 @@ frame size, the channel count (mono or stereo, what diffusers accepts) and sampl
 would weigh; then the first frame of each stream is decoded, so a stream whose codec cannot open, or whose first
 frame is not the size its header gives, is refused here.
 
-`decode_reference` turns one probed reference into diffusers' dataclass the way diffusers' own `from_file` does
-(frames as uint8 RGB at the rate the container reports, its soundtrack through diffusers' own reader at that
-soundtrack's rate), but under its probe, since a container's header and packets can lie about what the bitstream
-decodes to: every frame is checked as it leaves the decoder, before it is converted or kept. A video frame must be
-the probed size and the frames' running bytes stay within the probed count's (the `max_decoded_bytes` it passed);
-an audio frame must be at the probed rate and channel count and the samples' running float32 bytes stay within the
-probed duration's plus AUDIO_SLACK_S. The decoders themselves (FFmpeg's `max_pixels`, here and in the probe) refuse a
-picture far over the probed size or the pixel limit before allocating it. Resampling onto 24 fps and the audio VAE's
-rate, resizing and encoding are diffusers' setup and reference-encoder blocks' work, run unchanged by ditcore.pipeline.
+Decoding a probed reference, held to its probe frame by frame: ditcore.reference_decode.
 
 Every error is a `MediaError` (ditcore.keyframes) whose message names the rule and the numbers; ditcore.request
 prefixes the field and index (`references[3]: ...`).
@@ -28,15 +20,13 @@ prefixes the field and index (`references[3]: ...`).
 from __future__ import annotations
 
 import io
-import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from types import SimpleNamespace
 from typing import Any
 
-from .keyframes import DEFAULT_IMAGE_LIMITS, ImageLimits, MediaError, decode_image, probe_image
+from .keyframes import DEFAULT_IMAGE_LIMITS, ImageLimits, MediaError, probe_image
 
 KINDS = ("image", "video", "audio")
 """The reference kinds, in diffusers' terms (`MiniMaxH3Reference.kind`)."""
@@ -190,18 +180,18 @@ def _is_image(data: bytes) -> bool:
     return data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"))
 
 
-def _decoder_options(pixels: int) -> dict[str, str]:
+def decoder_options(pixels: int) -> dict[str, str]:
     """FFmpeg's `max_pixels`: a decoder refuses a picture over about twice `pixels` (room for its row alignment)
     before allocating it. The exact size is checked on each decoded frame."""
     return {"max_pixels": str(2 * pixels + 2**16)}
 
 
-def _open(data: bytes, max_pixels: int) -> Any:
+def open_container(data: bytes, max_pixels: int) -> Any:
     """The container, its streams read (FFmpeg's stream-info pass decodes a few frames, within `max_pixels`)."""
     import av
 
     try:
-        return av.open(io.BytesIO(data), mode="r", options=_decoder_options(max_pixels))
+        return av.open(io.BytesIO(data), mode="r", options=decoder_options(max_pixels))
     except (av.error.FFmpegError, ValueError, OSError) as e:
         raise MediaError(
             "is not a readable image (PNG, JPEG), video (MP4, WebM) or audio (WAV, FLAC, MP3, AAC) file "
@@ -212,7 +202,7 @@ def _open(data: bytes, max_pixels: int) -> Any:
 def _probe_container(ref: Reference, limits: ReferenceLimits) -> ReferenceProbe:
     import av
 
-    with _open(ref.data, limits.max_frame_pixels) as container:
+    with open_container(ref.data, limits.max_frame_pixels) as container:
         demuxer = container.format.name
         video = container.streams.video[0] if container.streams.video else None
         audio = container.streams.audio[0] if container.streams.audio else None
@@ -270,9 +260,9 @@ def _demux(container: Any, streams: list[Any]) -> dict[int, tuple[int, float]]:
 
 def _decode_first(data: bytes, index: int, max_pixels: int) -> Any:
     """The first frame of stream `index` (the codec opens and reads it), decoded in a fresh container."""
-    with _open(data, max_pixels) as container:
+    with open_container(data, max_pixels) as container:
         stream = container.streams[index]
-        stream.codec_context.options = _decoder_options(max_pixels)
+        stream.codec_context.options = decoder_options(max_pixels)
         for frame in container.decode(stream):
             return frame
     kind = "video" if stream.type == "video" else "audio"
@@ -360,119 +350,3 @@ def _audio_probe(
     return ReferenceProbe(
         probe.kind, probe.format, probe.width, probe.height, probe.frames, probe.fps, seconds, rate, channels
     )
-
-
-def decode_reference(ref: Reference, probe: ReferenceProbe, limits: ReferenceLimits = DEFAULT_REFERENCE_LIMITS) -> Any:
-    """diffusers' reference dataclass for one probed reference: an image through ditcore.keyframes.decode_image
-    (diffusers' load_image); a video or audio clip decoded the way the dataclass's own `from_file` decodes it, every
-    frame checked against `probe` (the module doc), then handed to the dataclass. A fault of the media data itself,
-    or a frame past what the probe read, raises MediaError."""
-    import av
-    from diffusers.modular_pipelines.minimax_h3 import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-        MiniMaxH3VideoReference,
-    )
-
-    if probe.kind == "image":
-        return MiniMaxH3ImageReference(image=decode_image(ref.data, limits.image))
-    try:
-        with _open(ref.data, probe.width * probe.height) as container:
-            if probe.kind == "video":
-                frames, fps, audio, rate = _decode_video(container, probe, limits)
-                return MiniMaxH3VideoReference(frames=frames, fps=fps, audio=audio, sample_rate=rate)
-            audio, rate = _decode_soundtrack(container, probe, limits)
-            return MiniMaxH3AudioReference(audio=audio, sample_rate=rate)
-    except MediaError:
-        raise
-    except (av.error.FFmpegError, ValueError, RuntimeError) as e:  # PyAV's; torch.cat's on a soundtrack of no frame
-        raise MediaError(f"the {probe.format} file cannot be decoded ({type(e).__name__}: {e})") from e
-
-
-def _decode_video(container: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> tuple[Any, float, Any, Any]:
-    """diffusers' `_decode_video_file` (MiniMaxH3VideoReference.from_file) over checked frames: (frames, fps, audio,
-    sample_rate), the (N, H, W, 3) uint8 frames turned upright by the stream's rotation, its soundtrack or None."""
-    import numpy as np
-
-    stream = container.streams.video[0]
-    frames, rotation = [], 0.0
-    for frame in _video_frames(container, stream, probe, limits):
-        rotation = frame.rotation  # the display matrix's, on every frame of the stream
-        frames.append(frame.to_ndarray(format="rgb24"))
-    fps = float(stream.average_rate or stream.guessed_rate)
-    audio, rate = None, None
-    if container.streams.audio:
-        container.seek(0)  # the frames drained the container: the soundtrack is a second pass
-        audio, rate = _decode_soundtrack(container, probe, limits)
-    if not frames:
-        raise MediaError("its video stream decodes to no frame")
-    video = np.stack(frames)
-    turns = round(rotation / 90.0) % 4  # ffmpeg's upright display, snapped to a quarter turn (as diffusers does)
-    if turns:
-        video = np.ascontiguousarray(np.rot90(video, k=-turns, axes=(1, 2)))
-    return video, fps, audio, rate
-
-
-def _decode_soundtrack(container: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> tuple[Any, int]:
-    """(waveform, sample_rate) of the first audio stream by diffusers' own reader (float32, its rate and layout),
-    given a container whose `decode(stream)`, all that reader calls, yields checked frames."""
-    import av
-    from diffusers.modular_pipelines.minimax_h3.references import _decode_reference_soundtrack
-
-    stream = container.streams.audio[0]
-    frames = _audio_frames(container, stream, probe, limits)
-    return _decode_reference_soundtrack(av, SimpleNamespace(decode=lambda _: frames), stream)
-
-
-def _video_frames(container: Any, stream: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> Iterator[Any]:
-    """The stream's decoded frames, each refused before it is converted unless it is the probed size and the frames'
-    uint8 RGB bytes so far stay within the probed count's. The decoder refuses a picture far over the probed size
-    before allocating it."""
-    import av
-
-    width, height = probe.width, probe.height
-    allowed = min(probe.frames * width * height * 3, limits.max_decoded_bytes)
-    stream.codec_context.options = _decoder_options(width * height)
-    decoded = container.decode(stream)
-    for n in itertools.count(1):
-        try:
-            frame = next(decoded, None)
-        except av.error.FFmpegError as e:
-            raise MediaError(
-                f"its video frame {n} cannot be decoded ({type(e).__name__}: {e}): it is damaged, or larger than "
-                f"the {width} x {height} its header and first frame give, which every frame must keep"
-            ) from e
-        if frame is None:
-            return
-        if (frame.width, frame.height) != (width, height):
-            raise MediaError(
-                f"its video frame {n} is {frame.width} x {frame.height}; its header and first frame give {width} x "
-                f"{height}, and every frame of a video reference must be that size"
-            )
-        if n * width * height * 3 > allowed:
-            raise MediaError(
-                f"its video frame {n} decodes past {allowed:,} bytes: the {probe.frames} frames of {width} x {height} "
-                "x 3 its packets hold", "max_decoded_bytes"
-            )  # fmt: skip
-        yield frame
-
-
-def _audio_frames(container: Any, stream: Any, probe: ReferenceProbe, limits: ReferenceLimits) -> Iterator[Any]:
-    """The stream's decoded frames, each refused before it is resampled unless it is at the probed rate and channel
-    count and the float32 bytes of the samples so far stay within the probed duration's (plus AUDIO_SLACK_S)."""
-    rate, channels = probe.sample_rate, probe.channels
-    allowed = min(math.ceil((probe.seconds + AUDIO_SLACK_S) * rate) * channels * 4, limits.max_decoded_bytes)
-    total = 0
-    for n, frame in enumerate(container.decode(stream), 1):
-        if (frame.sample_rate, frame.layout.nb_channels) != (rate, channels):
-            raise MediaError(
-                f"its audio frame {n} is {frame.sample_rate} Hz with {frame.layout.nb_channels} channels; the stream "
-                f"was probed at {rate} Hz with {channels}, and every frame must keep them"
-            )
-        total += frame.samples * channels * 4
-        if total > allowed:
-            raise MediaError(
-                f"its audio decodes past {allowed:,} bytes of float32 samples at frame {n}: {probe.seconds:.2f} s at "
-                f"{rate} Hz x {channels} its packets span, plus {AUDIO_SLACK_S:g} s", "max_decoded_bytes"
-            )  # fmt: skip
-        yield frame

@@ -21,7 +21,8 @@ import torch
 from refmedia import audio_bytes, spliced_video, squeezed_audio, video_bytes, wav_bytes
 
 from ditcore.keyframes import MediaError
-from ditcore.references import AUDIO_SLACK_S, Reference, ReferenceLimits, decode_reference, probe_reference
+from ditcore.reference_decode import decode_reference
+from ditcore.references import AUDIO_SLACK_S, Reference, ReferenceLimits, probe_reference
 from ditcore.request import GenerationRequest, RequestError
 
 SMALL = (64, 64)
