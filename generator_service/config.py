@@ -338,7 +338,7 @@ class GeneratorConfig:
         low=CANVAS_MULTIPLE * CANVAS_MULTIPLE, high=MAX_REFERENCE_FRAME_PIXELS,
     )  # fmt: skip
     """Largest video-reference frame served, in pixels: checked from the stream header and the first frame at
-    admission, and every decoded frame is then held to the probed size (ditcore.references)."""
+    admission, and every decoded frame is then held to the probed size (ditcore.reference_decode)."""
     max_reference_decoded_bytes: int = flag(
         DEFAULT_REFERENCE_LIMITS.max_decoded_bytes,
         "operator limit on one video or audio reference decoded into host memory, in MiB (default %(default)s)",
