@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from clikit import CliRunner
 from jobskit import QUICK, jobs_server, jobs_stub
 from refmedia import image_bytes
 from servicekit import wait_for
@@ -164,3 +165,29 @@ def test_cancel_and_delete_of_a_queued_job_end_it_at_once(stub: pb_grpc.JobsStub
     err = code_of(lambda: stub.GetJob(pb.GetJobRequest(job_id=queued[1].job_id), **as_(BOB)))
     assert err.code() == grpc.StatusCode.NOT_FOUND
     stub.CancelJob(pb.CancelJobRequest(job_id=long.job_id), **as_(BOB))
+
+
+def test_the_jobs_cli_sends_its_key(
+    server: GeneratorServer, run_cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("DITSERVE_API_KEY", "DITSERVE_ADMIN_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    t = f"--target=127.0.0.1:{server.port}"
+    refused = run_cli(["jobs", "list", t])
+    assert refused.code == 1 and "UNAUTHENTICATED" in refused.err
+    key_file = tmp_path / "bob.key"
+    key_file.write_text(BOB + "\n")
+    os.chmod(key_file, 0o600)
+    made = run_cli(["jobs", "create", t, "--prompt", "a red fox", "--num-inference-steps", "3", "--api-key-file",
+                    key_file])  # fmt: skip
+    assert made.code == 0, made.err
+    job = made.json_lines()[0]
+    assert job["owner"] == "bob"
+    monkeypatch.setenv("DITSERVE_API_KEY", ALICE)  # alice does not see it
+    assert job["job_id"] not in [j["job_id"] for j in run_cli(["jobs", "list", t]).json_lines()]
+    monkeypatch.delenv("DITSERVE_API_KEY")
+    monkeypatch.setenv("DITSERVE_ADMIN_TOKEN", ADMIN)  # the admin does
+    assert job["job_id"] in [j["job_id"] for j in run_cli(["jobs", "list", t, "--limit", "100"]).json_lines()]
+    os.chmod(key_file, 0o644)
+    loose = run_cli(["jobs", "list", t, "--api-key-file", key_file])
+    assert loose.code == 2 and "--api-key-file" in loose.err
