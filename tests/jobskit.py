@@ -4,12 +4,14 @@ in a directory the test owns (so a restart on the same directory finds them agai
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
-from servicekit import wait_for
+from servicekit import free_port, wait_for
 
 from generator_service.app import build_server
 from generator_service.config import GeneratorConfig
@@ -40,3 +42,30 @@ def jobs_server(checkpoint: Path, state_dir: Path, *, jobs: dict[str, Any] | Non
 def jobs_stub(target: str) -> tuple[grpc.Channel, pb_grpc.JobsStub]:
     channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
     return channel, pb_grpc.JobsStub(channel)
+
+
+def write_keys(path: Path, keys: Mapping[str, str]) -> Path:
+    """A --client-keys-file (mode 0600): one `NAME KEY` line per client."""
+    path.write_text("# name key\n" + "".join(f"{name} {key}\n" for name, key in keys.items()))
+    os.chmod(path, 0o600)
+    return path
+
+
+@contextlib.contextmanager
+def facade(jobs: Any, config: Any) -> Iterator[str]:
+    """The /v1/videos facade (`ditserve.openai.app.create_app(jobs, config)`) under uvicorn in a thread on a free
+    port: its base URL `http://127.0.0.1:PORT/v1`; stopped on exit."""
+    import uvicorn
+
+    from ditserve.openai.app import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(jobs, config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30, "uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(10)

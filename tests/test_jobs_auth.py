@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from clikit import CliRunner
-from jobskit import QUICK, jobs_server, jobs_stub
+from jobskit import QUICK, jobs_server, jobs_stub, write_keys
 from refmedia import image_bytes
 from servicekit import wait_for
 
@@ -31,9 +31,7 @@ UPLOAD_TTL_S = 3.0
 @pytest.fixture(scope="module")
 def server(svc_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GeneratorServer]:
     root = tmp_path_factory.mktemp("auth")
-    keys = root / "keys"
-    keys.write_text(f"# name key\nalice {ALICE}\nbob {BOB}\n")
-    os.chmod(keys, 0o600)
+    keys = write_keys(root / "keys", {"alice": ALICE, "bob": BOB})
     with jobs_server(
         svc_ckpt, root / "state", client_keys_file=keys, admin_token=ADMIN, upload_ttl_s=UPLOAD_TTL_S
     ) as srv:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +15,11 @@ import av
 import httpx2
 import openai
 import pytest
-import uvicorn
+from jobskit import facade
 from PIL import Image
-from servicekit import free_port, wait_for
+from servicekit import wait_for
 
 from ditserve.jobs_client import JobsClient
-from ditserve.openai.app import create_app
 from ditserve.openai.config import FacadeConfig
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
@@ -33,18 +31,8 @@ QUICK = {"num_inference_steps": 3, "seed": 5}
 
 @pytest.fixture(scope="module")
 def base_url(jobs_target: str) -> Iterator[str]:
-    port = free_port()
-    with JobsClient(jobs_target) as jobs:
-        app = create_app(jobs, FacadeConfig(api_key=KEY))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        wait_for(lambda: server.started, 30, "uvicorn to start")
-        try:
-            yield f"http://127.0.0.1:{port}/v1"
-        finally:
-            server.should_exit = True
-            thread.join(10)
+    with JobsClient(jobs_target) as jobs, facade(jobs, FacadeConfig(api_key=KEY)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

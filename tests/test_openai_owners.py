@@ -5,8 +5,6 @@ and a client without a key is 401."""
 from __future__ import annotations
 
 import json
-import os
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,12 +12,9 @@ from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
-from jobskit import jobs_server
-from servicekit import free_port, wait_for
+from jobskit import facade, jobs_server, write_keys
 
 from ditserve.jobs_client import JobsClient
-from ditserve.openai.app import create_app
 from ditserve.openai.config import FacadeConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
@@ -29,24 +24,13 @@ ALICE, BOB = "alice-facade-key-0123456789", "bob-facade-key-0123456789ab"
 @pytest.fixture(scope="module")
 def base_url(svc_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("owners")
-    keys = root / "keys"
-    keys.write_text(f"alice {ALICE}\nbob {BOB}\n")
-    os.chmod(keys, 0o600)
-    port = free_port()
+    keys = write_keys(root / "keys", {"alice": ALICE, "bob": BOB})
     with (
         jobs_server(svc_ckpt, root / "state", client_keys_file=keys) as srv,
         JobsClient(f"127.0.0.1:{srv.port}") as jobs,
+        facade(jobs, FacadeConfig()) as url,  # no key of its own: each client's is the generator's to check
     ):
-        app = create_app(jobs, FacadeConfig())  # no key of its own: each client's is the generator's to check
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        wait_for(lambda: server.started, 30, "uvicorn to start")
-        try:
-            yield f"http://127.0.0.1:{port}/v1"
-        finally:
-            server.should_exit = True
-            thread.join(10)
+        yield url
 
 
 def client(base_url: str, key: str) -> openai.OpenAI:

@@ -24,7 +24,6 @@ from functools import partial
 from typing import BinaryIO
 
 from ..errors import (
-    IdempotencyConflictError,
     JobNotFoundError,
     JobQueueFullError,
     JobStateError,
@@ -39,7 +38,7 @@ from .live import LiveJobs
 from .results import ContentRef, ResultStore
 from .retention import Retention, RetentionPolicy
 from .schema import TERMINAL, Job
-from .store import JobStore
+from .store import JobStore, idempotent_retry
 from .types import Classifier, Decoder, JobsObserver, JobsPolicy, JobView, NewJob
 
 log = logging.getLogger(__name__)
@@ -111,19 +110,8 @@ class JobService:
         record = self.store.find_key(owner, key)
         if record is None:
             return None
-        meta = {"idempotency_key": key, "job_id": record.job_id}
-        if record.deleted:
-            raise IdempotencyConflictError(
-                f"idempotency_key {key!r} belongs to job {record.job_id}, which is being deleted; retry once it is "
-                "gone (the key is free then)",
-                meta,
-            )
-        if meaning(record) != record.request_sha256:
-            raise IdempotencyConflictError(
-                f"idempotency_key {key!r} was used by job {record.job_id} for a different request; use a new key",
-                meta,
-            )
-        return self._view(record)
+        sha = record.request_sha256 if record.deleted else meaning(record)  # a deleted one: refused as such
+        return self._view(idempotent_retry(record, key, sha))
 
     def create(self, new: NewJob, idempotency_key: str | None, owner: str) -> tuple[JobView, bool]:
         """Check the request as Generate would (but the queue's capacity), store it queued for `owner`; or, for an

@@ -179,7 +179,7 @@ class JobStore:
                 if idempotency_key is not None:
                     existing = _one(conn, _keyed(owner, idempotency_key))
                     if existing is not None:
-                        return _idempotent(existing, idempotency_key, request_sha256), False
+                        return idempotent_retry(existing, idempotency_key, request_sha256), False
                 queued = conn.execute(sa.select(func.count()).where(c.state == "queued", ~c.deleted)).scalar_one()
                 if queued >= max_queued:
                     raise JobQueueFullError(
@@ -198,7 +198,7 @@ class JobStore:
             existing = self.find_key(owner, idempotency_key)  # a concurrent create with the same key won
             if existing is None:
                 raise
-            return _idempotent(existing, idempotency_key, request_sha256), False
+            return idempotent_retry(existing, idempotency_key, request_sha256), False
 
     def _put_blobs(self, conn: Connection, by_sha: Mapping[str, bytes], now: float) -> None:
         """Each blob stored unless it is there already (a concurrent writer of the same bytes is no conflict)."""
@@ -554,8 +554,9 @@ def _must(record: Job | None) -> Job:
     return record
 
 
-def _idempotent(existing: Job, key: str, request_sha256: str) -> Job:
-    """The job a retry under `key` returns, or the conflict."""
+def idempotent_retry(existing: Job, key: str, request_sha256: str) -> Job:
+    """The job a retry under `key` of the request whose meaning is `request_sha256` returns; IdempotencyConflictError
+    when the job is being deleted or was made for another request."""
     meta = {"idempotency_key": key, "job_id": existing.job_id}
     if existing.deleted:
         raise IdempotencyConflictError(
