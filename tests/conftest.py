@@ -17,6 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import processguard
 import pytest
@@ -24,7 +25,7 @@ import torch
 from clikit import CliRunner, run_cli_inprocess, run_cli_subprocess
 from jobskit import jobs_server
 from pgkit import pg_url  # noqa: F401  (the session's PostgreSQL server, for the job store's tests)
-from servicekit import Pair, ProcessGroup, StartPair, Weights, process_group, updatable
+from servicekit import Pair, ProcessGroup, StartPair, Weights, process_group, updatable, wait_for
 from slowfirst import SLOW_FIRST
 
 from ditcore import write_repository
@@ -159,3 +160,15 @@ def jobs_target(svc_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     jobs in a fresh state directory (one per test module)."""
     with jobs_server(svc_ckpt, tmp_path_factory.mktemp("jobs-state")) as srv:
         yield f"127.0.0.1:{srv.port}"
+
+
+@pytest.fixture(scope="module")
+def resident_backend(svc_ckpt: Path) -> Iterator[Any]:
+    """A started resident backend on the CPU over `svc_ckpt` (one per test module): for executor-level tests."""
+    from generator_service.backends.resident import ResidentBackend
+
+    b = ResidentBackend(svc_ckpt, torch.device("cpu"))
+    b.start()
+    wait_for(lambda: b.status().serving, 120, "the model to load")
+    yield b
+    b.close()

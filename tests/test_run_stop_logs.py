@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import torch
 from servicekit import REQ_FOX, wait_for
 
 from ditcore import GenerationRequest
@@ -29,12 +27,8 @@ from generator_service.execution.runs import (
 
 
 @pytest.fixture(scope="module")
-def backend(svc_ckpt: Path) -> Iterator[ResidentBackend]:
-    b = ResidentBackend(svc_ckpt, torch.device("cpu"))
-    b.start()
-    wait_for(lambda: b.status().serving, 120, "the model to load")
-    yield b
-    b.close()
+def backend(resident_backend: ResidentBackend) -> ResidentBackend:
+    return resident_backend
 
 
 @pytest.fixture

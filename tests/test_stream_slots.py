@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from servicekit import REQ_FOX, wait_for
 
 from ditcore import GenerationRequest
@@ -31,12 +30,8 @@ from generator_service.serving.streams import (
 
 
 @pytest.fixture(scope="module")
-def backend(svc_ckpt: Path) -> Iterator[ResidentBackend]:
-    b = ResidentBackend(svc_ckpt, torch.device("cpu"))
-    b.start()
-    wait_for(lambda: b.status().serving, 120, "the model to load")
-    yield b
-    b.close()
+def backend(resident_backend: ResidentBackend) -> ResidentBackend:
+    return resident_backend
 
 
 def _run(i: int) -> Run:
