@@ -534,11 +534,11 @@ def test_a_takeover_of_a_dead_replicas_running_job_counts_as_an_interruption(sto
     expect(store, job, state="failed", error_reason="ATTEMPTS_EXHAUSTED", interruptions=1)
 
 
-def test_requeue_after_the_backend_went_away_keeps_the_place_and_counts_nothing(store: JobStore) -> None:
+def test_requeue_after_the_backend_went_away_keeps_the_place_and_counts_an_interruption(store: JobStore) -> None:
     job = run_started(store, 1, "r1")
     add(store, 2)
     assert store.requeue(job, "r1")
-    expect(store, job, state="queued", replica=None, interruptions=0, steps_done=0, started_at=None)
+    expect(store, job, state="queued", replica=None, interruptions=1, steps_done=0, started_at=None)
     assert not store.requeue(job, "r1")  # no longer r1's
     claimed = store.claim_next("r1", LEASE_S, T0 + 5)
     assert claimed is not None and claimed.job_id == job

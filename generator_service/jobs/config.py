@@ -46,12 +46,13 @@ class JobsConfig:
     """How long a job that failed or was cancelled stays, from its end (the shorter of this and `job_ttl_s`): its
     request's blobs go with it."""
     job_max_attempts: int = flag(
-        3, "fail a job after its runs ended this many times with the generator running it (killed, out of memory, "
-        "restarted), so the jobs behind it run (default %(default)s)", low=1, high=1000,
+        3, "fail a job after its runs ended this many times without an outcome (its generator killed, out of memory "
+        "or restarted; its sidecar gone), so the jobs behind it run (default %(default)s)", low=1, high=1000,
     )  # fmt: skip
-    """A job whose run ends because its generator stopped (a crash, a kill -9, an out-of-memory kill, a restart)
-    is queued again where it was; the `job_max_attempts`-th such end fails it (ABORTED, ATTEMPTS_EXHAUSTED). A run
-    that ended because the sidecar or the backend went away does not count: that job waits for them."""
+    """A job whose run ends without an outcome, because its generator stopped (a crash, a kill -9, an out-of-memory
+    kill, a restart) or its sidecar or a rank went away, is queued again where it was; the `job_max_attempts`-th
+    such end fails it (ABORTED, ATTEMPTS_EXHAUSTED), so a job that keeps taking its generator or sidecar down cannot
+    block the queue forever. A job refused before it started (the backend not serving yet) does not count."""
     results_max_bytes: int = flag(
         50 * GB, "results kept at most, in GB: the oldest content goes first, never while it is being read "
         "(default 50)", name="--results-max-gb", scale=GB, flag_type=float, low=0, high=10**6 * GB,

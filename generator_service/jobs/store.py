@@ -372,12 +372,13 @@ class JobStore:
 
     def requeue(self, job_id: str, replica: str) -> bool:
         """A job `replica` holds queued again where it was (its seq), progress reset and released: its run ended
-        because the backend went away (the sidecar restarting, say), not because of the job. False when it is not
-        `replica`'s or already final."""
+        because the backend went away (the sidecar restarting, say). That counts as an interruption (a job that
+        keeps taking its sidecar down fails at `max_attempts` too). False when it is not `replica`'s or already
+        final."""
         held = sa.and_(c.job_id == job_id, c.replica == replica, _LIVE)
         return self._set(
             held, state="queued", stage="queued", steps_done=0, started_at=None, replica=None, claim_expires_at=None,
-            updated_at=self._clock(),
+            updated_at=self._clock(), interruptions=c.interruptions + 1,
         ) == 1  # fmt: skip
 
     def unclaim(self, job_id: str, replica: str) -> None:
