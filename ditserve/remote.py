@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from ditcore import GenerationRequest, GenerationResult
+from ditcore.request import GenerationRequest
 from ditruntime.auth import ADMIN_TOKEN_ENV, bearer_metadata, is_loopback_host, listen_host, read_token_file
 
 from .client import GeneratorClient
@@ -93,14 +93,18 @@ def add_api_key_flag(p: argparse.ArgumentParser) -> None:
 
 def api_key_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """`authorization: Bearer` metadata for the Jobs API: --api-key-file's key, else $DITSERVE_API_KEY, else the
-    admin token ($DITSERVE_ADMIN_TOKEN: sees every job); none when none is set (a server without authentication)."""
+    admin token ($DITSERVE_ADMIN_TOKEN: sees every job; sent only over TLS or to a loopback target, never in
+    cleartext across a network); none when none is set (a server without authentication)."""
     key = ""
     if getattr(args, "api_key_file", None):
         try:
             key = read_token_file(Path(args.api_key_file), "--api-key-file")
         except ValueError as e:
             raise UsageError(str(e)) from e
-    key = key or os.environ.get(API_KEY_ENV, "") or os.environ.get(ADMIN_TOKEN_ENV, "")
+    key = key or os.environ.get(API_KEY_ENV, "")
+    tls = bool(getattr(args, "tls_ca", None) or getattr(args, "tls_cert", None))
+    if not key and (tls or is_loopback_host(listen_host(args.target))):
+        key = os.environ.get(ADMIN_TOKEN_ENV, "")
     return bearer_metadata(key) if key else ()
 
 
@@ -158,12 +162,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             except IntegrityError as e:
                 print(f"ditserve generate: request {req.request_id}: bad result: {e}", file=sys.stderr)
                 return 1
-            shapes, latents = None, None
+            shapes = None
             if res.media is None:
                 assert res.video is not None and res.audio is not None  # checked by the client for latents
                 shapes = (res.video.shape, res.audio.shape)
-                latents = GenerationResult(res.request_id, res.video, res.audio, res.sha256, res.timings_ms)
-            files = write_output(target.path_for(req), req, res.media, latents)
+            files = write_output(target.path_for(req), req, res.media, res)
             extra = {"generation": res.generation, "adaln_mode": res.adaln_mode, **files}
             print(result_line(req, res.sha256, res.timings_ms, res.cache, shapes, **extra), flush=True)
     return 0

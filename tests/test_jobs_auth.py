@@ -5,6 +5,7 @@ client and compared by the request's meaning, and a retry finds its job before a
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,10 @@ from refmedia import image_bytes
 from servicekit import wait_for
 
 from ditcore import GenerationRequest
+from ditruntime.auth import PlaintextAdminError
 from ditserve.client_requests import request_to_proto
+from ditserve.remote import api_key_metadata
+from generator_service.serving.auth import JobsAuth
 from generator_service.serving.server import GeneratorServer
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
@@ -189,3 +193,41 @@ def test_the_jobs_cli_sends_its_key(
     os.chmod(key_file, 0o644)
     loose = run_cli(["jobs", "list", t, "--api-key-file", key_file])
     assert loose.code == 2 and "--api-key-file" in loose.err
+
+
+class _Context:
+    """What JobsAuth reads of a call: its metadata, its peer and its TLS identity."""
+
+    def __init__(self, peer: str, token: str | None) -> None:
+        self._peer, self._token = peer, token
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self._token}"),) if self._token else ()
+
+    def peer(self) -> str:
+        return self._peer
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+
+def test_the_admin_token_never_crosses_a_network_in_cleartext() -> None:
+    plain = JobsAuth({ALICE: "alice"}, ADMIN)
+    assert plain.caller(_Context("ipv4:127.0.0.1:5000", ADMIN)).admin  # type: ignore[arg-type]
+    with pytest.raises(PlaintextAdminError):
+        plain.caller(_Context("ipv4:10.0.0.5:5000", ADMIN))  # type: ignore[arg-type]
+    assert plain.caller(_Context("ipv4:10.0.0.5:5000", ALICE)).name == "alice"  # a client key: its own jobs only
+    tls = JobsAuth({}, ADMIN, tls=True)
+    assert tls.caller(_Context("ipv4:10.0.0.5:5000", ADMIN)).admin  # type: ignore[arg-type]
+
+
+def test_the_cli_sends_the_admin_token_only_over_tls_or_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DITSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("DITSERVE_ADMIN_TOKEN", ADMIN)
+
+    def sent(target: str, tls_ca: str | None = None) -> tuple[tuple[str, str], ...]:
+        return api_key_metadata(argparse.Namespace(target=target, tls_ca=tls_ca, tls_cert=None, api_key_file=None))
+
+    assert sent("127.0.0.1:50051") == (("authorization", f"Bearer {ADMIN}"),)
+    assert sent("gpu-7.example.com:50051") == ()  # the server says UNAUTHENTICATED: nothing crossed in cleartext
+    assert sent("gpu-7.example.com:50051", tls_ca="/ca.pem") == (("authorization", f"Bearer {ADMIN}"),)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ditruntime.auth import bearer_of, match_key
+from ditruntime.auth import bearer_of, check_admin_transport, match_key
 
 from ..errors import UnauthenticatedError
 from ..jobs.schema import ANONYMOUS
@@ -39,8 +39,13 @@ class Caller:
 class JobsAuth:
     """The Jobs API's authentication: client keys (key -> name), the admin token, client certificates."""
 
-    def __init__(self, keys: Mapping[str, str], admin_token: str = "", client_certs: bool = False) -> None:
+    def __init__(
+        self, keys: Mapping[str, str], admin_token: str = "", client_certs: bool = False, tls: bool = False,
+        allow_plaintext_admin: bool = False,
+    ) -> None:  # fmt: skip
         self._keys, self._admin, self._certs = dict(keys), admin_token, client_certs
+        self._tls, self._allow_plaintext_admin = tls, allow_plaintext_admin
+        """The admin token crosses no network in cleartext here either (ditruntime.auth.check_admin_transport)."""
 
     @property
     def enabled(self) -> bool:
@@ -53,6 +58,7 @@ class JobsAuth:
         token = bearer_of(dict(context.invocation_metadata()).get("authorization"))
         if token is not None:
             if self._admin and hmac.compare_digest(token.encode(), self._admin.encode()):
+                check_admin_transport(context.peer(), self._tls, self._allow_plaintext_admin, "the Jobs API as admin")
                 return Caller(ADMIN, admin=True)
             name = match_key(self._keys, token)
             if name is None:

@@ -111,7 +111,10 @@ class GeneratorServer:
             cfg, backend, executor, updates, metrics, self.slots, self.watchdog, registry, self.uploads
         )
         pb_grpc.add_GeneratorServicer_to_server(servicer, self.server)
-        auth = JobsAuth(cfg.client_keys, cfg.admin_secret, client_certs=cfg.tls_client_ca is not None)
+        auth = JobsAuth(
+            cfg.client_keys, cfg.admin_secret, client_certs=cfg.tls_client_ca is not None,
+            tls=cfg.tls_cert is not None, allow_plaintext_admin=cfg.allow_plaintext_admin,
+        )  # fmt: skip
         jobs_servicer = JobsServicer(jobs, self.slots, self.watchdog, cfg.chunk_bytes, self.uploads, auth)
         pb_grpc.add_JobsServicer_to_server(jobs_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(publisher.servicer, self.server)
