@@ -37,15 +37,15 @@ def decode_reference(ref: Reference, probe: ReferenceProbe, limits: ReferenceLim
     (diffusers' load_image); a video or audio clip decoded the way the dataclass's own `from_file` decodes it, every
     frame checked against `probe` (the module doc), then handed to the dataclass. A fault of the media data itself,
     or a frame past what the probe read, raises MediaError."""
-    import av
     from diffusers.modular_pipelines.minimax_h3 import (
         MiniMaxH3AudioReference,
         MiniMaxH3ImageReference,
         MiniMaxH3VideoReference,
     )
 
-    if probe.kind == "image":
+    if probe.kind == "image":  # Pillow's: an image reference needs no PyAV (a GPU image may not carry it)
         return MiniMaxH3ImageReference(image=decode_image(ref.data, limits.image))
+    import av
     try:
         with open_container(ref.data, probe.width * probe.height) as container:
             if probe.kind == "video":

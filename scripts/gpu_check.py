@@ -15,6 +15,11 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
                    sha256; the generator logs that it closed the old slab mapping (its storage freed), and device
                    memory did not grow by half a slab (a leaked slab would add all of it)
   resident-abab    the same requests on `--adaln-mode resident`: sha256 equal to cached
+  fl2va            request A as fl2va from a first (PNG) and last (JPEG) frame made with Pillow, on the cached serve
+                   after A, B, A, B and on the resident one: sha256 equal, and not t2va A's
+  ref2va           request A as ref2va with two image references (a PNG and a JPEG made with Pillow; video and
+                   audio references need PyAV, which the offline device lacks), on the cached serve after A, B, A, B
+                   and on the resident one: sha256 equal, and not t2va A's (transformer_ref/ and the references used)
   multi-device     with 2+ GPUs visible: `ditserve serve --nproc D` (D = 4 with 4+ GPUs, else 2; Ulysses D,
                    --ulysses-anything on NCCL) cached and resident on request A: sha256 equal, and the per-step time
                    against cached-abab's one device; skipped with one line otherwise
@@ -22,9 +27,10 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
 `--out DIR` keeps what the checks measure there: the gpu tests' JUnit XML (gpu-tests.xml) and, when a service check
 failed, the tails of the serve logs (serve-logs.txt). DITSERVE_GPU_CHECK_SERVICES (default
 cached,kill,resident,replica) picks the service checks: cached-abab and swap-in always run (the others compare with
-their sha256); leaving out kill, resident or replica skips sidecar-kill, resident-abab or multi-device. Every service runs as `python -m ditserve` (no console
-scripts), so the offline layout (scripts/gpu_check.sh --offline: the repository root and the carried wheels on
-PYTHONPATH, no venv) runs them as the venv does.
+their sha256); leaving out kill, resident or replica skips sidecar-kill, resident-abab with fl2va and ref2va, or
+multi-device.
+Every service runs as `python -m ditserve` (no console scripts), so the offline layout (scripts/gpu_check.sh --offline:
+the repository root and the carried wheels on PYTHONPATH, no venv) runs them as the venv does.
 
 Without any GPU (`nvidia-smi -L` lists none) every check is skipped (exit 0). A GPU that torch cannot use
 (`nvidia-smi -L` lists one, `torch.cuda.is_available()` is False: a CPU build of torch, a driver too old for its CUDA)
@@ -54,7 +60,8 @@ from gpu_check_serve import keep_serve_logs
 from gpu_check_services import services
 from gpu_check_tests import NAMED_TESTS, gpu_tests
 
-CHECKS = ("gpu-tests", *NAMED_TESTS, "cached-abab", "swap-in", "sidecar-kill", "resident-abab", "multi-device")
+CHECKS = ("gpu-tests", *NAMED_TESTS, "cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va",
+          "multi-device")  # fmt: skip
 
 
 # ------------------------------------------------------------------ is there a GPU?

@@ -1,5 +1,5 @@
 """The service checks of scripts/gpu_check.py on one bench checkpoint: cached-abab and swap-in, sidecar-kill,
-resident-abab and multi-device (see its docstring), each as one summary line."""
+resident-abab, fl2va, ref2va and multi-device (see its docstring), each as one summary line."""
 
 from __future__ import annotations
 
@@ -8,14 +8,42 @@ import os
 import re
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_check_common import DITSERVE, GIB, MIB, PRESET, REQUESTS, ROOT, SELECTED, STEPS, check, left, line
+from gpu_check_common import (
+    DITSERVE,
+    GIB,
+    KEYFRAMES,
+    MIB,
+    PRESET,
+    REF_IMAGES,
+    REQUESTS,
+    ROOT,
+    SELECTED,
+    STEPS,
+    check,
+    fl2va_request,
+    left,
+    line,
+    ref2va_request,
+)
 from gpu_check_serve import Serve, device_memory_mib, generate, shm_slabs, sidecar_host_pinned
 
 CLOSED_LINE = re.compile(r"closed the slab mapping of session (\S+): its storage is freed")
 STILL_REFERENCED = "is still referenced after close"
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    """What the cached serve of cached-abab answered: the A, B, A, B results, the fl2va and ref2va ones (task ->
+    (result, "") or (None, why not)), and its slab's page bytes and width."""
+
+    out: list[Any]
+    tasks: dict[str, tuple[dict[str, Any] | None, str]]
+    page_bytes: int
+    width: int
 
 
 def kill_check_slab_bytes(device: str) -> int:
@@ -30,7 +58,9 @@ def services(work: Path, device: str) -> None:
     subprocess.run([*DITSERVE, "make-checkpoint", "--preset", PRESET, "--dtype", "mixed", "--out", str(ckpt)],
                    cwd=ROOT, check=True, capture_output=True, timeout=left(300))  # fmt: skip
     base_port = 50000 + os.getpid() % 4000
-    out, page_bytes, width = _cached_abab(work, ckpt, device, base_port)
+    tasks = {"fl2va": fl2va_request(work), "ref2va": ref2va_request(work)}
+    run = _cached_abab(work, ckpt, device, base_port, tasks)
+    out, page_bytes, width = run.out, run.page_bytes, run.width
     skipped = f"not selected (DITSERVE_GPU_CHECK_SERVICES={','.join(SELECTED)})"
     if "kill" not in SELECTED:
         line("SKIP", "sidecar-kill", skipped)
@@ -44,6 +74,8 @@ def services(work: Path, device: str) -> None:
             big.stop()
     if "resident" not in SELECTED:
         line("SKIP", "resident-abab", skipped)
+        for task in tasks:
+            line("SKIP", task, skipped)
     else:
         resident = Serve(work, ckpt, "resident", "resident", device, base_port + 2, STEPS)
         try:
@@ -52,6 +84,8 @@ def services(work: Path, device: str) -> None:
             same = rc == 0 and [r["sha256"] for r in res_out] == [r["sha256"] for r in out]
             check("resident-abab", same, f"sha256 {'equal to' if same else 'DIFFERENT from'} cached for A, B, A, B"
                   + ("" if rc == 0 else f"; {err.strip()[-300:]}"))  # fmt: skip
+            for task, request in tasks.items():
+                _task_check(task, run, _generate_one(resident.target, request, work), out[0]["sha256"] if out else "")
         finally:
             resident.stop()
     if "replica" not in SELECTED:
@@ -95,8 +129,37 @@ def multi_device(work: Path, ckpt: Path, device: str, port: int, one: dict[str, 
           f" resident; {timing}")  # fmt: skip
 
 
-def _cached_abab(work: Path, ckpt: Path, device: str, port: int) -> tuple[list[Any], int, int]:
-    """cached-abab and swap-in; returns the four results, the page bytes and the slab width."""
+def _generate_one(target: str, request: dict[str, Any], work: Path) -> tuple[dict[str, Any] | None, str]:
+    """One request's result line, or None and why not (the tail of the client's stderr)."""
+    rc, out, err = generate(target, [request], work)
+    if rc != 0 or len(out) != 1:
+        return None, f"exit {rc}: {err.strip()[-300:]}"
+    return out[0], ""
+
+
+def _task_check(task: str, cached: CachedRun, resident: tuple[dict[str, Any] | None, str], sha_a: str) -> None:
+    """fl2va / ref2va: request A with keyframes / image references gives the same sha256 cached and resident, and
+    another than t2va A's (the keyframes, or the references and transformer_ref/, were used)."""
+    (got, err), (res, res_err) = cached.tasks[task], resident
+    files = KEYFRAMES if task == "fl2va" else REF_IMAGES
+    what = f"{'keyframes' if task == 'fl2va' else 'references'} " + ", ".join(
+        f"{fmt} {w}x{h}" for fmt, w, h in files.values()
+    )
+    if got is None or res is None:
+        line("FAIL", task, f"{what}: cached {err or 'ok'}; resident {res_err or 'ok'}")
+        return
+    sha_c, sha_r = got["sha256"], res["sha256"]
+    tasks = {got.get("task"), res.get("task")}
+    built = got.get("cache", {}).get("built_plans")
+    check(task, sha_c == sha_r and tasks == {task} and sha_c != sha_a,
+          f"{what}: cached sha256 {sha_c}, resident {sha_r} ({'equal' if sha_c == sha_r else 'DIFFERENT'}); "
+          f"task {'/'.join(sorted(map(str, tasks)))}; {'differs from' if sha_c != sha_a else 'SAME as'} t2va A; "
+          f"cached built {built} plans")  # fmt: skip
+
+
+def _cached_abab(work: Path, ckpt: Path, device: str, port: int, tasks: dict[str, dict[str, Any]]) -> CachedRun:
+    """cached-abab and swap-in, then the fl2va and ref2va requests on the same serve (their checks compare them with
+    resident's)."""
     cached = Serve(work, ckpt, "cached", "cached", device, port, STEPS)
     try:
         st = cached.wait_serving()
@@ -119,9 +182,11 @@ def _cached_abab(work: Path, ckpt: Path, device: str, port: int) -> tuple[list[A
             check("swap-in", min(gbps) > 0, f"{', '.join(f'{g:.1f}' for g in gbps)} GB/s ({page_bytes} B pages)")
         else:
             line("FAIL", "swap-in", "no host-tier hit to measure")
+        done = {task: _generate_one(cached.target, request, work) for task, request in tasks.items()
+                if "resident" in SELECTED}  # fmt: skip
     finally:
         cached.stop()
-    return out, page_bytes, width
+    return CachedRun(out, done, page_bytes, width)
 
 
 def _kill_sidecar(serve: Serve, work: Path, sha_a: str, slab_bytes: int) -> None:

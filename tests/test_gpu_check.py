@@ -8,8 +8,9 @@ The offline layout (`gpu_check.sh --offline`, what a lent H200 runs), dry-run he
 fetched by scripts/gpu_wheels.sh (for this Python, from PyPI, sha256-checked against requirements.lock), a copy of the
 tree as the device tool sends it (tracked and unignored files only: no .venv), and an emulated device python
 (scripts/gpu_image.py: a venv that sees only the image's packages, less everything carried, and no console scripts on
-PATH). With the wheels the smoke test passes and the probe and a service check run; without them the smoke test names
-every missing module; a torch outside the supported range is refused before anything is measured.
+PATH). With the wheels the smoke test passes and the probe and the cached and resident service checks run (ref2va's
+sha256 equal on both); without them the smoke test names every missing module; a torch outside the supported range is
+refused before anything is measured.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
 CHECKS = ("gpu-tests", "syncs-per-step", "pinned-bytes", "cached-abab", "swap-in", "sidecar-kill", "resident-abab",
-          "multi-device")  # fmt: skip
+          "fl2va", "ref2va", "multi-device")  # fmt: skip
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the script runs every check (scripts/gpu_check.sh)"
@@ -195,9 +196,10 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     device_tree: Path, device_python: Path, wheels: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    # one service check (the slow test runs them all), and room for a slow CI machine (the device's budget is 480 s)
+    # cached and resident (ref2va compares them; the slow test runs every service check), and room for a slow CI
+    # machine (the device's budget is 480 s)
     res = offline(device_tree, device_python, wheels, out, timeout=900, DITSERVE_GPU_CHECK_PRESET="tiny",
-                  DITSERVE_GPU_CHECK_STEPS="4", DITSERVE_GPU_CHECK_SERVICES="cached",
+                  DITSERVE_GPU_CHECK_STEPS="4", DITSERVE_GPU_CHECK_SERVICES="cached,resident",
                   DITSERVE_GPU_CHECK_TOTAL_S="840")  # fmt: skip
     log = res.stdout + res.stderr
     assert res.returncode == 0, log
@@ -206,8 +208,9 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     assert "smoke: every module imports" in log and "REFUSED" not in log and "MISSING" not in log
     assert re.search(r"protos/ generated code imports: protobuf 7\.\d+\.\d+ .*grpcio 1\.\d+", log), log
     status = {ln.split()[1]: ln.split()[0] for ln in log.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}
-    assert status["cached-abab"] == status["swap-in"] == "PASS", log
-    assert status["sidecar-kill"] == status["resident-abab"] == status["multi-device"] == "SKIP"
+    assert {status[n] for n in ("cached-abab", "swap-in", "resident-abab", "fl2va", "ref2va")} == {"PASS"}, log
+    assert status["sidecar-kill"] == status["multi-device"] == "SKIP"
+    assert_task_lines(log)
     records = [json.loads(ln) for ln in (out / "probe.jsonl").read_text().splitlines()]
     assert [r["part"] for r in records] == ["slab", "swap", "block", "vae", "rebuild"]
     assert all(r["status"] == "ok" and r["device"] == "cpu" and r["scaled"] is True for r in records), records
@@ -218,6 +221,20 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     names = {f.name for f in returned_files(out)}
     assert {"gpu-check.log", "probe.jsonl"} <= names
     assert (out / "gpu-check.log").read_text().splitlines()[-1] == log.splitlines()[-1]
+
+
+def assert_task_lines(log: str) -> None:
+    """The fl2va and ref2va lines: their images (made without PyAV, which the device lacks), one sha256 cached and
+    resident, not t2va A's."""
+    for task, images in (
+        ("fl2va", "keyframes PNG 64x48, JPEG 48x64:"),
+        ("ref2va", "references PNG 80x48, JPEG 48x64:"),
+    ):
+        found = next(ln for ln in log.splitlines() if ln.split()[1:2] == [task])
+        assert images in found, found
+        sha = re.search(r"cached sha256 ([0-9a-f]{64}), resident ([0-9a-f]{64}) \(equal\)", found)
+        assert sha and sha.group(1) == sha.group(2), found
+        assert f"task {task};" in found and "differs from t2va A" in found, found
 
 
 def test_offline_without_the_wheels_the_smoke_test_names_every_missing_module(
@@ -265,7 +282,10 @@ def test_service_checks_pass_on_the_cpu_in_the_offline_layout(
     log = res.stdout + res.stderr
     assert res.returncode == 0, log
     status = {ln.split()[1]: ln.split()[0] for ln in log.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}
-    assert {status[n] for n in ("cached-abab", "swap-in", "sidecar-kill", "resident-abab")} == {"PASS"}, log
+    assert {status[n] for n in ("cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va")} == {
+        "PASS"
+    }, log
+    assert_task_lines(log)
     kill = next(ln for ln in log.splitlines() if ln.split()[1:2] == ["sidecar-kill"])
     assert "closed the old slab mapping (storage freed): True" in kill, kill
     assert "gpu_check: all checks passed" in log
