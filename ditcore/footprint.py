@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .placement import embedding_bytes
 from .plans import PageLayout, is_plan_tensor
 from .presets import get_preset
 from .repo import TEXT_LAYERS
@@ -235,6 +236,8 @@ def memory_report(
     act = shapes.activations(canvas)
     variant = "whole" if placement.text_encoder == "whole" else f"{TEXT_LAYERS} layers, no lm_head"
     text = _weight(weights, "text_encoder", variant) if on_device else 0
+    if placement.text_encoder_device == "offload":  # its token embeddings stay on the device (ditcore.text_encoder)
+        text = embedding_bytes(components, precision)
     rest = text + _weight(weights, "vae", shapes.decode_dtype) + _weight(weights, "audio_vae", "float32")
     sidecar = slab + rebuild
     totals = {}

@@ -314,7 +314,8 @@ def load_model(
     repository has). On a `replica` of
     several ranks (this process one of them, its group joined) the transformer runs context parallel
     (ditcore.parallel: diffusers' enable_parallelism) on an attention backend that supports it, rank 0 encodes the
-    prompts, and a forward whose packed sequence does not split is refused on every rank (SplitError)."""
+    prompts; any packed length splits, except on a unified Ulysses x ring layout, where a forward whose rows do not
+    divide by the degree is refused on every rank (SplitError)."""
     info = (
         checkpoint
         if isinstance(checkpoint, CheckpointInfo)
@@ -335,5 +336,6 @@ def load_model(
         use_backend(transformer, options.attention_backend, context_parallel=parallel is not None)
         if parallel is not None:
             enable_context_parallel(transformer, parallel.spec, parallel.device, parallel.mesh)
-            split_guard(transformer, parallel.spec)
+            if parallel.spec.unified:
+                split_guard(transformer, parallel.spec)
     return model

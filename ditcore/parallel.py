@@ -4,7 +4,7 @@
     spec.check(world_size=2, heads=56, backend="gloo")     # ParallelError naming the flag and the rule
     ranks = init_process_group(torch.device("cpu"))        # torchrun's environment: RANK, WORLD_SIZE, MASTER_*
     enable_context_parallel(pipe.transformer, spec, device)  # diffusers' enable_parallelism + MiniMax-H3's _cp_plan
-    guard = split_guard(pipe.transformer, spec)            # a forward whose packed rows do not split: SplitError
+    guard = split_guard(pipe.transformer, spec)            # Ulysses x ring only: rows that do not split, SplitError
 
 The model side is diffusers' `ModelMixin.enable_parallelism(config=ContextParallelConfig(...))`: its `_cp_plan`
 splits the packed sequence at the first block (with the rope rows, every block's `adaln_indices` and norm_out's
@@ -14,6 +14,16 @@ the ring. The one thing ditserve changes is where diffusers puts the rank: its `
 `--devices cuda:2,cuda:3`); `enable_context_parallel` gives the model instance a resolver that builds the same
 `ParallelConfig` and device mesh on the rank's own device, calls diffusers' `enable_parallelism`, and removes the
 resolver again. Everything else (the hooks, the sharder, the all-to-all) is diffusers' code.
+
+Any packed length runs on Ulysses alone and on the ring alone: the config turns on diffusers' `ulysses_anything` /
+`ring_anything`, whose sharder gives rank r rows `tensor_split(N)[r]` (the first `rows % N` ranks one more), whose
+all-to-all takes per-rank split sizes (gloo's and NCCL's alltoall both do), and whose ring pads its KV all-gather.
+The one collective diffusers runs uneven that gloo refuses is the output gather (`_all_gather_anything`: an
+`all_gather` of unequal tensors); `enable_context_parallel` swaps that one function, for CPU tensors only, for
+`gather_rows`: every rank's rows zero-padded to the longest share inside the all-gather's buffers and stripped after,
+so the result is the bytes diffusers' own gather would return. CUDA tensors keep diffusers' function (NCCL gathers
+unequal sizes). Only the unified layout (Ulysses and ring both > 1), which diffusers splits evenly only, still needs
+rows that divide by the degree (`check_rows`, `split_guard`: SplitError on every rank before any collective).
 
 The process group's backend is "cpu:gloo" on CPU and "cpu:gloo,cuda:nccl" on CUDA: diffusers' Ulysses reads
 `"cpu" in str(dist.get_backend())` to decide where its size exchange runs, and ditserve's own broadcasts of request
@@ -40,20 +50,19 @@ class ParallelError(ValueError):
 
 
 class SplitError(ParallelError):
-    """A request whose packed sequence does not split evenly across the ranks."""
+    """A request whose packed sequence does not split evenly across a unified (Ulysses x ring) layout's ranks."""
 
 
 @dataclass(frozen=True)
 class ParallelSpec:
     """How one replica splits a request's packed sequence across its ranks.
 
-    `ulysses_degree` x `ring_degree` must equal the replica's ranks. `ulysses_anything` is diffusers' Ulysses for
-    any sequence length and head count (uneven all-gathers: NCCL only).
+    `ulysses_degree` x `ring_degree` must equal the replica's ranks. Any packed length splits on Ulysses alone or
+    the ring alone (diffusers' `ulysses_anything` / `ring_anything`, always on); Ulysses x ring needs even splits.
     """
 
     ulysses_degree: int = 1
     ring_degree: int = 1
-    ulysses_anything: bool = False
 
     @property
     def degree(self) -> int:
@@ -68,7 +77,7 @@ class ParallelSpec:
         """ParallelError unless this layout runs on `world_size` ranks of a model with `heads` attention heads over
         the process group `backend` ("gloo" or "nccl")."""
         self.check_layout(world_size, backend)
-        if not self.ulysses_anything and heads % self.ulysses_degree:
+        if heads % self.ulysses_degree:
             raise ParallelError(
                 f"--ulysses-degree must divide the transformer's {heads} attention heads, got {self.ulysses_degree}"
                 f" (allowed: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})"
@@ -84,28 +93,27 @@ class ParallelSpec:
                 f"--ulysses-degree x --ring-degree must equal the replica's ranks: "
                 f"{self.ulysses_degree} x {self.ring_degree} = {self.degree}, ranks = {world_size}"
             )
-        if self.ulysses_anything:
-            if backend != "nccl":
-                raise ParallelError(
-                    "--ulysses-anything needs NCCL (uneven all-gathers); gloo's allgather needs equal sizes, so on "
-                    "CPU the packed sequence must split evenly (leave --ulysses-anything off)"
-                )
-            if self.ring_degree > 1:
-                raise ParallelError("--ulysses-anything cannot be combined with --ring-degree > 1 (diffusers' rule)")
         if self.ring_degree > 1 and backend == "gloo":
             raise ParallelError(
                 f"--ring-degree {self.ring_degree} needs an attention backend that returns its log-sum-exp "
                 "(flash, _native_cudnn, ... on CUDA); the CPU's native backend does not: use --ulysses-degree"
             )
 
+    @property
+    def unified(self) -> bool:
+        """Ulysses and ring both > 1: diffusers' unified attention, which splits the rows evenly only."""
+        return self.ulysses_degree > 1 and self.ring_degree > 1
+
     def check_rows(self, rows: int) -> None:
-        """SplitError unless a packed sequence of `rows` rows splits evenly across the ranks."""
-        if self.enabled and not self.ulysses_anything and rows % self.degree:
+        """SplitError unless a packed sequence of `rows` rows runs on this layout (any length but on Ulysses x ring,
+        which needs a multiple of the degree)."""
+        if self.unified and rows % self.degree:
             raise SplitError(
                 f"the request's packed sequence has {rows} rows (video + text + audio, and "
                 f"ref2va's reference rows), which does not split "
-                f"across --ulysses-degree x --ring-degree = {self.degree} ranks: the rows must be a multiple of "
-                f"{self.degree} (change the prompt, num_frames, height, width or the references by a little)"
+                f"across --ulysses-degree x --ring-degree = {self.degree} ranks: with both degrees above 1 the rows "
+                f"must be a multiple of {self.degree} (change the prompt, num_frames, height, width or the "
+                f"references by a little, or use --ulysses-degree or --ring-degree alone, which take any length)"
             )
 
     def context_parallel_config(self, mesh: Any = None) -> Any:
@@ -115,7 +123,8 @@ class ParallelSpec:
         return ContextParallelConfig(
             ulysses_degree=self.ulysses_degree if self.ulysses_degree > 1 else None,
             ring_degree=self.ring_degree if self.ring_degree > 1 else None,
-            ulysses_anything=self.ulysses_anything,
+            ulysses_anything=self.ulysses_degree > 1 and not self.unified,
+            ring_anything=self.ring_degree > 1 and not self.unified,
             mesh=mesh,
         )
 
@@ -230,6 +239,7 @@ def enable_context_parallel(model: Any, spec: ParallelSpec, device: torch.device
         return
     if not dist.is_initialized():
         raise ParallelError("context parallel needs the replica's process group (init_process_group) first")
+    _use_gather_rows()
     model._resolve_parallel_config = types.MethodType(_resolver(torch.device(device)), model)
     try:
         model.enable_parallelism(config=spec.context_parallel_config(mesh))
@@ -237,10 +247,44 @@ def enable_context_parallel(model: Any, spec: ParallelSpec, device: torch.device
         del model._resolve_parallel_config  # the class's own again
 
 
+def gather_rows(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along `dim` in rank order, the ranks' sizes along `dim` may differ (diffusers'
+    `_all_gather_anything`, on gloo): each share zero-padded to the longest inside the all-gather's buffers, the
+    padding stripped after. Equal shares gather as they are."""
+    from diffusers.models._modeling_parallel import gather_size_by_comm
+
+    tensor = tensor.contiguous()
+    sizes = gather_size_by_comm(tensor.shape[dim], group)  # one int64 all_gather on the host
+    longest = max(sizes)
+    if tensor.shape[dim] < longest:
+        pad = torch.zeros((*tensor.shape[:dim], longest - tensor.shape[dim], *tensor.shape[dim + 1 :]),
+                          dtype=tensor.dtype, device=tensor.device)  # fmt: skip
+        tensor = torch.cat([tensor, pad], dim=dim)
+    buffers = [torch.empty_like(tensor) for _ in sizes]
+    dist.all_gather(buffers, tensor, group=group)
+    return torch.cat([b.narrow(dim, 0, n) for b, n in zip(buffers, sizes, strict=True)], dim=dim)
+
+
+def _use_gather_rows() -> None:
+    """Point diffusers' context-parallel output gather at `gather_rows` for CPU tensors (gloo), its own for the rest
+    (NCCL gathers unequal sizes). Process-wide and idempotent; what it returns is the same bytes either way."""
+    from diffusers.hooks import context_parallel as cp
+
+    own = cp._all_gather_anything
+    if getattr(own, "_ditserve", False):
+        return
+
+    def all_gather_anything(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        return gather_rows(tensor, dim, group) if tensor.device.type == "cpu" else own(tensor, dim, group)
+
+    all_gather_anything._ditserve = True  # type: ignore[attr-defined]
+    cp._all_gather_anything = all_gather_anything
+
+
 def split_guard(model: Any, spec: ParallelSpec) -> Any:
     """A forward pre-hook on `model` that raises SplitError before a forward whose packed sequence (`position_ids`
-    rows) does not split across the ranks, so no rank enters a collective the others refuse. Returns the handle.
-    Every rank computes the same shapes, so every rank raises at the same forward."""
+    rows) does not split across a unified layout's ranks (ParallelSpec.check_rows), so no rank enters a collective the
+    others refuse. Returns the handle. Every rank computes the same shapes, so every rank raises at the same forward."""
 
     def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         positions = kwargs.get("position_ids")

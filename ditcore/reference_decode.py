@@ -46,6 +46,7 @@ def decode_reference(ref: Reference, probe: ReferenceProbe, limits: ReferenceLim
     if probe.kind == "image":  # Pillow's: an image reference needs no PyAV (a GPU image may not carry it)
         return MiniMaxH3ImageReference(image=decode_image(ref.data, limits.image))
     import av
+
     try:
         with open_container(ref.data, probe.width * probe.height) as container:
             if probe.kind == "video":

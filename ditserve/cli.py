@@ -15,36 +15,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
-
-from ditcore import CheckpointError, PresetError, RequestError
-from ditcore.attention import AttentionBackendError
-from ditcore.presets import DTYPES as PRECISIONS
-from ditcore.text_encoder import TextEncoderError
-from ditruntime.flags import add_flags
-from ditruntime.paths import DirectoryFlagError
-from generator_service.config import GeneratorConfig
-from plancache_service.config import CacheConfig
-from plancache_service.errors import InvalidPlanRequestError, PlanCacheError, PlanCapacityError
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from . import __version__
-from .bench.runner import add_bench_flags, cmd_bench
-from .commands import (
-    LOCAL_CACHE_FLAGS,
-    LOCAL_MODEL_FLAGS,
-    MAX_SHARDS,
-    WRITABLE_PRESETS,
-    cmd_generate_local,
-    cmd_inspect,
-    cmd_make_checkpoint,
-)
-from .errors import UsageError
-from .jobs_cli import add_jobs_parser
-from .launcher import add_serve_flags, serve
-from .memory_view import add_memory_flags
-from .openai.cli import add_openai_api_parser
-from .remote import add_client_flags, cmd_generate, cmd_update_weights
-from .requests_io import add_request_flags
 
 EXIT_USAGE = 2
 
@@ -64,21 +38,11 @@ def _generator(argv: list[str]) -> int:
 SERVICE_COMMANDS: dict[str, Callable[[list[str]], int]] = {"plancache": _plancache, "generator": _generator}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ditserve", description="Serve MiniMax-H3 with its AdaLN projections in a plan cache."
-    )
-    p.add_argument("--version", action="version", version=f"ditserve {__version__}")
-    p.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-        default="WARNING",
-        help="logging level (default %(default)s)",
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _make_checkpoint_flags(mk: argparse.ArgumentParser) -> None:
+    from ditcore.presets import DTYPES as PRECISIONS
 
-    mk = sub.add_parser("make-checkpoint", help="write a MiniMax-H3 diffusers repository with random weights")
+    from .commands import MAX_SHARDS, WRITABLE_PRESETS, cmd_make_checkpoint
+
     mk.add_argument("--preset", required=True, help=f"one of {', '.join(WRITABLE_PRESETS)}")
     mk.add_argument("--seed", type=int, default=0, help="init seed in [0, 2^63-1] (default %(default)s)")
     mk.add_argument("--out", required=True, help="output directory")
@@ -103,9 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     mk.add_argument("--force", action="store_true", help="overwrite an existing repository at --out")
     mk.set_defaults(func=cmd_make_checkpoint)
 
-    ins = sub.add_parser(
-        "inspect", help="parameters, adaln_proj share and bytes, page size, fingerprint; memory and time at a canvas"
-    )
+
+def _inspect_flags(ins: argparse.ArgumentParser) -> None:
+    from ditcore.presets import DTYPES as PRECISIONS
+
+    from .commands import cmd_inspect
+    from .memory_view import add_memory_flags
+
     ins.add_argument("checkpoint", nargs="?", help="repository directory")
     ins.add_argument("--preset", help="a preset's figures without a repository (h3: the released shapes)")
     ins.add_argument("--dtype", choices=PRECISIONS, default=None, help="with --preset: precision (default mixed)")
@@ -113,7 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     add_memory_flags(ins)
     ins.set_defaults(func=cmd_inspect)
 
-    gl = sub.add_parser("generate-local", help="run requests in this process (no services)")
+
+def _generate_local_flags(gl: argparse.ArgumentParser) -> None:
+    from ditruntime.flags import add_flags
+    from generator_service.config import GeneratorConfig
+    from plancache_service.config import CacheConfig
+
+    from .commands import LOCAL_CACHE_FLAGS, LOCAL_MODEL_FLAGS, cmd_generate_local
+    from .requests_io import add_request_flags
+
     gl.add_argument("--checkpoint", required=True, help="repository directory")
     gl.add_argument(
         "--adaln-mode",
@@ -126,17 +102,33 @@ def _parser() -> argparse.ArgumentParser:
     add_request_flags(gl)
     gl.set_defaults(func=cmd_generate_local)
 
-    gr = sub.add_parser("generate", help="run requests against a generator service (GenerateStream)")
+
+def _generate_flags(gr: argparse.ArgumentParser) -> None:
+    from .remote import add_client_flags, cmd_generate
+    from .requests_io import add_request_flags
+
     gr.add_argument("--target", required=True, help="generator address HOST:PORT")
     gr.add_argument("--expected-generation", type=int, default=None, help="refuse unless this weight generation serves")
     add_request_flags(gr)
     add_client_flags(gr)
     gr.set_defaults(func=cmd_generate)
 
-    add_jobs_parser(sub)
-    add_openai_api_parser(sub)
 
-    uw = sub.add_parser("update-weights", help="swap the served repository (admin token required)")
+def _jobs_flags(jobs: argparse.ArgumentParser) -> None:
+    from .jobs_cli import add_jobs_flags
+
+    add_jobs_flags(jobs)
+
+
+def _openai_api_flags(p: argparse.ArgumentParser) -> None:
+    from .openai.cli import add_openai_api_flags
+
+    add_openai_api_flags(p)
+
+
+def _update_weights_flags(uw: argparse.ArgumentParser) -> None:
+    from .remote import add_client_flags, cmd_update_weights
+
     uw.add_argument("--target", required=True, help="generator address HOST:PORT")
     uw.add_argument("--path", required=True, help="repository directory inside the server's --weights-root")
     uw.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN); visible in ps")
@@ -151,14 +143,77 @@ def _parser() -> argparse.ArgumentParser:
     add_client_flags(uw)
     uw.set_defaults(func=cmd_update_weights)
 
-    bn = sub.add_parser("bench", help="run the benchmark scenarios on real services")
+
+def _status_flags(st: argparse.ArgumentParser) -> None:
+    from .remote import add_client_flags, cmd_status
+
+    st.add_argument("--target", required=True, help="generator address HOST:PORT")
+    st.add_argument("--timeout-s", type=float, default=10.0, help="the call's deadline (default %(default)s)")
+    add_client_flags(st)
+    st.set_defaults(func=cmd_status)
+
+
+def _bench_flags(bn: argparse.ArgumentParser) -> None:
+    from .bench.runner import add_bench_flags, cmd_bench
+
     add_bench_flags(bn)
     bn.set_defaults(func=cmd_bench)
 
-    sv = sub.add_parser("serve", help="start the sidecar and the generator (one command)")
+
+def _serve_flags(sv: argparse.ArgumentParser) -> None:
+    from .launcher import add_serve_flags, serve
+
     add_serve_flags(sv)
     sv.set_defaults(func=serve)
 
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its line in `ditserve --help`, and what declares its flags (and sets its `func`)."""
+
+    help: str
+    flags: Callable[[argparse.ArgumentParser], None]
+    """Imports the command's module: called only for the command that runs (or for the whole parser, `_parser()`),
+    so a client command never loads the model layer or torch."""
+
+
+COMMANDS: dict[str, Command] = {
+    "make-checkpoint": Command("write a MiniMax-H3 diffusers repository with random weights", _make_checkpoint_flags),
+    "inspect": Command(
+        "parameters, adaln_proj share and bytes, page size, fingerprint; memory and time at a canvas", _inspect_flags
+    ),
+    "generate-local": Command("run requests in this process (no services)", _generate_local_flags),
+    "generate": Command("run requests against a generator service (GenerateStream)", _generate_flags),
+    "jobs": Command("asynchronous jobs on a generator service (the Jobs API)", _jobs_flags),
+    "openai-api": Command("serve an OpenAI-compatible /v1/videos HTTP API over a generator's jobs", _openai_api_flags),
+    "status": Command(
+        "a generator's GetStatus as one JSON object (serving, weights, queue, slab, placement)", _status_flags
+    ),
+    "update-weights": Command("swap the served repository (admin token required)", _update_weights_flags),
+    "bench": Command("run the benchmark scenarios on real services", _bench_flags),
+    "serve": Command("start the sidecar and the generator (one command)", _serve_flags),
+}
+
+
+def _parser(declared: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The `ditserve` parser with the flags of the `declared` commands (by default all); the others are listed by name
+    and help only."""
+    p = argparse.ArgumentParser(
+        prog="ditserve", description="Serve MiniMax-H3 with its AdaLN projections in a plan cache."
+    )
+    p.add_argument("--version", action="version", version=f"ditserve {__version__}")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        default="WARNING",
+        help="logging level (default %(default)s)",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        parser = sub.add_parser(name, help=command.help)
+        if name in declared:
+            command.flags(parser)
     # the services parse their own flags: `ditserve plancache --help`, `ditserve generator --help`
     sub.add_parser("plancache", help="run the plan-cache sidecar (python -m plancache_service)", add_help=False)
     sub.add_parser("generator", help="run the generator service (python -m generator_service)", add_help=False)
@@ -166,36 +221,51 @@ def _parser() -> argparse.ArgumentParser:
 
 
 USAGE_ERRORS = (
-    AttentionBackendError,
-    DirectoryFlagError,
-    RequestError,
-    CheckpointError,
-    PresetError,
-    UsageError,
-    PlanCapacityError,
-    InvalidPlanRequestError,
-    TextEncoderError,
+    "ditcore.attention:AttentionBackendError",
+    "ditruntime.paths:DirectoryFlagError",
+    "ditcore.request:RequestError",
+    "ditcore.checkpoint_files:CheckpointError",
+    "ditcore.presets:PresetError",
+    "ditserve.errors:UsageError",
+    "plancache_service.errors:PlanCapacityError",
+    "plancache_service.errors:InvalidPlanRequestError",
+    "ditcore.text_encoder:TextEncoderError",
 )
-"""Errors in what the user gave (flags, request fields, a repository): exit code 2."""
+"""Errors in what the user gave (flags, request fields, a repository): exit code 2. Named, not imported: a class
+whose module the command never loaded cannot have been raised, so a client command does not load the model layer
+to catch the model's errors."""
+FAILURES = ("plancache_service.errors:PlanCacheError",)
+"""Errors that exit with code 1 and their message (no traceback)."""
+
+
+def _loaded(names: Sequence[str]) -> tuple[type[BaseException], ...]:
+    """The classes `names` ("module:Class") whose modules are loaded (and have defined them)."""
+    split = (name.split(":") for name in names)
+    classes = (getattr(sys.modules.get(module), cls, None) for module, cls in split)
+    return tuple(c for c in classes if c is not None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SERVICE_COMMANDS:
         return SERVICE_COMMANDS[argv[0]](argv[1:])
-    args = _parser().parse_args(argv)
+    # the command is the first word naming one (a --log-level value never does): only its module is imported
+    command = next((a for a in argv if a in COMMANDS), None)
+    args = _parser(declared=() if command is None else (command,)).parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except USAGE_ERRORS as e:
-        print(f"ditserve {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except PlanCacheError as e:
-        print(f"ditserve {args.command}: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if isinstance(e, _loaded(USAGE_ERRORS)):
+            print(f"ditserve {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, _loaded(FAILURES)):
+            print(f"ditserve {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -35,8 +35,8 @@ from typing import Any
 
 import grpc
 
-from ditcore import GenerationRequest, RequestError
 from ditcore.report import CacheReport
+from ditcore.request import GenerationRequest, RequestError
 from ditruntime.convert import from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ditcore import GenerationRequest, RequestError
+from ditcore.request import GenerationRequest, RequestError
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 _TASKS = {"t2va": pb.TASK_T2VA, "fl2va": pb.TASK_FL2VA, "ref2va": pb.TASK_REF2VA}

@@ -11,18 +11,17 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import torch
-
-from ditcore import latents_sha256
-from ditcore.plans import DTYPES
 from ditcore.report import CacheReport
 from ditruntime.convert import from_proto
 from ditruntime.paths import write_atomically
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 from .client_requests import OUTPUT_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 MEDIA_CHUNK = "media"
 """The ResultChunk name of an encoded file's bytes."""
@@ -88,6 +87,8 @@ def _timings(t: pb.StageTimings) -> dict[str, float]:
 
 
 def _dtype(t: pb.Tensor) -> torch.dtype:
+    from ditcore.plans import DTYPES  # torch: imported by a latents result only (a client starts without it)
+
     if t.dtype not in DTYPES:
         raise IntegrityError(f"tensor {t.name!r} has dtype {t.dtype!r}; expected one of {sorted(DTYPES)}")
     return DTYPES[t.dtype]
@@ -95,6 +96,8 @@ def _dtype(t: pb.Tensor) -> torch.dtype:
 
 def _tensor(t: pb.Tensor, data: bytes | bytearray) -> torch.Tensor:
     """The tensor `t` describes, over `data`: a view of a bytearray (a streamed part: no copy), else over a copy."""
+    import torch
+
     dtype = _dtype(t)
     buffer = data if isinstance(data, bytearray) else bytearray(data)  # torch.frombuffer needs a writable buffer
     try:
@@ -145,18 +148,17 @@ def result_from_response(
         inline = data.get(MEDIA_CHUNK, b"") if data is not None else resp.media.data
         result.media = _media(resp, output_type, inline, media_file)
         return result
-    tensors = {t.name: _tensor(t, data.get(t.name, b"") if data is not None else t.data) for t in resp.tensors}
+    received = {t.name: data.get(t.name, b"") if data is not None else t.data for t in resp.tensors}
+    tensors = {t.name: _tensor(t, received[t.name]) for t in resp.tensors}
     missing = sorted({"video", "audio"} - set(tensors))
     if missing:
         raise IntegrityError(f"request {resp.request_id}: the result carries no {' or '.join(missing)} tensor")
     result.video, result.audio = tensors["video"], tensors["audio"]
-    if data is not None and isinstance(data.get("video"), bytearray) and isinstance(data.get("audio"), bytearray):
-        # the received bytes are the tensors' own (they are views of them): hashed in place, as latents_sha256 would
-        digest = hashlib.sha256(data["video"])
-        digest.update(data["audio"])
-        got = digest.hexdigest()
-    else:
-        got = latents_sha256(result.video, result.audio)
+    # the tensors hold exactly the received bytes (views of them, or copies): hashed as received, in place, which
+    # is ditcore.generation.latents_sha256's digest of the tensors
+    digest = hashlib.sha256(received["video"])
+    digest.update(received["audio"])
+    got = digest.hexdigest()
     if got != result.sha256:
         raise IntegrityError(
             f"request {result.request_id}: received latents hash to {got}, server said {result.sha256}"

@@ -17,7 +17,6 @@ import itertools
 import json
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -36,8 +35,8 @@ STATE_NAMES = ("queued", "running", "succeeded", "failed", "cancelled")
 _FINAL = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 
 
-def add_jobs_parser(sub: Any) -> None:
-    jobs = sub.add_parser("jobs", help="asynchronous jobs on a generator service (the Jobs API)")
+def add_jobs_flags(jobs: argparse.ArgumentParser) -> None:
+    """`ditserve jobs`' verbs and their flags."""
     verbs = jobs.add_subparsers(dest="jobs_command", required=True)
     create = verbs.add_parser("create", help="create a job from one request (the generate flags)")
     add_request_flags(create)

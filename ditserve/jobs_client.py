@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from ditcore import GenerationRequest
+from ditcore.request import GenerationRequest
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
 

@@ -215,13 +215,9 @@ def banner(args: argparse.Namespace, gen: GeneratorConfig, checkpoint: Path, run
         lines.append(metrics)
     target = f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::", "[::]") else f"{args.host}:{args.port}"
     transport = f"-cacert {gen.tls_cert}" if tls else "-plaintext"
-    prompt = "a red fox" if args.nproc == 1 else "a red fox jumps"  # 7 text rows: the demo canvas splits 2 ways
     lines.append(
-        f'  try: grpcurl {transport} -d \'{{"prompt": "{prompt}"}}\' {target} ditserve.generator.v1.Generator/Generate'
+        f'  try: grpcurl {transport} -d \'{{"prompt": "a red fox"}}\' {target} ditserve.generator.v1.Generator/Generate'
     )
-    if args.nproc > 1:
-        lines.append(f"  a replica of {args.nproc} ranks: a request's packed rows (video + text + audio) must be a "
-                     f"multiple of {args.nproc} (docs/replicas.md)")  # fmt: skip
     if args.openai_port is not None:
         lines.append(f"  openai-compatible /v1/videos: {_base(args.host, args.openai_port)}/v1")
     return "\n".join(lines)

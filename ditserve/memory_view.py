@@ -1,6 +1,7 @@
 """`ditserve inspect`'s memory and time model at a canvas (ditcore.sizing): its flags, its data and its table.
 
 ditserve inspect --preset h3 --height 768 --width 1344 --num-frames 345          # one H200, cached and resident
+ditserve inspect --preset h3 --height 768 --width 1344 --num-frames 345 --ulysses-degree 4   # 4 x H200, per rank
 ditserve inspect ./ckpt --height 512 --width 896 --num-frames 124 --json         # a repository's own configs
 """
 
@@ -11,7 +12,9 @@ from typing import Any
 
 from ditcore.attention import check_name
 from ditcore.footprint import Placement, memory_report, meta_components
+from ditcore.parallel import ParallelSpec
 from ditcore.pipeline import decode_dtype_for
+from ditcore.placement import Footprint, PlacementError, decide, embedding_bytes
 from ditcore.repo import TEXT_LAYERS
 from ditcore.request import MAX_PROMPT_BYTES, MAX_STEPS, MIN_STEPS, MODEL_LIMITS, check_canvas
 from ditcore.sizing import DEVICE_CLASSES, Canvas, ModelShapes
@@ -24,9 +27,14 @@ from .errors import UsageError
 GIB = 1024**3
 MIB = 1024**2
 CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
-MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload", "partitions")
+MODEL_FLAGS = (
+    "attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload", "partitions", "ulysses_degree",
+    "ring_degree",
+)  # fmt: skip
 """The generator's flags that change what the model holds: "auto" attention is a flash-style kernel on CUDA (only
-`_native_math` materializes the scores), "auto" decode the released dtype."""
+`_native_math` materializes the scores), "auto" decode the released dtype, "auto" text encoder and partitions what
+the generator would choose at start (ditcore.placement), on one --device-class device per rank of the Ulysses x ring
+layout."""
 RELEASED_CANVAS = (768, 1344, 345)
 """What an unset canvas flag means once another is given: the released maximum canvas."""
 
@@ -69,15 +77,12 @@ def _canvas(args: argparse.Namespace) -> Canvas:
 
 
 def memory_data(args: argparse.Namespace, precision: str) -> dict[str, Any]:
-    """The modeled memory and time of the canvas the flags name, on the chosen device class (`inspect`'s "memory")."""
+    """The modeled memory and time of the canvas the flags name, on the chosen device class (`inspect`'s "memory"),
+    and the placement the generator would choose at start on one such device per rank (ditcore.placement), per mode;
+    the totals are the cached choice's (the default --adaln-mode)."""
     canvas = _canvas(args)
     check_name(args.attention_backend)  # AttentionBackendError naming the valid ones
     cache = from_args(CacheConfig, args, only=CACHE_FLAGS)
-    text_device = "cpu" if args.text_encoder_device == "cpu" else "offload" if args.text_encoder_offload else "device"
-    placement = Placement(
-        cache.gpu_plans, cache.plan_width, cache.host_cache_bytes, args.text_encoder, text_device,
-        args.num_inference_steps - 1, _partitions(args),
-    )  # fmt: skip
     components = meta_components(preset=args.preset) if args.preset else meta_components(repository=args.checkpoint)
     device = DEVICE_CLASSES[args.device_class]
     decode = decode_dtype_for(args.decode_dtype, precision)
@@ -86,22 +91,60 @@ def memory_data(args: argparse.Namespace, precision: str) -> dict[str, Any]:
         decode_dtype=decode, attention_backend=args.attention_backend,
         device_type="cpu" if args.device_class == "cpu" else "cuda",
     )  # fmt: skip
-    return memory_report(components, shapes, canvas, placement, device, precision).to_dict()
+    names, auto = _partitions(args)
+
+    def placement(text_device: str, partitions: int) -> Placement:
+        return Placement(
+            cache.gpu_plans, cache.plan_width, cache.host_cache_bytes, args.text_encoder, text_device,
+            args.num_inference_steps - 1, partitions,
+        )  # fmt: skip
+
+    on_device = memory_report(components, shapes, canvas, placement("device", 1), device, precision)
+    choices = {mode: _choice(args, on_device, shapes, mode, components, precision, names, auto, device.memory_bytes)
+               for mode in ("cached", "resident")}  # fmt: skip
+    chosen = choices["cached"]
+    text, count = (chosen["text_encoder"], len(chosen["partitions"])) if chosen["fits"] else (_asked(args), len(names))
+    report = memory_report(components, shapes, canvas, placement(text, count), device, precision).to_dict()
+    report["choice"] = choices
+    return report
 
 
-def _partitions(args: argparse.Namespace) -> int:
-    """How many transformer partitions the modeled generator loads: `--partitions` named, else ("auto") both for a
-    preset (the released repository holds transformer/ and transformer_ref/) and a repository's own."""
+def _asked(args: argparse.Namespace) -> str:
+    """The text encoder placement the flags name ("auto": each is tried, ditcore.placement.TEXT_ORDER)."""
+    if args.text_encoder_offload:
+        return "offload"
+    return {"auto": "device", "cuda": "device", "cpu": "cpu"}[args.text_encoder_device]
+
+
+def _choice(
+    args: argparse.Namespace, report: Any, shapes: ModelShapes, mode: str, components: Any, precision: str,
+    names: tuple[str, ...], auto: bool, free: int,
+) -> dict[str, Any]:  # fmt: skip
+    """What the generator would choose at start in `mode` (the refusal's message when nothing fits)."""
+    fp = Footprint.of_report(report, shapes, mode, embedding_bytes(components, precision))
+    spec = ParallelSpec(max(1, args.ulysses_degree or 1), args.ring_degree)
+    text = "auto" if args.text_encoder_device == "auto" and not args.text_encoder_offload else _asked(args)
+    try:
+        choice = decide(fp, free, spec, text, names, auto, cuda=args.device_class != "cpu")
+    except PlacementError as e:
+        return {"fits": False, "refusal": str(e), "ulysses_degree": spec.ulysses_degree,
+                "ring_degree": spec.ring_degree, "table": [f"REFUSED at start: {e}"]}  # fmt: skip
+    return {**choice.to_dict(), "table": choice.table()}
+
+
+def _partitions(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
+    """The transformer partitions the modeled generator may load, and whether `--partitions auto` may drop ref:
+    those named, else every one the repository has (a preset: the released transformer/ and transformer_ref/)."""
     if args.partitions != "auto":
-        names = {p.strip() for p in args.partitions.split(",") if p.strip()}
-        if not names or not names <= {"base", "ref"} or "base" not in names:
+        names = tuple(dict.fromkeys(p.strip() for p in args.partitions.split(",") if p.strip()))
+        if not names or not set(names) <= {"base", "ref"} or "base" not in names:
             raise UsageError(f"--partitions must be auto, base or base,ref, got {args.partitions!r}")
-        return len(names)
+        return names, False
     if args.preset:
-        return 2
+        return ("base", "ref"), True
     from ditcore.pipeline import repository_partitions
 
-    return len(repository_partitions(args.checkpoint))
+    return repository_partitions(args.checkpoint), True
 
 
 def _gib(n: int) -> str:
@@ -138,6 +181,9 @@ def print_memory(m: dict[str, Any]) -> None:
         if p["partitions"] > 1:
             rows.append((f"  vs {p['partitions']} one-partition", f"{_gib(tot['separate']):>12}  on "
                          f"{p['partitions']} devices ({_gib(tot['separate'] - tot['device'])} more)"))  # fmt: skip
+    for mode, choice in m["choice"].items():
+        for i, line in enumerate(choice["table"]):
+            rows.append((f"placement {mode}" if i == 0 else "", line))
     f = m["flops"]
     rows.append(("step time", f"{m['step_s']:,.1f} s modeled: {f['total'] / 1e15:,.2f} PFLOP "
                               f"({100 * f['attention'] / f['total']:.0f}% attention) at MFU {dev['mfu']}"))  # fmt: skip

@@ -21,15 +21,16 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from safetensors.torch import save_file
-
-from ditcore import GenerationRequest, GenerationResult
 from ditcore.media import OUTPUT_TYPES, SUFFIXES, EncodedMedia, output_type_for_path
+from ditcore.request import GenerationRequest
 from ditruntime.paths import check_dir, prepare_dir, write_atomically
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 LATENTS_SUFFIX = ".safetensors"
 _SUFFIX_OF = {**SUFFIXES, "latents": LATENTS_SUFFIX}
@@ -110,8 +111,23 @@ def _write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     return write_atomically(path, write)
 
 
-def write_latents(path: Path, result: GenerationResult, request: GenerationRequest) -> Path:
+class HeldLatents(Protocol):
+    """A latents result as either side holds it: ditcore.generation.GenerationResult (the local side) or
+    ditserve.client_results.ClientResult (the client's, whose latents result carries both tensors)."""
+
+    @property
+    def video(self) -> torch.Tensor | None: ...
+    @property
+    def audio(self) -> torch.Tensor | None: ...
+    @property
+    def sha256(self) -> str: ...
+
+
+def write_latents(path: Path, result: HeldLatents, request: GenerationRequest) -> Path:
     """A safetensors file with tensors `video` and `audio`; metadata = the request (JSON values) + sha256."""
+    from safetensors.torch import save_file  # torch: imported when latents are written (a client starts without it)
+
+    assert result.video is not None and result.audio is not None  # a latents result carries both
     tensors = {"video": result.video.contiguous(), "audio": result.audio.contiguous()}
     meta = {k: json.dumps(v) for k, v in request.to_dict().items()}
     meta["sha256"] = result.sha256
@@ -146,7 +162,7 @@ in chunks, never whole) or the client's bytes."""
 
 
 def write_output(
-    path: Path | None, request: GenerationRequest, media: MediaFile | None, latents: GenerationResult | None
+    path: Path | None, request: GenerationRequest, media: MediaFile | None, latents: HeldLatents | None
 ) -> dict[str, Any]:
     """Write one request's result where --out says (`path`, None: nowhere): the media file as is, else the latents;
     returns the JSON line's file fields ({} when nothing is written)."""

@@ -172,6 +172,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """The generator's GetStatus as one JSON object on stdout (proto field names); exit 1 when the call fails."""
+    import json
+
+    from google.protobuf.json_format import MessageToDict
+
+    check_client_args(args)
+    with client_from_args(args) as client:
+        try:
+            resp = client.status(timeout=args.timeout_s)
+        except grpc.RpcError as e:
+            print(f"ditserve status: failed: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), sort_keys=True))
+    return 0
+
+
 def cmd_update_weights(args: argparse.Namespace) -> int:
     """One JSON line with generation, previous_generation, weights_path (and more) on success."""
     import json

@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ditcore import H3_LIMITS, GenerationRequest, RequestError, RequestLimits
 from ditcore.media import OUTPUT_TYPES
 from ditcore.references import KINDS, Reference
 from ditcore.report import CacheReport
 from ditcore.request import (
+    H3_LIMITS,
     KEYFRAME_FIELDS,
     MAX_FRAMES,
     MAX_KEYFRAME_BYTES,
@@ -34,6 +34,9 @@ from ditcore.request import (
     MIN_FRAMES,
     MIN_STEPS,
     TASKS,
+    GenerationRequest,
+    RequestError,
+    RequestLimits,
 )
 
 from .errors import UsageError

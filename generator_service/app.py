@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ditruntime.tls import mutual_tls_channel_credentials
 
 from .backends.base import Backend
 from .backends.cached import CachedBackend, CachedWeights
+from .backends.placement import StartPlacement, largest_canvas
 from .backends.resident import ResidentBackend
 from .backends.sidecar_client import SidecarClient
 from .config import GeneratorConfig
@@ -88,11 +90,27 @@ def exit_for_restart(state: ServingState, delay_s: float = 2.0) -> Callable[[str
     return lost
 
 
+def start_placement(cfg: GeneratorConfig, device: torch.device, world_size: int) -> StartPlacement:
+    """The placement decided at the first load: the memory model at the largest canvas the limits admit."""
+    spec, canvas = cfg.parallel_spec(world_size), largest_canvas(cfg.limits)
+    return StartPlacement(device, spec, canvas, cfg.adaln_mode, cfg.memory_reserve_bytes)
+
+
+def refuse_start(e: Exception) -> None:
+    """Nothing fits, found at the first attach (cached mode learns its repository from the sidecar): the generator
+    exits 2 with the message, as at a bad flag, before it ever serves a request."""
+    log.error("no placement fits: %s", e)
+    print(f"ditserve generator: error: {e}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(2)
+
+
 def run_follower(cfg: GeneratorConfig) -> int:
     """A replica rank other than 0: no server; it runs every request's loop with rank 0 (generator_service.replica.follower)."""
     replica = join_replica(cfg, ranks_from_env())
     checkpoint = cfg.checkpoint if cfg.adaln_mode == "resident" else None
-    return follow(Follower(replica, cfg.adaln_mode, cfg.run_options, cfg.limits, checkpoint))
+    placement = start_placement(cfg, replica.device, replica.world_size)  # the same rule as rank 0's, on this rank
+    return follow(Follower(replica, cfg.adaln_mode, cfg.run_options, cfg.limits, checkpoint, placement))
 
 
 def build_server(cfg: GeneratorConfig) -> GeneratorServer:
@@ -110,10 +128,12 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     replica = ReplicaLink(join_replica(cfg, ranks), exit_for_restart(state)) if ranks.world_size > 1 else None
     if cfg.adaln_mode == "resident":
         assert cfg.checkpoint is not None  # GeneratorConfig checks it
-        backend = ResidentBackend(cfg.checkpoint, device, options=cfg.run_options, replica=replica)
+        placement = start_placement(cfg, device, ranks.world_size)
+        backend = ResidentBackend(cfg.checkpoint, device, options=cfg.run_options, replica=replica, placement=placement)
         prefetch = False  # nothing to lease ahead
     else:
-        weights = CachedWeights(device, cfg.run_options, replica)
+        placement = start_placement(cfg, device, ranks.world_size)
+        weights = CachedWeights(device, cfg.run_options, replica, placement, on_refused=refuse_start)
         link = SidecarClient(
             cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state,
             credentials=sidecar_credentials(cfg), admin_token=cfg.admin_secret, device=device,

@@ -87,9 +87,11 @@ class GeneratorConfig:
     ring_degree: int = flag(1, "a replica's ring-attention degree (default %(default)s)", low=1, high=1024)
     """Ring attention passes key/value blocks around the ranks; it needs a backend returning its log-sum-exp
     (flash, _native_cudnn on CUDA), so CPU replicas use Ulysses."""
-    ulysses_anything: bool = flag(False, "Ulysses for any sequence length and head count (NCCL only)")
-    """diffusers' `ulysses_anything`: uneven all-gathers, so a packed sequence need not split evenly across the
-    ranks; refused on gloo (CPU), whose allgather needs equal sizes."""
+    ulysses_anything: bool = flag(
+        False, "accepted for older command lines: any sequence length is the default on gloo and NCCL"
+    )
+    """No effect: a replica always runs diffusers' `ulysses_anything` / `ring_anything`, so any packed sequence splits
+    across the ranks (docs/replicas.md); the Ulysses degree must still divide the attention heads."""
     replica_timeout_s: float = flag(
         1800.0,
         f"a replica's collective timeout in seconds, at least {REPLICA_TIMEOUT_MIN_S:g} (twice the keep-alive) "
@@ -120,19 +122,26 @@ class GeneratorConfig:
     partitions: str = flag(
         AUTO,
         "transformer partitions to load, comma-separated: base (transformer/: t2va, fl2va), ref (transformer_ref/: "
-        "ref2va); auto: every one the repository has (default %(default)s)",
+        "ref2va); auto: every one the repository has, or base alone where they do not fit the device (decided at "
+        "start) (default %(default)s)",
     )
     """Which of the repository's transformers this generator loads (`--partitions base,ref`): cached, each without
     its adaln_proj (its plans come from the sidecar, keyed by partition); resident, each as diffusers loads it. A
-    request whose task needs an unloaded partition is refused FAILED_PRECONDITION naming it."""
+    request whose task needs an unloaded partition is refused FAILED_PRECONDITION naming it. "auto" loads every one
+    the repository has, or base alone when the memory model (ditcore.placement: at the largest canvas the limits
+    admit, against the device's free memory at start) says they do not fit; GetStatus' start_placement says which."""
     text_encoder_device: str = flag(
         AUTO,
-        "where the Qwen3-VL text encoder runs: auto (the --device), cuda, or cpu (default %(default)s)",
+        "where the Qwen3-VL text encoder runs: auto (decided at start from the memory model: on the --device if "
+        "it fits, else offloaded from pinned host memory, else on the CPU), cuda, or cpu (default %(default)s)",
         choices=TEXT_ENCODER_DEVICES,
     )
     """Where the text encoder (trimmed to the layers MiniMax-H3 reads, no lm_head: ditcore.text_encoder) computes
     and keeps its weights. "cpu" frees its device memory (48.9 GiB in bfloat16 at the released size) at the cost of
-    encoding on the CPU; the embeddings are moved to the model's device."""
+    encoding on the CPU; the embeddings are moved to the model's device. "auto" is decided at the first load
+    (generator_service.backends.placement, ditcore.placement): the device when the model fits there at the largest
+    canvas the limits admit, else offloaded (CUDA), else the CPU; a layout that fits none is refused at start naming
+    the flags that would make it fit. `ditserve generate-local` reads "auto" as the --device."""
     text_encoder_offload: bool = flag(
         False, "keep the text encoder in pinned host memory, streamed to its CUDA device per encode"
     )
@@ -450,7 +459,7 @@ class GeneratorConfig:
     def parallel_spec(self, world_size: int) -> ParallelSpec:
         """The replica's layout on `world_size` ranks (--ulysses-degree 0: the ranks over the ring degree)."""
         ulysses = self.ulysses_degree or max(1, world_size // self.ring_degree)
-        return ParallelSpec(ulysses, self.ring_degree, self.ulysses_anything)
+        return ParallelSpec(ulysses, self.ring_degree)
 
     @property
     def request_handlers(self) -> int:

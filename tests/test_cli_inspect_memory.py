@@ -17,7 +17,9 @@ GIB = 1024**3
 
 
 def test_inspect_h3_at_the_released_maximum_canvas(run_cli: CliRunner) -> None:
-    res = run_cli(["inspect", "--preset", "h3", *MAX, "--json"])
+    # both partitions and the text encoder named on the device: the totals hold all of it (the defaults: next test)
+    named = ["--text-encoder-device", "cuda", "--partitions", "base,ref"]
+    res = run_cli(["inspect", "--preset", "h3", *MAX, *named, "--json"])
     assert res.code == 0, res.err
     data = json.loads(res.out)
     assert data["params"]["total"] == 33_122_992_896  # the figures are still there
@@ -51,7 +53,11 @@ def test_inspect_h3_at_the_released_maximum_canvas(run_cli: CliRunner) -> None:
     assert 32 <= m["step_s"] <= 50  # the issue's estimate for one H200
     assert m["request_s"] == pytest.approx(m["encode_s"] + 49 * m["step_s"] + m["decode_s"])
 
-    human = run_cli(["inspect", "--preset", "h3", *MAX])
+    assert m["choice"]["cached"]["fits"] is False  # named: refused at start, naming what would fit
+    for fix in ("--text-encoder-device cpu", "--text-encoder-offload", "--partitions base"):
+        assert fix in m["choice"]["cached"]["refusal"], fix
+
+    human = run_cli(["inspect", "--preset", "h3", *MAX, *named])
     assert human.code == 0, human.err
     for part in ("memory model", "104,222 (video 102,816, condition 0, audio 1,150, text 256)",
                  "transformer (cached)", "text_encoder (51 layers, no lm_head)", "slab", "128 x 4 pages of 9.25 MiB",
@@ -61,9 +67,41 @@ def test_inspect_h3_at_the_released_maximum_canvas(run_cli: CliRunner) -> None:
         assert part in human.out, part
 
 
+def test_inspect_at_the_defaults_fits_one_h200_and_shows_the_placement(run_cli: CliRunner) -> None:
+    """Issue 33's done-when: the released checkpoint at the maximum canvas, every flag at its default, FITS one H200:
+    both partitions cached, the text encoder offloaded (on the device it does not fit: 152 GiB)."""
+    data = json.loads(run_cli(["inspect", "--preset", "h3", *MAX, "--json"]).out)["memory"]
+    cached = data["choice"]["cached"]
+    assert (cached["text_encoder"], cached["partitions"], cached["fits"]) == ("offload", ["base", "ref"], True)
+    assert cached["free_bytes"] == 139 * GIB and 34 * GIB < cached["left_bytes"] < 35 * GIB  # 104.69 GiB held
+    assert data["totals"]["cached"]["free"] == cached["left_bytes"]  # the totals are the cached choice's
+    resident = data["choice"]["resident"]  # resident: both partitions fit nowhere; base with the encoder on it
+    assert (resident["text_encoder"], resident["partitions"], resident["fits"]) == ("device", ["base"], True)
+    human = run_cli(["inspect", "--preset", "h3", *MAX])
+    assert human.code == 0, human.err
+    for part in ("placement cached", "text encoder offload, partitions base,ref, 1 rank(s)", "FITS, 34.31 GiB left",
+                 "rank 0: 104.69 GiB", "placement resident"):  # fmt: skip
+        assert part in human.out, part
+    assert "DOES NOT FIT" not in human.out.split("placement cached")[1].split("placement resident")[0]
+
+
+@pytest.mark.parametrize(
+    ("layout", "ranks"), [(["--ulysses-degree", "4"], 4), (["--ulysses-degree", "8", "--ring-degree", "2"], 16)]
+)
+def test_inspect_at_the_defaults_fits_a_replica_per_rank(run_cli: CliRunner, layout: list[str], ranks: int) -> None:
+    data = json.loads(run_cli(["inspect", "--preset", "h3", *MAX, *layout, "--json"]).out)["memory"]
+    cached = data["choice"]["cached"]
+    assert (cached["text_encoder"], cached["partitions"], cached["fits"]) == ("offload", ["base", "ref"], True)
+    rank0, others = cached["ranks"]
+    assert (rank0["ranks"], others["ranks"]) == ("0", f"1..{ranks - 1}")
+    assert others["items"]["text_encoder"] == 0 and others["bytes"] < rank0["bytes"] <= 139 * GIB
+
+
 def test_inspect_options_change_the_model(run_cli: CliRunner) -> None:
-    base = json.loads(run_cli(["inspect", "--preset", "h3", *MAX, "--json"]).out)["memory"]
-    whole = run_cli(["inspect", "--preset", "h3", *MAX, "--text-encoder", "whole", "--gpu-plans", "64", "--json"])
+    named = ["--text-encoder-device", "cuda", "--partitions", "base,ref"]
+    base = json.loads(run_cli(["inspect", "--preset", "h3", *MAX, *named, "--json"]).out)["memory"]
+    whole = run_cli(["inspect", "--preset", "h3", *MAX, *named, "--text-encoder", "whole", "--gpu-plans", "64",
+                     "--json"])  # fmt: skip
     other = json.loads(whole.out)["memory"]
     grew = other["totals"]["cached"]["generator"] - base["totals"]["cached"]["generator"]
     assert 13 * GIB < grew < 14 * GIB  # the 13 layers above 51 and lm_head, plus 52 -> 65 kept hidden states

@@ -25,9 +25,10 @@ import av
 import pytest
 from clikit import CliResult, run_cli_inprocess
 from PIL import Image
+from safetensors.torch import load_file
 from servicekit import Pair
 
-from ditcore import GenerationRequest, H3Model, generate, load_model
+from ditcore import GenerationRequest, H3Model, generate, latents_sha256, load_model
 from ditserve.client import GeneratorClient
 from ditserve.client_requests import request_to_proto
 from ditserve.client_results import ClientResult, IntegrityError
@@ -411,6 +412,16 @@ def test_generate_through_the_service_writes_the_mp4(pair: Pair, tmp_path: Path,
     assert line["sha256"] == reference["t2va"] and line["generation"] == 1
     err = res.err.replace("\r", "\n")
     assert "req-0 decode+mux" in err and "req-0 receive" in err
+
+
+def test_generate_through_the_service_writes_the_latents(pair: Pair, tmp_path: Path, reference: dict[str, str]) -> None:
+    """A latents result the client received, written as safetensors: its tensors hash to the line's sha256."""
+    out = tmp_path / "fox.safetensors"
+    res = run_cli_inprocess(["generate", "--target", pair.target, "--prompt", "a red fox", *SMALL, "--out", out])
+    line = _one_line(res)
+    saved = load_file(out)
+    assert (line["output_type"], line["sha256"]) == ("latents", reference["t2va"])
+    assert latents_sha256(saved["video"], saved["audio"]) == line["sha256"]
 
 
 def test_generate_through_the_service_with_keyframes_writes_the_zip(

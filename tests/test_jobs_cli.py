@@ -84,3 +84,12 @@ def test_watch_bar_names_each_stage_after_the_last_step(capsys: pytest.CaptureFi
     ]
     drawn = capsys.readouterr().err
     assert "job_x decoding: 100%" in drawn and "job_x storing: 100%" in drawn
+
+
+def test_status_prints_getstatus_as_json(jobs_target: str, run_cli: CliRunner) -> None:
+    res = run_cli(["status", f"--target={jobs_target}"])
+    assert res.code == 0, res.err
+    [status] = res.json_lines()
+    assert status["serving"] is True and status["adaln_mode"] == "ADALN_MODE_RESIDENT"
+    down = run_cli(["status", "--target=127.0.0.1:1", "--timeout-s", "2"])
+    assert down.code == 1 and "ditserve status: failed: UNAVAILABLE" in down.err

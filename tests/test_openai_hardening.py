@@ -29,7 +29,7 @@ from ditruntime.flags import from_args
 from ditserve.errors import UsageError
 from ditserve.jobs_client import JobsClient
 from ditserve.openai.app import create_app
-from ditserve.openai.cli import add_openai_api_parser, cmd_openai_api
+from ditserve.openai.cli import add_openai_api_flags, cmd_openai_api
 from ditserve.openai.config import KIB, FacadeConfig
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
@@ -287,7 +287,7 @@ def test_the_bound_host_is_allowed_and_bad_patterns_are_refused() -> None:
 
 def test_the_command_line_builds_the_config_and_names_a_bad_flag() -> None:
     parser = argparse.ArgumentParser()
-    add_openai_api_parser(parser.add_subparsers())
+    add_openai_api_flags(parser.add_subparsers().add_parser("openai-api"))
     args = parser.parse_args(["openai-api", "--target", "127.0.0.1:1", "--max-body-mb", "0.5", "--allowed-hosts",
                               "api.example.com", "--cors-origins", "https://app.example.com",
                               "--backend-timeout-s", "2", "--download-timeout-s", "60"])  # fmt: skip

@@ -28,29 +28,14 @@ def replica_two_ranks(ctx: BenchContext) -> dict[str, Any]:
     import subprocess
     import sys
 
-    from ditcore.parallel import ParallelSpec, SplitError
-    from ditcore.request import prompt_tokens
-    from ditcore.sizing import Canvas, ModelShapes
-
     from ..client import GeneratorClient
     from ..supervise import terminate, wait_healthy
 
     torch.set_num_threads(ctx.threads)
     model = ctx.model()
     info = model.info
-    # a request whose packed rows split across 2 ranks: the bench prompt, extended by a word until they do
-    fields = ctx.request("A")
-    spec = ParallelSpec(ulysses_degree=2)
-    for extra in ("", " now", " again", " now again"):
-        fields["prompt"] = PROMPT + extra
-        tokens = prompt_tokens(model.pipe.tokenizer, fields["prompt"])
-        req = GenerationRequest(request_id="replica-1", **fields)
-        rows = ModelShapes.of_model(model).tokens(Canvas(req.height, req.width, req.num_frames, tokens)).total
-        try:
-            spec.check_rows(rows)
-            break
-        except SplitError:
-            continue
+    fields = {**ctx.request("A"), "prompt": PROMPT}  # any packed length splits across the ranks
+    req = GenerationRequest(request_id="replica-1", **fields)
     cfg = CacheConfig(gpu_plans=ctx.forwards + 8, host_cache_bytes=0, device=ctx.device)
     cache = PlanCache(cfg, RebuildSource(info, torch.device(ctx.device)))
     try:

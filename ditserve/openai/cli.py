@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
 
 from ditruntime.auth import read_token_file
 from ditruntime.flags import add_flags, from_args
@@ -20,8 +19,8 @@ from .config import FacadeConfig
 API_KEY_ENV = "DITSERVE_OPENAI_API_KEY"
 
 
-def add_openai_api_parser(sub: Any) -> None:
-    p = sub.add_parser("openai-api", help="serve an OpenAI-compatible /v1/videos HTTP API over a generator's jobs")
+def add_openai_api_flags(p: argparse.ArgumentParser) -> None:
+    """`ditserve openai-api`'s flags."""
     p.add_argument("--target", required=True, help="generator address HOST:PORT")
     add_flags(p, FacadeConfig)
     p.add_argument("--api-key-file", default=None, help=f"bearer key clients must send (default: ${API_KEY_ENV}; "

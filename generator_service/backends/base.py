@@ -35,6 +35,7 @@ from ditruntime.slab import SlabDescriptor
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
 from ..errors import PartitionNotServedError, RequestTooLargeForDeviceError
+from .placement import StartPlacement
 from .replica_port import ReplicaPort
 from .sidecar_port import Committed
 
@@ -112,9 +113,15 @@ class Backend(ABC):
         self.replica = replica
         """Rank 0's link to the other ranks of its replica (None: one device): every model it loads runs on every
         rank, and every weight change is made on every rank or none (generator_service.replica.link)."""
+        self.placement: StartPlacement | None = None
+        """Decides the "auto" text encoder and partitions at the first load, and keeps them (None: as the options
+        say, unchecked)."""
 
     def load(self, info: CheckpointInfo, options: RunOptions) -> H3Model:
-        """Load `info` in this backend's mode on its device (on a replica: as rank 0 of it)."""
+        """Load `info` in this backend's mode on its device (on a replica: as rank 0 of it), placed as decided at
+        the first load (PlacementError there when nothing fits)."""
+        if self.placement is not None:
+            options = self.placement.resolve(info, options)
         return load_model(info, self.mode, self.device, options, self.replica.replica if self.replica else None)
 
     def stage_everywhere(self, info: CheckpointInfo, options: RunOptions) -> StagedWeights:
@@ -152,9 +159,9 @@ class Backend(ABC):
             self.replica.settle(SWAP_DROP)
 
     def check_split(self, request: GenerationRequest, prompt_tokens: int | None) -> None:
-        """Admission on a replica: RequestError unless the request's packed sequence splits across the ranks
-        (exact for t2va from the prompt's tokens; fl2va's vision rows are checked by every rank before the
-        transformer's first forward instead)."""
+        """Admission on a replica: RequestError unless the request's packed sequence splits across the ranks (any
+        length does, but on a unified Ulysses x ring layout; exact for t2va from the prompt's tokens, fl2va's vision
+        rows are checked by every rank before the transformer's first forward instead)."""
         if self.replica is not None:
             self.replica.check_split(request, self.sizer(), prompt_tokens)
 

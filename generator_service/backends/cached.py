@@ -19,12 +19,14 @@ import torch
 
 from ditcore import CheckpointInfo, GenerationRequest, H3Model, load_model, validate_checkpoint
 from ditcore.model import RunOptions
+from ditcore.placement import PlacementError
 from ditcore.plans import PlanKey, distinct_keys, dtype_name
 from ditruntime.faults import crash_point
 from ditruntime.slab import check_device, device_uuid
 
 from ..errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavailableError, tensor_updates_refused
 from .base import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
+from .placement import StartPlacement
 from .replica_port import ReplicaPort
 from .sidecar_port import NOT_ATTACHED, Attachment, Committed, SidecarSession
 
@@ -35,9 +37,19 @@ class CachedWeights:
     """The cached-mode model and which checkpoint it came from; `on_attach` vets each session."""
 
     def __init__(
-        self, device: torch.device, options: RunOptions | None = None, replica: ReplicaPort | None = None
+        self,
+        device: torch.device,
+        options: RunOptions | None = None,
+        replica: ReplicaPort | None = None,
+        placement: StartPlacement | None = None,
+        on_refused: Callable[[PlacementError], None] | None = None,
     ) -> None:
         self.device = device
+        self.placement = placement
+        """Decides the "auto" text encoder and partitions at the first attach's load, and keeps them."""
+        self.on_refused = on_refused
+        """Called with the refusal when nothing fits at the first attach (the generator then exits as at a bad
+        flag); None: the attach fails, and is retried."""
         self.options = options if options is not None else RunOptions()  # every model loaded here runs so
         self.replica = replica
         """Rank 0's link to a replica's other ranks: each attachment maps and loads on every rank."""
@@ -64,8 +76,14 @@ class CachedWeights:
                         f"{att.fingerprint[:16]}; the files changed"
                     )
                 log.info("loading MiniMax-H3 (cached mode) from %s", att.weights_path)
+                try:
+                    options = self.placement.resolve(info, self.options) if self.placement else self.options
+                except PlacementError as e:
+                    if self.on_refused is not None:
+                        self.on_refused(e)
+                    raise
                 self.model = load_model(
-                    info, "cached", self.device, self.options, self.replica.replica if self.replica else None
+                    info, "cached", self.device, options, self.replica.replica if self.replica else None
                 )
                 self.loaded = (att.weights_path, att.fingerprint)
             assert self.model is not None
@@ -98,6 +116,7 @@ class CachedBackend(Backend):
 
     def __init__(self, link: SidecarSession, weights: CachedWeights, free_memory: MemoryReader | None = None) -> None:
         super().__init__(weights.device, weights.lock, free_memory, weights.replica)
+        self.placement = weights.placement  # decided at the first attach; updates keep it
         self.link = link
         self._weights = weights
 

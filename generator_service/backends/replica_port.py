@@ -45,4 +45,4 @@ class ReplicaPort(Protocol):
         """The other ranks exit (with this one)."""
 
     def check_split(self, request: GenerationRequest, sizer: Any, prompt_tokens: int | None) -> None:
-        """RequestError unless the request's packed rows split across the ranks."""
+        """RequestError unless the request's packed rows split across the ranks (any length, but on Ulysses x ring)."""

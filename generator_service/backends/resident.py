@@ -17,6 +17,7 @@ from ditcore.model import RunOptions
 
 from ..errors import UpdateError
 from .base import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
+from .placement import StartPlacement
 from .replica_port import ReplicaPort
 from .sidecar_port import Committed
 
@@ -41,8 +42,10 @@ class ResidentBackend(Backend):
         free_memory: MemoryReader | None = None,
         options: RunOptions | None = None,
         replica: ReplicaPort | None = None,
+        placement: StartPlacement | None = None,
     ) -> None:
         super().__init__(device, threading.RLock(), free_memory, replica)
+        self.placement = placement
         info = validate_checkpoint(checkpoint, require_adaln=True)
         self._options = options if options is not None else RunOptions()  # every model this backend loads runs so
         self._model = self.load(info, self._options)  # a replica's other ranks load it at their start too

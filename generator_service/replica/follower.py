@@ -19,6 +19,7 @@ from ditruntime.slab import SlabMapping, descriptor_from_proto
 from protos.ditserve.plancache.v1 import plancache_pb2 as cpb
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
+from ..backends.placement import StartPlacement
 from ..errors import LeaseCheckError
 from .leases import Fixed, Lockstep, RankLease
 from .work import EXIT_REPLICA_LOST, RankStoppedError, keys_from_work, rank_report, request_from_work
@@ -37,13 +38,21 @@ class Follower:
     """A rank other than 0: handles rank 0's work items until told to stop (see generator_service.replica.link)."""
 
     def __init__(
-        self, replica: Replica, mode: str, options: RunOptions, limits: RequestLimits, checkpoint: Any = None
+        self,
+        replica: Replica,
+        mode: str,
+        options: RunOptions,
+        limits: RequestLimits,
+        checkpoint: Any = None,
+        placement: StartPlacement | None = None,
     ) -> None:
         if replica.leader:
             raise ValueError("rank 0 serves; Follower is for the other ranks")
         self.replica = replica
         self.mode = mode
         self.options = options
+        self.placement = placement
+        """rank 0's rule on this rank's free memory: the same partitions on equal devices (ditcore.placement)."""
         self.limits = limits
         self.served = _Served()
         self.mapping: SlabMapping | None = None
@@ -53,7 +62,8 @@ class Follower:
             self.served.model = self._load(validate_checkpoint(checkpoint, require_adaln=True))
 
     def _load(self, info: Any) -> H3Model:
-        return load_model(info, self.mode, self.replica.device, self.options, self.replica)
+        options = self.placement.resolve(info, self.options) if self.placement is not None else self.options
+        return load_model(info, self.mode, self.replica.device, options, self.replica)
 
     def serve(self) -> int:
         """Handle work until Stop (returns 0); a broken group raises ReplicaLostError."""

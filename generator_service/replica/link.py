@@ -195,9 +195,10 @@ class ReplicaLink:
 
     def check_split(self, request: GenerationRequest, sizer: Any, prompt_tokens: int | None) -> None:
         """RequestError unless a t2va request's packed rows (video + audio from the canvas, text = the prompt's
-        tokens) split across the ranks; fl2va's and ref2va's (vision tokens) are checked by every rank before the first
+        tokens) run on the layout: any length, but on a unified Ulysses x ring layout a multiple of the ranks
+        (ParallelSpec.check_rows); fl2va's and ref2va's (vision tokens) are checked by every rank before the first
         forward."""
-        if request.task != "t2va" or sizer is None or prompt_tokens is None:
+        if not self.replica.spec.unified or request.task != "t2va" or sizer is None or prompt_tokens is None:
             return
         rows = sizer.shapes.tokens(dataclasses.replace(Canvas.of(request), prompt_tokens=prompt_tokens)).total
         try:

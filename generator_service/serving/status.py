@@ -1,5 +1,5 @@
 """GetStatus' answer: what this generator serves (weights, generation, queue), its model's memory, components and
-partitions, the replica's ranks and the slab's geometry. No grpc here."""
+partitions, the placement chosen at start, the replica's ranks and the slab's geometry. No grpc here."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ def status_response(
         resp.partitions.extend(partition_status(model))
     if backend.replica is not None:
         resp.replica.CopyFrom(_replica_status(backend.replica))
+    placed = backend.placement.to_status() if backend.placement is not None else None
+    if placed is not None:
+        ranks = [pb.RankNeed(**r) for r in placed.pop("ranks")]
+        resp.start_placement.CopyFrom(pb.StartPlacement(**placed, ranks=ranks))
     slab = st.slab
     if slab is not None:
         page_bytes = slab.slab_bytes // max(1, slab.num_slots * slab.width)

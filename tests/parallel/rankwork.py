@@ -4,6 +4,8 @@
 ulysses_degree=N))` (tests/oracle.py's pipeline; the only change is that diffusers' resolver is given a CPU device
 count of one, so it puts the rank on the CPU), then ditserve's cached transformer under ditcore.parallel with pages
 from the sidecar's PlanBuilder, both on the same request (ditcore.load_model on a Replica: rank 0 alone loads the text encoder); each rank saves both.
+With `anything`, diffusers' loop runs `ulysses_anything` for rows that do not divide by N (`gather_by_broadcast`).
+`oracle_digests`: the per-request oracle of many requests in one process group (tests/parallel/test_replica_any_prompt.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,32 @@ import torch
 from safetensors.torch import save_file
 
 
-def diffusers_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' loop on `degree` Ulysses ranks (the process group already joined)."""
+def gather_by_broadcast(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The uneven all-gather diffusers' `_all_gather_anything` asks of gloo (which refuses it), done without padding:
+    each rank's share broadcast from that rank at its own size, concatenated in rank order."""
+    import torch.distributed as dist
+    from diffusers.models._modeling_parallel import gather_size_by_comm
+
+    tensor = tensor.contiguous()
+    sizes = gather_size_by_comm(tensor.shape[dim], group)
+    parts = []
+    for r, n in enumerate(sizes):
+        part = (
+            tensor
+            if r == dist.get_rank(group)
+            else tensor.new_empty((*tensor.shape[:dim], n, *tensor.shape[dim + 1 :]))
+        )
+        dist.broadcast(part, src=dist.get_global_rank(group, r), group=group)
+        parts.append(part)
+    return torch.cat(parts, dim=dim)
+
+
+def diffusers_cp(
+    repo: Path, request: dict[str, Any], degree: int, anything: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' loop on `degree` Ulysses ranks (the process group already joined). `anything`: diffusers'
+    `ulysses_anything` (any packed length), its one uneven all-gather done by `gather_by_broadcast` (gloo's
+    all_gather takes equal sizes only); the reference for lengths that do not divide by `degree`."""
     from diffusers import ContextParallelConfig
     from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
 
@@ -26,8 +52,9 @@ def diffusers_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torc
     pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
     transformer = pipe.transformer_ref if request.get("references") else pipe.transformer  # ref2va: its partition
     with mock.patch("torch.accelerator.device_count", return_value=1):
-        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))
-    return diffusers_request_latents(repo, request)
+        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, ulysses_anything=anything))
+    with mock.patch("diffusers.hooks.context_parallel._all_gather_anything", gather_by_broadcast):
+        return diffusers_request_latents(repo, request)
 
 
 class BuiltPages:
@@ -80,27 +107,15 @@ def ditserve_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torch
     return result.video, result.audio
 
 
-def cp_latents(rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int) -> None:
+def cp_latents(rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int, anything: bool = False) -> None:
     from ditcore.parallel import init_process_group
 
     init_process_group(torch.device("cpu"))
-    video, audio = diffusers_cp(repo, request, degree)
+    video, audio = diffusers_cp(repo, request, degree, anything)
     mine_video, mine_audio = ditserve_cp(repo, request, degree)
     save_file({"diffusers_video": video.contiguous(), "diffusers_audio": audio.contiguous(),
                "ditserve_video": mine_video.contiguous(), "ditserve_audio": mine_audio.contiguous()},
               str(out / f"rank{rank}.safetensors"))  # fmt: skip
-
-
-def split_refused(rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int) -> None:
-    """ditserve's cached CP run of a request whose rows do not split: the SplitError each rank raised."""
-    from ditcore.parallel import SplitError
-
-    try:
-        ditserve_cp(repo, request, degree)
-        outcome = {"raised": None}
-    except SplitError as e:
-        outcome = {"raised": str(e)}
-    (out / f"rank{rank}.json").write_text(json.dumps(outcome))
 
 
 def diffusers_only(rank: int, out: Path, repos: list[Path], request: dict[str, Any], degree: int) -> None:
@@ -128,3 +143,52 @@ def cuda_cached_vs_resident(rank: int, out: Path, repo: Path, request: dict[str,
     resident = generate(load_model(repo, "resident", device, replica=replica), req)
     save_file({"cached_video": cached.video, "cached_audio": cached.audio, "resident_video": resident.video,
                "resident_audio": resident.audio}, str(out / f"rank{rank}.safetensors"))  # fmt: skip
+
+
+def latents_digest(video: torch.Tensor, audio: torch.Tensor) -> str:
+    """sha256 over the video then the audio latents' bytes: what the generator reports as a result's sha256."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (video, audio):
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def oracle_digests(rank: int, out: Path, repo: Path, requests: list[dict[str, Any]], degree: int) -> None:
+    """Each request's oracle on `degree` Ulysses ranks, in one process group: diffusers' own context-parallel loop
+    (`ContextParallelConfig(ulysses_degree=degree)`) where the packed rows divide by `degree` (the length diffusers
+    runs); otherwise the same loop with diffusers' `ulysses_anything` and `gather_by_broadcast`. Rank 0 writes
+    oracle.json: request_id -> sha256, packed rows, text tokens and which oracle ran."""
+    from diffusers import ContextParallelConfig
+    from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
+
+    from ditcore.parallel import init_process_group
+    from ditcore.request import prompt_tokens
+
+    init_process_group(torch.device("cpu"))
+    precision = stored_precision(repo)
+    pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
+    seen: dict[str, int] = {}
+
+    def choose(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        # the forward's packed rows pick the path; the split hooks and the dispatcher read this config object
+        rows = int(kwargs["position_ids"].shape[0])
+        module._parallel_config.context_parallel_config.ulysses_anything = bool(rows % degree)
+        seen["rows"] = rows
+
+    for transformer in (pipe.transformer, pipe.transformer_ref):
+        with mock.patch("torch.accelerator.device_count", return_value=1):
+            transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))
+        transformer.register_forward_pre_hook(choose, with_kwargs=True)
+    found: dict[str, Any] = {}
+    with mock.patch("diffusers.hooks.context_parallel._all_gather_anything", gather_by_broadcast):
+        for request in requests:
+            video, audio = diffusers_request_latents(repo, request)
+            found[request["request_id"]] = {
+                "sha256": latents_digest(video, audio), "rows": seen["rows"],
+                "tokens": prompt_tokens(pipe.tokenizer, request["prompt"]),
+                "oracle": "diffusers-anything-broadcast" if seen["rows"] % degree else "diffusers",
+            }  # fmt: skip
+    if rank == 0:
+        (out / "oracle.json").write_text(json.dumps(found))

@@ -358,7 +358,7 @@ class SlabGeometry(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype", "replica", "partitions")
+    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype", "replica", "partitions", "start_placement")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,7 @@ class GetStatusResponse(_message.Message):
     DECODE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    START_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     weights_path: str
     fingerprint: str
@@ -395,7 +396,47 @@ class GetStatusResponse(_message.Message):
     decode_dtype: str
     replica: ReplicaStatus
     partitions: _containers.RepeatedCompositeFieldContainer[PartitionStatus]
-    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[PartitionStatus, _Mapping]]] = ...) -> None: ...
+    start_placement: StartPlacement
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[PartitionStatus, _Mapping]]] = ..., start_placement: _Optional[_Union[StartPlacement, _Mapping]] = ...) -> None: ...
+
+class StartPlacement(_message.Message):
+    __slots__ = ("text_encoder", "partitions", "decided", "free_bytes", "free_source", "need_bytes", "left_bytes", "canvas", "ranks")
+    TEXT_ENCODER_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEFT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    text_encoder: str
+    partitions: _containers.RepeatedScalarFieldContainer[str]
+    decided: bool
+    free_bytes: int
+    free_source: str
+    need_bytes: int
+    left_bytes: int
+    canvas: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankNeed]
+    def __init__(self, text_encoder: _Optional[str] = ..., partitions: _Optional[_Iterable[str]] = ..., decided: _Optional[bool] = ..., free_bytes: _Optional[int] = ..., free_source: _Optional[str] = ..., need_bytes: _Optional[int] = ..., left_bytes: _Optional[int] = ..., canvas: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankNeed, _Mapping]]] = ...) -> None: ...
+
+class RankNeed(_message.Message):
+    __slots__ = ("ranks", "bytes", "items")
+    class ItemsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ranks: str
+    bytes: int
+    items: _containers.ScalarMap[str, int]
+    def __init__(self, ranks: _Optional[str] = ..., bytes: _Optional[int] = ..., items: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PartitionStatus(_message.Message):
     __slots__ = ("name", "folder", "loaded", "tasks", "fingerprint", "memory")
