@@ -145,6 +145,13 @@ def health_status(target: str, service: str = "", timeout: float = 5) -> int:
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
 
 
+def is_serving(target: str) -> bool:
+    """The generator at `target` answers its health check SERVING now (False while it cannot be reached)."""
+    with contextlib.suppress(grpc.RpcError):
+        return health_status(target, timeout=2) == health_pb2.HealthCheckResponse.SERVING
+    return False
+
+
 def sidecar_state(target: str, timeout: float = 10) -> cache_pb.GetStateResponse:
     """GetState of the sidecar at `target` ('unix:/path' or a socket path)."""
     target = target if target.startswith("unix:") else f"unix:{target}"

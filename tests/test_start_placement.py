@@ -112,3 +112,20 @@ def test_cached_mode_refuses_at_the_first_attach(svc_ckpt: Path, monkeypatch: py
     with pytest.raises(PlacementError):
         weights._attach_here(SimpleNamespace(weights_path=str(svc_ckpt), fingerprint=info.fingerprint))  # type: ignore[arg-type]
     assert len(refused) == 1 and "the model does not fit" in str(refused[0]) and weights.model is None
+
+
+def test_a_replica_whose_ranks_chose_other_partitions_does_not_serve() -> None:
+    """Each rank places its model by its own free memory: unequal devices could choose other partitions under
+    --partitions auto, and a ref2va request would then run on mixed models. Rank 0's describe refuses that."""
+    from generator_service.errors import GeneratorError
+    from generator_service.replica.link import check_same_partitions
+    from protos.ditserve.replica.v1 import replica_pb2 as rpb
+
+    def report(rank: int, *names: str) -> rpb.RankReport:
+        parts = [rpb.Component(name=n, device="cpu", placement="device") for n in names]
+        return rpb.RankReport(rank=rank, device="cpu", components=[*parts, rpb.Component(name="vae")])
+
+    check_same_partitions([report(0, "transformer", "transformer_ref"), report(1, "transformer", "transformer_ref")])
+    check_same_partitions([report(0, "transformer"), report(1)])  # a rank that holds nothing yet
+    with pytest.raises(GeneratorError, match="rank 1 holds the transformer partitions transformer but rank 0"):
+        check_same_partitions([report(0, "transformer", "transformer_ref"), report(1, "transformer")])

@@ -174,7 +174,9 @@ class ReplicaLink:
         self.call(rpb.RankWork(swap=rpb.Swap(action=action)))
 
     def describe(self, model: H3Model | None) -> None:
-        """Ask every rank what it holds (after an attach or a swap); GetStatus reports the last answer."""
+        """Ask every rank what it holds (after an attach or a swap); GetStatus reports the last answer.
+        GeneratorError when a rank serves other transformer partitions than rank 0 (each rank places its model by
+        its own free memory: unequal devices could choose differently): the replica then does not serve."""
         with self._lock:
             self._check_alive()
             self._send(rpb.RankWork(describe=rpb.Describe()))
@@ -184,6 +186,7 @@ class ReplicaLink:
             except ReplicaLostError as e:
                 raise self._lose(e) from e
         self.reports = [rpb.RankReport.FromString(a) for a in answers]
+        check_same_partitions(self.reports)
 
     def settle(self, action: rpb.SwapAction) -> None:
         """A swap after the outcome is decided (retire, drop): a failure here has already taken the replica
@@ -254,3 +257,16 @@ class ReplicaLink:
         raise_first(statuses, LeaseCheckError)
         assert result is not None
         return result
+
+
+def check_same_partitions(reports: list[rpb.RankReport]) -> None:
+    """GeneratorError unless every rank that holds a model holds the same transformer partitions as rank 0."""
+    held = {r.rank: sorted(c.name for c in r.components if c.name.startswith("transformer")) for r in reports}
+    leader = held.get(0, [])
+    for rank, names in held.items():
+        if names and leader and names != leader:
+            raise GeneratorError(
+                f"replica rank {rank} holds the transformer partitions {', '.join(names)} but rank 0 holds "
+                f"{', '.join(leader)}: its device had other free memory when --partitions auto chose; give every "
+                "rank an equal device, or name --partitions"
+            )

@@ -31,7 +31,7 @@ import pytest
 from distkit import run_ranks
 from rankwork import oracle_digests
 from refmedia import image_bytes
-from servicekit import SERVING, free_port, health_status, short_tmpdir, wait_for
+from servicekit import free_port, is_serving, short_tmpdir, wait_for
 
 from ditcore.presets import PRESETS, _preset
 from ditcore.references import Reference
@@ -80,7 +80,7 @@ def serve(checkpoint: Path, nproc: int) -> Iterator[str]:
                             stderr=subprocess.DEVNULL)  # fmt: skip
     target = f"127.0.0.1:{port}"
     try:
-        wait_for(lambda: _serving(target), 300, f"the {nproc}-rank replica serving")
+        wait_for(lambda: is_serving(target), 300, f"the {nproc}-rank replica serving")
         yield target
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -88,14 +88,6 @@ def serve(checkpoint: Path, nproc: int) -> Iterator[str]:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _serving(target: str) -> bool:
-    import grpc
-
-    with contextlib.suppress(grpc.RpcError):
-        return health_status(target, timeout=2) == SERVING
-    return False
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

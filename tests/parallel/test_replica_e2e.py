@@ -33,7 +33,7 @@ from distkit import run_ranks
 from rankwork import diffusers_only
 from refmedia import video_bytes
 from safetensors.torch import load_file
-from servicekit import SERVING, TOKEN, Weights, free_port, health_status, short_tmpdir, wait_for
+from servicekit import TOKEN, Weights, free_port, is_serving, short_tmpdir, wait_for
 
 from ditcore.references import Reference
 from ditserve.client import GeneratorClient
@@ -107,7 +107,7 @@ def replica(weights: Weights) -> Iterator[Replica]:
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"
     try:
-        wait_for(lambda: _serving(target), 240, "the 2-rank replica serving")
+        wait_for(lambda: is_serving(target), 240, "the 2-rank replica serving")
         yield Replica(proc, target, run_dir)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -115,12 +115,6 @@ def replica(weights: Weights) -> Iterator[Replica]:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _serving(target: str) -> bool:
-    with contextlib.suppress(grpc.RpcError):
-        return health_status(target, timeout=2) == SERVING
-    return False
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -214,7 +208,7 @@ def test_kill_rank_1_mid_request_fails_it_unavailable_and_the_replica_restarts(
     worker.join(120)
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
     # restarted as a unit: new processes for both ranks, serving the weights the sidecar serves (B)
-    wait_for(lambda: _serving(replica.target) and set(replica.ranks()) == {0, 1}
+    wait_for(lambda: is_serving(replica.target) and set(replica.ranks()) == {0, 1}
              and not set(replica.ranks().values()) & set(ranks.values()), 180, "the replica restarted")  # fmt: skip
     with GeneratorClient(replica.target) as client:
         result = client.generate({**REQUEST, "request_id": "after"}, timeout=120)

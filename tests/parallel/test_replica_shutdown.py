@@ -11,18 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
-from servicekit import SERVING, free_port, health_status, short_tmpdir, wait_for
+from servicekit import free_port, is_serving, short_tmpdir, wait_for
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
-
-
-def _serving(target: str) -> bool:
-    try:
-        return health_status(target, timeout=2) == SERVING
-    except grpc.RpcError:
-        return False
 
 
 def _left(port: int) -> list[str]:
@@ -39,7 +31,7 @@ def test_ctrl_c_stops_a_replica_without_a_traceback(svc_ckpt: Path) -> None:
     # a session of its own, as a terminal gives the command it runs: SIGINT to its process group is Ctrl-C
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: _serving(f"127.0.0.1:{port}"), 300, "the 2-rank replica serving")
+        wait_for(lambda: is_serving(f"127.0.0.1:{port}"), 300, "the 2-rank replica serving")
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
