@@ -101,8 +101,8 @@ def check_bearer(configured: str, authorization: str | None, what: str) -> None:
         raise UpdatesDisabledError(f"{what} is disabled: start with --admin-token (or {ADMIN_TOKEN_ENV})")
     if not authorization:
         raise MissingTokenError(f"{what} needs metadata 'authorization: Bearer <admin token>'")
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), configured.encode()):
+    token = bearer_of(authorization)
+    if token is None or not hmac.compare_digest(token.encode(), configured.encode()):
         raise BadTokenError(f"{what}: the admin token is wrong")
 
 

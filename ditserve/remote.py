@@ -200,7 +200,7 @@ def cmd_update_weights(args: argparse.Namespace) -> int:
     token = admin_token_of(args) or os.environ.get("DITSERVE_ADMIN_TOKEN", "")
     if token:
         check_token_transport(args)
-    metadata = [("authorization", f"Bearer {token}")] if token else []
+    metadata = bearer_metadata(token) if token else ()
     req = pb.UpdateWeightsRequest(weights_path=args.path, request_id=args.request_id or "")
     if args.expected_generation is not None:
         req.expected_generation = args.expected_generation

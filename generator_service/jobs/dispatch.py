@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import safetensors.torch
 
-from ..errors import JobStoreUnavailableError, NotServingError, QueueFullError
+from ..errors import JobStoreUnavailableError, QueueFullError
 from ..execution.registry import RunRegistry
 from ..execution.runs import Decoding, Failed, Finished, Muxing, Run, RunEvent, RunResult, Started, StepDone
 from .live import LiveJobs
@@ -45,7 +45,6 @@ from .store import JobStore
 from .types import (
     DISPATCH_AHEAD,
     LATENTS_CONTENT,
-    TRANSIENT_REASONS,
     Classifier,
     Decoder,
     JobsObserver,
@@ -61,9 +60,10 @@ FINISH_RETRY_S = 600.0
 job then stays held by this replica, and the next start queues it again."""
 
 
-def is_transient(code: str, reason: str) -> bool:
-    """A run that failed so ended because the backend went away, not because of its job."""
-    return code == "UNAVAILABLE" or reason in TRANSIENT_REASONS
+def is_transient(code: str) -> bool:
+    """A run that failed with this status code ended because the backend went away (the sidecar, a rank, the
+    serving state: every such error is UNAVAILABLE), not because of its job."""
+    return code == "UNAVAILABLE"
 
 
 class Recorder:
@@ -141,8 +141,8 @@ class Recorder:
                 if self._live.stopping and not run.cancelled.is_set():
                     self.forget(run)  # dropped by the stopping executor: queued again by the next start
                     return
-                code, reason, message = self.classify(error)
-                if not run.cancelled.is_set() and is_transient(code, reason):
+                code, _, message = self.classify(error)
+                if not run.cancelled.is_set() and is_transient(code):
                     self._requeue(run, message)
                     return
                 state = self.finish_failed(run.job_id, error)
@@ -323,8 +323,7 @@ class Dispatcher:
             self.registry.submit(run)
         except Exception as e:
             self._live.pop(record.job_id)
-            code, reason, _ = self._recorder.classify(e)
-            if isinstance(e, QueueFullError | NotServingError) or is_transient(code, reason):
+            if isinstance(e, QueueFullError) or is_transient(self._recorder.classify(e)[0]):
                 self.store.unclaim(record.job_id, p.replica)  # a Generate took the room; stopping; backend gone
                 return False
             self._recorder.finish_failed(record.job_id, e)  # refused (the weights moved past expected_generation)

@@ -196,12 +196,12 @@ class ResultStore:
         return files, n_bytes
 
     # ---------------------------------------------------------------- removing
-    def remove(self, sha256: str, grace_s: float = 0.0) -> bool:
-        """Remove the file: False (and the file stays) while this process holds it, or while it is younger than
-        `grace_s` (a writer elsewhere just stored the same bytes); True once it is gone."""
-        return self._remove_if_old(sha256, time.time() - grace_s if grace_s else None)
+    def remove(self, sha256: str) -> bool:
+        """Remove the file: False (and the file stays) while this process holds it; True once it is gone."""
+        return self._remove_if_old(sha256, None)
 
     def _remove_if_old(self, sha256: str, cutoff: float | None) -> bool:
+        """Remove the file unless held here, or (with a `cutoff`) modified at or after it."""
         path = self.path(sha256)
         with self._lock:
             if self._readers.get(sha256):

@@ -118,14 +118,10 @@ class JobService:
         idempotent retry, return the job the first call made."""
         self.executor.check(Run(new.request, expected_generation=new.expected_generation))
         self._retention.check_room(self.executor.retry_after_s)
-        spec = {
-            **new.request.to_dict(), "expected_generation": new.expected_generation,
-            "upload_ids": {uid: list(d) for uid, d in new.uploads.items()},
-        }  # fmt: skip
         try:
             record, created = self.store.create(
                 job_id=new.job_id, request=new.request_bytes, request_sha256=new.request_sha256,
-                idempotency_key=idempotency_key, spec=spec, steps_total=new.request.steps, now=self._clock(),
+                idempotency_key=idempotency_key, spec=new.spec, steps_total=new.request.steps, now=self._clock(),
                 max_queued=self.policy.max_queued, owner=owner, parts=new.parts,
             )  # fmt: skip
         except JobQueueFullError as e:

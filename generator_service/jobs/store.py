@@ -129,8 +129,8 @@ class JobStore:
         """SQLite: free pages go back to the file system (`reclaim`); a file made without it is rebuilt once."""
         if self.dialect != "sqlite":
             return
-        if self._pragma("auto_vacuum") != 2:  # 2: INCREMENTAL
-            self._pragma("auto_vacuum = INCREMENTAL")
+        if self._pragma("PRAGMA auto_vacuum") != 2:  # 2: INCREMENTAL
+            self._pragma("PRAGMA auto_vacuum = INCREMENTAL")
             self._pragma("VACUUM")  # takes effect for the whole file
 
     def reclaim(self) -> None:
@@ -150,7 +150,7 @@ class JobStore:
         with self._engine.connect() as conn:
             cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
-                cur.execute(statement if statement.startswith(("PRAGMA", "VACUUM")) else f"PRAGMA {statement}")
+                cur.execute(statement)
                 rows = cur.fetchall()
             finally:
                 cur.close()

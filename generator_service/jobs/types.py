@@ -4,8 +4,12 @@ state of a job this replica runs, and what the metrics hear. No grpc here."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ditcore import GenerationRequest
 
@@ -47,14 +51,36 @@ class NewJob:
     expected_generation: int | None
     request_bytes: bytes
     parts: Mapping[str, bytes]
-    request_sha256: str  # of the request's meaning (an idempotent retry means the same)
     uploads: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """upload_id -> (sha256, bytes) of the uploads it named: a retry naming them after they expired still matches."""
 
+    @functools.cached_property
+    def spec(self) -> dict[str, Any]:
+        """What the record shows of the request (`job_spec`), computed once: it hashes every file."""
+        return job_spec(self.request, self.expected_generation, self.uploads)
 
-TRANSIENT_REASONS = frozenset({"SIDECAR_UNAVAILABLE", "NOT_SERVING", "LEASE_CHECK_FAILED", "REPLICA_RANK_LOST"})
-"""A run that failed with one of these failed because the backend went away (the sidecar restarting, a rank lost),
-not because of its request: its job is queued again, not failed."""
+    @property
+    def request_sha256(self) -> str:
+        """Of the request's meaning (`spec_meaning`): an idempotent retry means the same."""
+        return spec_meaning(self.spec)
+
+
+def job_spec(
+    request: GenerationRequest, expected_generation: int | None, uploads: Mapping[str, tuple[str, int]]
+) -> dict[str, Any]:
+    """A job's `spec`: the request's resolved values (each file as its bytes and sha256), the generation it insists
+    on, and which uploads carried its files."""
+    return {
+        **request.to_dict(), "expected_generation": expected_generation,
+        "upload_ids": {uid: list(d) for uid, d in uploads.items()},
+    }  # fmt: skip
+
+
+def spec_meaning(spec: Mapping[str, Any]) -> str:
+    """sha256 of what a job's spec asks for: every resolved value and file, but not its request_id (a label: a client
+    may make up a fresh one per call) nor which uploads carried the files (inline or uploaded: the same file)."""
+    meaning = {k: v for k, v in spec.items() if k not in ("request_id", "upload_ids")}
+    return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

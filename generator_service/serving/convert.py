@@ -4,8 +4,6 @@ the upload store first: `resolve_uploads`), a pushed tensor (UpdateWeights)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import uuid
 from collections.abc import Callable, Mapping
@@ -19,6 +17,7 @@ from ditcore.references import Reference
 from ditcore.request import infer_task
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
+from ..jobs.types import job_spec, spec_meaning
 from .uploads import UploadStore
 
 
@@ -128,19 +127,18 @@ UploadDigest = Callable[[str], "tuple[str, int] | None"]
 
 def split_parts(msg: pb.GenerateRequest) -> tuple[bytes, dict[str, bytes]]:
     """A resolved request as (its bytes without the large parts, the parts by name: "first_frame", "last_frame",
-    "references[i]"): what a job stores, the parts once each by content (`join_parts` puts them back)."""
-    slim = pb.GenerateRequest()
-    slim.CopyFrom(msg)
+    "references[i]"): what a job stores, the parts once each by content (`join_parts` puts them back). `msg` is the
+    caller's own copy: its parts are taken out of it."""
     parts: dict[str, bytes] = {}
     for name in KEYFRAME_PARTS:
-        if getattr(slim, name):
-            parts[name] = getattr(slim, name)
-            slim.ClearField(name)
-    for i, ref in enumerate(slim.references):
+        if getattr(msg, name):
+            parts[name] = getattr(msg, name)
+            msg.ClearField(name)
+    for i, ref in enumerate(msg.references):
         if ref.WhichOneof("source") == "data" and ref.data:
             parts[f"references[{i}]"] = ref.data
             ref.data = b""  # the oneof stays "data"
-    return slim.SerializeToString(deterministic=True), parts
+    return msg.SerializeToString(deterministic=True), parts
 
 
 def join_parts(data: bytes, parts: Mapping[str, bytes]) -> pb.GenerateRequest:
@@ -156,28 +154,23 @@ def join_parts(data: bytes, parts: Mapping[str, bytes]) -> pb.GenerateRequest:
     return msg
 
 
-def request_meaning(msg: pb.GenerateRequest, upload_digest: UploadDigest) -> tuple[str, dict[str, tuple[str, int]]]:
-    """(sha256 of what `msg` asks for, the uploads it names as upload_id -> (sha256, bytes)): its values resolved
-    as Generate resolves them (defaults filled in), each file by its sha256 (sent inline or uploaded: the same), but
-    not the request_id (a label: a client may make up a fresh one for each call). Two messages that mean the same request have the same digest
-    (grpcurl leaving fields unset, the CLI filling them in). RequestError for an upload `upload_digest` does not
-    know, or a field Generate would refuse."""
+def request_meaning(msg: pb.GenerateRequest, upload_digest: UploadDigest) -> str:
+    """The meaning (generator_service.jobs.types.spec_meaning) of a request not resolved yet, so a retry is matched
+    before any admission step: its uploads by `upload_digest`'s sha256, which is what the resolved request's files
+    hash to. RequestError for an upload `upload_digest` does not know, or a field Generate would refuse."""
     probe = pb.GenerateRequest()
     probe.CopyFrom(msg)
-    uploads: dict[str, tuple[str, int]] = {}
-    by_index: dict[int, tuple[str, int]] = {}
+    uploaded: dict[int, tuple[str, int]] = {}
     for i, ref in enumerate(probe.references):
         if ref.WhichOneof("source") == "upload_id":
             found = upload_digest(ref.upload_id)
             if found is None:
                 raise RequestError(f"references[{i}].upload_id", "names no upload this server holds (unknown or "
                                    "expired: upload the file again)")  # fmt: skip
-            uploads[ref.upload_id] = by_index[i] = found
+            uploaded[i] = found
             ref.data = b""
     parsed, expected = request_from_proto(probe)
-    meaning = parsed.to_dict()
-    for i, (sha, size) in by_index.items():
-        meaning["references"][i].update(sha256=sha, bytes=size)
-    del meaning["request_id"]  # a label (clients make up a fresh one per call), not what is generated
-    meaning["expected_generation"] = expected
-    return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest(), uploads
+    spec = job_spec(parsed, expected, {})
+    for i, (sha, size) in uploaded.items():
+        spec["references"][i].update(sha256=sha, bytes=size)
+    return spec_meaning(spec)

@@ -173,38 +173,40 @@ class JobsServicer(pb_grpc.JobsServicer):
                 raise RequestError("request", "is required: the Generate request the job runs")
             msg = request.request
             if key:  # a retry gets its job back before any admission step (its upload may have expired since)
-                found = self.jobs.find_retry(caller.name, key, lambda job: self._meaning(msg, job)[0])
+                found = self.jobs.find_retry(caller.name, key, lambda job: self._retry_meaning(msg, job))
                 if found is not None:
                     return pb.CreateJobResponse(job=job_to_proto(found), created=False)
-            meaning, uploads = self._meaning(msg, None)
-            resolved = resolve_uploads(msg, self.uploads)  # the job keeps the bytes, not the upload
+            stored = resolve_uploads(msg, self.uploads)  # the job keeps the bytes, not the upload
+            if stored is msg:  # it named no upload: a copy of our own to change
+                stored = pb.GenerateRequest()
+                stored.CopyFrom(msg)
             job_id = new_job_id()
-            stored = pb.GenerateRequest()
-            stored.CopyFrom(resolved)
             stored.request_id = msg.request_id or job_id  # the proto's promise; a restart runs it under the same id
             parsed, expected = request_from_proto(stored)
-            slim, parts = split_parts(stored)
-            del stored, resolved
-            new = NewJob(job_id, parsed, expected, slim, parts, meaning, uploads)
+            uploads = {r.upload_id: self._upload_digest(r.upload_id) for r in msg.references
+                       if r.WhichOneof("source") == "upload_id"}  # fmt: skip
+            slim, parts = split_parts(stored)  # its parts taken out of our copy
+            del stored
+            new = NewJob(job_id, parsed, expected, slim, parts, {u: d for u, d in uploads.items() if d is not None})
             view, created = self.jobs.create(new, key or None, caller.name)
         except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
             abort(context, e)
         return pb.CreateJobResponse(job=job_to_proto(view), created=created)
 
-    def _meaning(self, msg: pb.GenerateRequest, job: Job | None) -> tuple[str, dict[str, tuple[str, int]]]:
-        """The request's meaning, its uploads read from the upload store, else from what `job` recorded of them."""
-        known = {uid: (str(d[0]), int(d[1])) for uid, d in (job.spec.get("upload_ids") or {}).items()} if job else {}
+    def _retry_meaning(self, msg: pb.GenerateRequest, job: Job) -> str:
+        """The retried request's meaning, its uploads read from the upload store, else from what `job` recorded."""
+        known = {uid: (str(d[0]), int(d[1])) for uid, d in (job.spec.get("upload_ids") or {}).items()}
+        return request_meaning(msg, lambda uid: self._upload_digest(uid) or known.get(uid))
 
-        def digest(upload_id: str) -> tuple[str, int] | None:
-            if self.uploads is not None:
-                try:
-                    up = self.uploads.get(upload_id, "references")
-                    return up.sha256, len(up.reference.data)
-                except RequestError:
-                    pass
-            return known.get(upload_id)
-
-        return request_meaning(msg, digest)
+    def _upload_digest(self, upload_id: str) -> tuple[str, int] | None:
+        """(sha256, bytes) of a stored upload; None when unknown or expired."""
+        if self.uploads is None:
+            return None
+        try:
+            up = self.uploads.get(upload_id, "references")
+        except RequestError:
+            return None
+        return up.sha256, len(up.reference.data)
 
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.GetJobResponse:
         try:
