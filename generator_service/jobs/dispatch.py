@@ -141,11 +141,11 @@ class Recorder:
                 if self._live.stopping and not run.cancelled.is_set():
                     self.forget(run)  # dropped by the stopping executor: queued again by the next start
                     return
-                code, _, message = self.classify(error)
-                if not run.cancelled.is_set() and is_transient(code):
-                    self._requeue(run, message)
+                classified = self.classify(error)  # once: an unexpected error's traceback is logged by it
+                if not run.cancelled.is_set() and is_transient(classified[0]):
+                    self._requeue(run, classified[2])
                     return
-                state = self.finish_failed(run.job_id, error)
+                state = self.finish_failed(run.job_id, error, classified)
                 self.forget(run, state)
 
     def _requeue(self, run: Run, why: str) -> None:
@@ -216,9 +216,10 @@ class Recorder:
             self.store.update_progress(job_id, self.policy.replica, stage=snap.stage, steps_done=snap.steps_done,
                                        steps_total=snap.steps_total)  # fmt: skip
 
-    def finish_failed(self, job_id: str, error: BaseException) -> str:
-        """Record the job failed (or cancelled) with `error`; its final state."""
-        code, reason, message = self.classify(error)
+    def finish_failed(self, job_id: str, error: BaseException, classified: tuple[str, str, str] | None = None) -> str:
+        """Record the job failed (or cancelled) with `error` (`classified` already, or classified here); its final
+        state."""
+        code, reason, message = classified or self.classify(error)
         state = "cancelled" if code == "CANCELLED" else "failed"
         with contextlib.suppress(JobStoreUnavailableError):  # the outcome matters here, the progress less
             self._write_progress(job_id)  # the steps it really finished, not the last progress written
@@ -323,10 +324,11 @@ class Dispatcher:
             self.registry.submit(run)
         except Exception as e:
             self._live.pop(record.job_id)
-            if isinstance(e, QueueFullError) or is_transient(self._recorder.classify(e)[0]):
+            classified = self._recorder.classify(e)
+            if isinstance(e, QueueFullError) or is_transient(classified[0]):
                 self.store.unclaim(record.job_id, p.replica)  # a Generate took the room; stopping; backend gone
                 return False
-            self._recorder.finish_failed(record.job_id, e)  # refused (the weights moved past expected_generation)
+            self._recorder.finish_failed(record.job_id, e, classified)  # refused (e.g. expected_generation moved on)
         return True
 
     def _run_of(self, record: Job) -> Run:
