@@ -142,31 +142,74 @@ class ParallelSpec:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place in the replica (torchrun's environment)."""
+    """This process's place in the replica (torchrun's environment): its global rank, and its node's (torchrun's
+    GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE). Ranks are numbered node by node: rank = node_rank x
+    local_world_size + local_rank (torchrun's static rendezvous, `--node-rank`)."""
 
     rank: int
     world_size: int
     local_rank: int
+    node_rank: int = 0
+    local_world_size: int = 0
+    """Ranks per node (0: every rank on one node)."""
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def per_node(self) -> int:
+        return self.local_world_size or self.world_size
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.per_node
+
+    @property
+    def node_leader(self) -> bool:
+        """Local rank 0: the rank that names its node's sidecar to rank 0."""
+        return self.local_rank == 0
+
 
 def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
-    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them (one rank of one when unset)."""
+    """RANK / WORLD_SIZE / LOCAL_RANK / GROUP_RANK / LOCAL_WORLD_SIZE as torchrun sets them (one rank of one when
+    unset). ParallelError unless the ranks are numbered node by node on equal nodes."""
     env = os.environ if environ is None else environ
     try:
         rank = int(env.get("RANK", "0"))
         world = int(env.get("WORLD_SIZE", "1"))
         local = int(env.get("LOCAL_RANK", str(rank)))
+        node = int(env.get("GROUP_RANK", "0"))
+        per_node = int(env.get("LOCAL_WORLD_SIZE", str(world)))
     except ValueError as e:
-        raise ParallelError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {e}") from None
+        raise ParallelError(
+            f"RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK and LOCAL_WORLD_SIZE must be integers: {e}"
+        ) from None
     if world < 1 or not 0 <= rank < world or local < 0:
         raise ParallelError(
             f"RANK must lie in [0, WORLD_SIZE) and WORLD_SIZE >= 1; got RANK={rank}, WORLD_SIZE={world}"
         )
-    return Ranks(rank=rank, world_size=world, local_rank=local)
+    if per_node < 1 or world % per_node or node < 0 or rank != node * per_node + local:
+        raise ParallelError(
+            f"a replica's nodes must each run LOCAL_WORLD_SIZE ranks numbered node by node (RANK = GROUP_RANK x "
+            f"LOCAL_WORLD_SIZE + LOCAL_RANK: torchrun's --node-rank with the same --nproc-per-node on every node); "
+            f"got RANK={rank}, WORLD_SIZE={world}, GROUP_RANK={node}, LOCAL_WORLD_SIZE={per_node}, LOCAL_RANK={local}"
+        )
+    return Ranks(rank=rank, world_size=world, local_rank=local, node_rank=node, local_world_size=per_node)
+
+
+def default_layout(ranks: Ranks, backend: str, ulysses_degree: int = 0, ring_degree: int = 0) -> ParallelSpec:
+    """The layout of `--ulysses-degree` / `--ring-degree` on `ranks` (0 = auto): Ulysses within a node and the ring
+    across nodes where the ring runs (NCCL), Ulysses over every rank on gloo (no log-sum-exp backend on the CPU);
+    a degree given alone takes the rest of the ranks as the other."""
+    ring = ring_degree
+    if ring == 0:
+        if ulysses_degree:
+            ring = max(1, ranks.world_size // ulysses_degree)
+        else:
+            ring = ranks.nnodes if backend == "nccl" else 1
+    ulysses = ulysses_degree or max(1, ranks.world_size // ring)
+    return ParallelSpec(ulysses, ring)
 
 
 def process_group_backend(device: torch.device) -> str:

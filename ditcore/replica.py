@@ -40,6 +40,23 @@ class Replica:
     def world_size(self) -> int:
         return self.ranks.world_size
 
+    @property
+    def node_rank(self) -> int:
+        return self.ranks.node_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.ranks.local_rank
+
+    @property
+    def nnodes(self) -> int:
+        return self.ranks.nnodes
+
+    @property
+    def per_node(self) -> int:
+        """Ranks on each node."""
+        return self.ranks.per_node
+
     def _collective(self, what: str, op: Any) -> Any:
         try:
             return op()

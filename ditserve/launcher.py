@@ -9,6 +9,11 @@ process group of its own, so a terminal's Ctrl-C reaches this process alone, and
 rank 0, which stops the others; children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is
 orphaned. A child that crashes is restarted (the generator reattaches by itself). Each child is a `supervise.Child`.
 
+A replica across nodes (--nnodes M, one `serve` per node, each with its --node-rank K and the same --rdzv-endpoint):
+every node runs its own sidecar and its --nproc ranks under torchrun (static rendezvous at --rdzv-endpoint, hosted by
+node 0). Node 0 serves the public port as with one node; a node K > 0 serves nothing public (its ranks follow rank 0):
+its generator is up once torchrun's agent is running, and it is stopped through the agent's process group.
+
 The admin token never goes on a child's argv (world-readable in /proc/PID/cmdline, `ps`): the generator gets it in
 its environment ($DITSERVE_ADMIN_TOKEN; /proc/PID/environ is readable by its own uid only) or, with
 --admin-token-file, the file's path; the sidecar (on the run dir's unix socket, where the peer's uid is the
@@ -22,6 +27,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -91,12 +97,42 @@ def replica_devices(gen: GeneratorConfig, nproc: int) -> list[str]:
     return listed or [gen.device] * nproc
 
 
+def check_nodes(args: argparse.Namespace) -> None:
+    """--nnodes, --node-rank and --rdzv-endpoint agree (ValueError naming the flag and what it allows)."""
+    nnodes, rank, endpoint = args.nnodes, args.node_rank, args.rdzv_endpoint
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= rank < nnodes:
+        raise ValueError(f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, got {rank}")
+    if nnodes == 1:
+        if endpoint is not None:
+            raise ValueError(
+                f"--rdzv-endpoint is for a replica across nodes (--nnodes at least 2), got it with --nnodes 1: "
+                f"drop --rdzv-endpoint {endpoint}"
+            )
+        return
+    if endpoint is None:
+        raise ValueError(
+            f"--rdzv-endpoint HOST:PORT is required with --nnodes {nnodes} (at least 2): where node 0 hosts the "
+            "replica's rendezvous, the same on every node"
+        )
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--rdzv-endpoint must be HOST:PORT with PORT in [1, 65535], got {endpoint!r}")
+    if rank > 0 and args.openai_port is not None:
+        raise ValueError(
+            f"--openai-port is served by node 0 alone (--node-rank 0), got it with --node-rank {rank}: a node "
+            "K > 0 serves nothing public"
+        )
+
+
 def child_configs(
     args: argparse.Namespace, run_dir: Path, checkpoint: Path
 ) -> tuple[GeneratorConfig, SidecarConfig | None]:
     """The generator's config and, in cached mode, the sidecar's, from `serve`'s flags."""
     if args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+    check_nodes(args)
     cached = args.adaln_mode == "cached"
     address = f"unix:{run_dir / SOCKET_NAME}"
     gen = from_args(
@@ -146,20 +182,66 @@ def build_children(
         )
     host = args.host
     health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-    launcher = [py, "-m", "generator_service"]
-    if args.nproc > 1:  # one rank per device, restarted as a unit by torchrun's elastic agent
-        launcher = [py, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.nproc}",
-                    f"--max-restarts={REPLICA_MAX_RESTARTS}", "-m", "generator_service"]  # fmt: skip
-    gen_argv = [*launcher, *to_argv(gen, exclude=("admin_token",)), *common]
+    gen_argv = [*generator_launcher(args), *to_argv(gen, exclude=("admin_token",)), *common]
     health = f"{health_host}:{args.port}"
     gen_log, creds = run_dir / "generator.log", health_credentials(gen)
-    leader = replica_leader if args.nproc > 1 else None
-    children.append(
-        Child("generator", gen_argv, health, gen_log, creds, child_env(gen.admin_token), gen, leader=leader)
-    )
+    env = child_env(gen.admin_token)
+    if args.node_rank > 0:  # no public server here: up once torchrun's agent runs, stopped through its group
+        children.append(
+            Child("generator", gen_argv, health, gen_log, creds, env, gen, ready=wait_running, leader=agent_group)
+        )
+    else:  # rank 0 of a replica (one node or several) is stopped through itself, which stops the others
+        leader = replica_leader if args.nproc > 1 or args.nnodes > 1 else None
+        children.append(Child("generator", gen_argv, health, gen_log, creds, env, gen, leader=leader))
     if args.openai_port is not None:
         children.append(openai_child(args, gen, health, run_dir))
     return children
+
+
+def generator_launcher(args: argparse.Namespace) -> list[str]:
+    """How the generator starts: itself (one rank), or torchrun's elastic agent for --nproc ranks (restarted as a
+    unit), on one node (--standalone) or as node --node-rank of --nnodes (static rendezvous at --rdzv-endpoint, even
+    with one rank per node)."""
+    py = sys.executable
+    restarts = f"--max-restarts={REPLICA_MAX_RESTARTS}"
+    if args.nnodes > 1:
+        return [py, "-m", "torch.distributed.run", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+                "--rdzv-backend=static", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--nproc-per-node={args.nproc}",
+                restarts, "-m", "generator_service"]  # fmt: skip
+    if args.nproc > 1:  # one rank per device
+        return [py, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.nproc}",
+                restarts, "-m", "generator_service"]  # fmt: skip
+    return [py, "-m", "generator_service"]
+
+
+NODE_SETTLE_S = 1.0
+"""How long a node K > 0's torchrun agent must keep running for `serve` to call it up (it has no port to check)."""
+
+
+def wait_running(
+    proc: subprocess.Popen[bytes],
+    timeout_s: float,
+    stop: threading.Event | None = None,
+    settle_s: float = NODE_SETTLE_S,
+) -> None:
+    """`Child.ready` for a node K > 0: returns once `proc` is still running after `settle_s` (or `timeout_s`, if
+    shorter); RuntimeError if it exits first, StopRequested once `stop` is set."""
+    end = time.monotonic() + min(settle_s, timeout_s)
+    while True:
+        if stop is not None and stop.is_set():
+            raise StopRequested("stopped while starting")
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} within {settle_s:g} s of its start")
+        if time.monotonic() >= end:
+            return
+        time.sleep(0.05)
+
+
+def agent_group(agent_pid: int) -> int:
+    """`Child.leader` for a node K > 0 (no rank 0 here to stop the replica through): the torchrun agent's process
+    group, as the negative pid `os.kill` signals a group by (`Child` starts each child as its own group's leader).
+    The agent, signalled, stops this node's ranks (each in a session of its own) and exits."""
+    return -agent_pid
 
 
 def openai_child(args: argparse.Namespace, gen: GeneratorConfig, target: str, run_dir: Path) -> Child:
@@ -202,10 +284,21 @@ def _url(host: str, port: int) -> str:
 def banner(args: argparse.Namespace, gen: GeneratorConfig, checkpoint: Path, run_dir: Path) -> str:
     """What `serve` prints once both children are healthy: where each thing listens, as bound."""
     tls = gen.tls_cert is not None
-    lines = [
-        f"ditserve serving: generator on {args.host}:{args.port} ({args.adaln_mode} mode, "
-        f"{'TLS' if tls else 'plaintext'}), checkpoint {checkpoint}, run dir {run_dir}"
-    ]
+    if args.node_rank > 0:
+        lines = [
+            f"ditserve serving: node {args.node_rank} of {args.nnodes} of a replica ({args.nproc} rank(s) here, "
+            f"{args.adaln_mode} mode), following the replica's rank 0 at rendezvous endpoint {args.rdzv_endpoint}; "
+            f"checkpoint {checkpoint}, run dir {run_dir}"
+        ]
+    else:
+        lines = [
+            f"ditserve serving: generator on {args.host}:{args.port} ({args.adaln_mode} mode, "
+            f"{'TLS' if tls else 'plaintext'}), checkpoint {checkpoint}, run dir {run_dir}"
+        ]
+        if args.nnodes > 1:
+            lines.append(
+                f"  replica: node 0 of {args.nnodes} ({args.nproc} rank(s) here), rendezvous at {args.rdzv_endpoint}"
+            )
     if args.metrics_port is not None:
         host = gen.metrics_bind_host
         where = "" if is_loopback_host(host) else " (reachable from other hosts)"
@@ -213,6 +306,10 @@ def banner(args: argparse.Namespace, gen: GeneratorConfig, checkpoint: Path, run
         if args.adaln_mode == "cached":
             metrics += f", {_url(host, args.metrics_port + 1)} (sidecar)"
         lines.append(metrics)
+    if args.node_rank > 0:  # no public server on this node: requests go to node 0's --port
+        sidecar = f"sidecar {gen.sidecar}" if gen.sidecar else "no sidecar (resident mode)"
+        lines.append(f"  this node's ranks: {sidecar}; no public gRPC port here (requests go to node 0)")
+        return "\n".join(lines)
     target = f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::", "[::]") else f"{args.host}:{args.port}"
     transport = f"-cacert {gen.tls_cert}" if tls else "-plaintext"
     lines.append(
@@ -321,6 +418,22 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--nproc", type=int, default=1,
         help="generator ranks of one replica, one per device (--devices, else --device for each), started by "
         "torchrun's elastic agent; the sidecar gets one slab per rank (default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nnodes", type=int, default=1,
+        help="nodes of one replica across hosts, each running `serve` with the same --nnodes and --rdzv-endpoint "
+        "and its own --node-rank, --nproc ranks on each, started by torchrun with a static rendezvous "
+        "(default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--node-rank", type=int, default=0,
+        help="this node's place in the replica, in [0, --nnodes): node 0 serves --port (and --openai-port), a node "
+        "K > 0 serves nothing public, its ranks follow rank 0 (default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT",
+        help="with --nnodes 2 or more (required then): the replica's rendezvous, hosted by node 0 at this address, "
+        "the same on every node",
     )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="generator bind address (default %(default)s)")
     p.add_argument(

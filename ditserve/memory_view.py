@@ -122,7 +122,7 @@ def _choice(
 ) -> dict[str, Any]:  # fmt: skip
     """What the generator would choose at start in `mode` (the refusal's message when nothing fits)."""
     fp = Footprint.of_report(report, shapes, mode, embedding_bytes(components, precision))
-    spec = ParallelSpec(max(1, args.ulysses_degree or 1), args.ring_degree)
+    spec = ParallelSpec(max(1, args.ulysses_degree or 1), max(1, args.ring_degree or 1))  # one node: ring 0 is 1
     text = "auto" if args.text_encoder_device == "auto" and not args.text_encoder_offload else _asked(args)
     try:
         choice = decide(fp, free, spec, text, names, auto, cuda=args.device_class != "cpu")

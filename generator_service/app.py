@@ -19,16 +19,18 @@ import grpc
 import torch
 
 from ditcore.attention import AttentionBackendError, check_runs
-from ditcore.parallel import Ranks, collective_backend, init_process_group, ranks_from_env
+from ditcore.parallel import ParallelSpec, Ranks, collective_backend, init_process_group, ranks_from_env
 from ditcore.replica import Replica
 from ditruntime.paths import hold_lock, prepare_dir, require_dir
 from ditruntime.tls import mutual_tls_channel_credentials
 
 from .backends.base import Backend
 from .backends.cached import CachedBackend, CachedWeights
+from .backends.node_sidecars import NodeSidecars
 from .backends.placement import StartPlacement, largest_canvas
 from .backends.resident import ResidentBackend
 from .backends.sidecar_client import SidecarClient
+from .backends.sidecar_port import AttachedState, Attachment, SidecarSession
 from .config import GeneratorConfig
 from .execution.executor import Executor
 from .execution.registry import RunRegistry
@@ -40,7 +42,7 @@ from .jobs.types import JobsPolicy
 from .metrics import GeneratorMetrics, register_job_gauges, register_state_gauges
 from .replica.follower import Follower, follow
 from .replica.link import ReplicaLink
-from .replica.work import EXIT_REPLICA_LOST
+from .replica.work import EXIT_REPLICA_LOST, gather_places, node_sidecars
 from .serving.jobs_servicer import classify_error, decode_request
 from .serving.server import GeneratorServer, HealthPublisher
 from .updates import UpdateCoordinator
@@ -48,28 +50,38 @@ from .updates import UpdateCoordinator
 log = logging.getLogger(__name__)
 
 
-def sidecar_credentials(cfg: GeneratorConfig) -> grpc.ChannelCredentials | None:
-    """Mutual TLS to a TCP sidecar (GeneratorConfig insists on all three files); None on a unix socket."""
-    if not cfg.sidecar_tcp:
+def sidecar_credentials(cfg: GeneratorConfig, target: str | None = None) -> grpc.ChannelCredentials | None:
+    """Mutual TLS to a TCP sidecar (`target`, else --sidecar; GeneratorConfig insists on all three files for its
+    own); None on a unix socket. ValueError for another node's TCP sidecar without them."""
+    target = cfg.sidecar if target is None else target
+    if target.startswith("unix"):
         return None
+    if not cfg.sidecar_tls_given:
+        raise ValueError(
+            f"a replica node's sidecar {target} is TCP: rank 0 needs --sidecar-tls-ca, --sidecar-tls-cert and "
+            "--sidecar-tls-key (mutual TLS) to reach it"
+        )
     assert cfg.sidecar_tls_ca is not None and cfg.sidecar_tls_cert is not None and cfg.sidecar_tls_key is not None
     return mutual_tls_channel_credentials(
         cfg.sidecar_tls_ca, cfg.sidecar_tls_cert, cfg.sidecar_tls_key, "--sidecar-tls"
     )
 
 
-def join_replica(cfg: GeneratorConfig, ranks: Ranks) -> Replica:
+def join_replica(cfg: GeneratorConfig, ranks: Ranks) -> tuple[Replica, list[str]]:
     """This rank's place in its replica: its device (--devices by LOCAL_RANK), the process group joined (torchrun's
-    environment), the layout checked (--ulysses-degree x --ring-degree = ranks, the backend) and its mesh built.
-    Every rank calls it at its start."""
+    environment), the layout checked (--ulysses-degree x --ring-degree = ranks, the backend) and its mesh built; and
+    each node's sidecar target (cached mode), gathered from every rank. Every rank calls it at its start."""
     device = torch.device(cfg.rank_device(ranks.local_rank))
-    spec = cfg.parallel_spec(ranks.world_size)
+    spec = cfg.parallel_spec(ranks, device)
     spec.check_layout(ranks.world_size, collective_backend(device))
     init_process_group(device, timeout_s=cfg.replica_timeout_s)
     replica = Replica(spec, ranks, device)
-    log.info("replica rank %d of %d on %s (ulysses %d x ring %d)", ranks.rank, ranks.world_size, device,
-             spec.ulysses_degree, spec.ring_degree)  # fmt: skip
-    return replica
+    places = gather_places(replica, cfg.sidecar if cfg.adaln_mode == "cached" else "")
+    sidecars = node_sidecars(places, ranks.per_node) if cfg.adaln_mode == "cached" else []
+    log.info("replica rank %d of %d (node %d of %d, local rank %d) on %s (ulysses %d x ring %d)", ranks.rank,
+             ranks.world_size, ranks.node_rank, ranks.nnodes, ranks.local_rank, device, spec.ulysses_degree,
+             spec.ring_degree)  # fmt: skip
+    return replica, sidecars
 
 
 def exit_for_restart(state: ServingState, delay_s: float = 2.0) -> Callable[[str], None]:
@@ -90,9 +102,9 @@ def exit_for_restart(state: ServingState, delay_s: float = 2.0) -> Callable[[str
     return lost
 
 
-def start_placement(cfg: GeneratorConfig, device: torch.device, world_size: int) -> StartPlacement:
+def start_placement(cfg: GeneratorConfig, device: torch.device, replica: Replica | None) -> StartPlacement:
     """The placement decided at the first load: the memory model at the largest canvas the limits admit."""
-    spec, canvas = cfg.parallel_spec(world_size), largest_canvas(cfg.limits)
+    spec, canvas = replica.spec if replica is not None else ParallelSpec(), largest_canvas(cfg.limits)
     return StartPlacement(device, spec, canvas, cfg.adaln_mode, cfg.memory_reserve_bytes)
 
 
@@ -107,10 +119,30 @@ def refuse_start(e: Exception) -> None:
 
 def run_follower(cfg: GeneratorConfig) -> int:
     """A replica rank other than 0: no server; it runs every request's loop with rank 0 (generator_service.replica.follower)."""
-    replica = join_replica(cfg, ranks_from_env())
+    replica, _ = join_replica(cfg, ranks_from_env())
     checkpoint = cfg.checkpoint if cfg.adaln_mode == "resident" else None
-    placement = start_placement(cfg, replica.device, replica.world_size)  # the same rule as rank 0's, on this rank
+    placement = start_placement(cfg, replica.device, replica)  # the same rule as rank 0's, on this rank
     return follow(Follower(replica, cfg.adaln_mode, cfg.run_options, cfg.limits, checkpoint, placement))
+
+
+def sidecar_session(
+    cfg: GeneratorConfig, targets: list[str], device: torch.device, weights: CachedWeights, state: ServingState
+) -> SidecarSession:
+    """Rank 0's session with its sidecar, or, on a replica across nodes, with every node's (NodeSidecars: node 0's
+    maps its slab, the others' are leased and updated only)."""
+
+    def client(node: int, target: str, on_attach: Callable[[Attachment], None], state: AttachedState) -> SidecarClient:
+        return SidecarClient(
+            target, cfg.reconnect_s, on_attach=on_attach, state=state, credentials=sidecar_credentials(cfg, target),
+            admin_token=cfg.admin_secret, device=device if node == 0 else None, map_slab=node == 0,
+        )  # fmt: skip
+
+    if len(targets) == 1:
+        return client(0, targets[0], weights.on_attach, state)
+    for target in targets:
+        sidecar_credentials(cfg, target)  # a TCP node without mutual TLS is refused at start
+    log.info("a replica across %d nodes: sidecars %s", len(targets), ", ".join(targets))
+    return NodeSidecars(targets, client, weights.on_attach, state)
 
 
 def build_server(cfg: GeneratorConfig) -> GeneratorServer:
@@ -125,20 +157,18 @@ def build_server(cfg: GeneratorConfig) -> GeneratorServer:
     publisher = HealthPublisher()
     backend: Backend
     state = ServingState(attached=cfg.adaln_mode == "resident", listener=publisher.publish)  # resident: no sidecar
-    replica = ReplicaLink(join_replica(cfg, ranks), exit_for_restart(state)) if ranks.world_size > 1 else None
+    replica, sidecars = None, [cfg.sidecar]
+    if ranks.world_size > 1:
+        joined, sidecars = join_replica(cfg, ranks)
+        replica = ReplicaLink(joined, exit_for_restart(state))
+    placement = start_placement(cfg, device, replica.replica if replica is not None else None)
     if cfg.adaln_mode == "resident":
         assert cfg.checkpoint is not None  # GeneratorConfig checks it
-        placement = start_placement(cfg, device, ranks.world_size)
         backend = ResidentBackend(cfg.checkpoint, device, options=cfg.run_options, replica=replica, placement=placement)
         prefetch = False  # nothing to lease ahead
     else:
-        placement = start_placement(cfg, device, ranks.world_size)
         weights = CachedWeights(device, cfg.run_options, replica, placement, on_refused=refuse_start)
-        link = SidecarClient(
-            cfg.sidecar, cfg.reconnect_s, on_attach=weights.on_attach, state=state,
-            credentials=sidecar_credentials(cfg), admin_token=cfg.admin_secret, device=device,
-        )  # fmt: skip
-        backend = CachedBackend(link, weights)
+        backend = CachedBackend(sidecar_session(cfg, sidecars, device, weights, state), weights)
         prefetch = cfg.prefetch
     metrics = GeneratorMetrics()
     executor = Executor(

@@ -11,7 +11,7 @@ import torch
 
 from ditcore.attention import AUTO, check_name
 from ditcore.model import RunOptions
-from ditcore.parallel import ParallelSpec
+from ditcore.parallel import ParallelSpec, Ranks, collective_backend, default_layout
 from ditcore.pipeline import DECODE_DTYPES
 from ditcore.references import DEFAULT_REFERENCE_LIMITS
 from ditcore.request import (
@@ -66,7 +66,9 @@ class GeneratorConfig:
     checkpoint: Path | None = flag(None, "resident mode: checkpoint dir (cached mode loads the sidecar's)")
     """Resident mode: the checkpoint. Cached mode: ignored; the sidecar's weights are loaded."""
     sidecar: str = flag("", "sidecar socket or host:port (default <run-dir>/plancache.sock)")
-    """Sidecar target: 'unix:/path/plancache.sock' or 'host:port' (cached mode)."""
+    """Sidecar target: 'unix:/path/plancache.sock' or 'host:port' (cached mode). On a replica across nodes, every
+    node's ranks name their own node's sidecar, as rank 0 reaches it (rank 0 gathers them at start and is the one
+    client of every node's sidecar: docs/replicas.md)."""
     listen: str = flag("127.0.0.1:50051", "public address host:port (default %(default)s)")
     """Public address (host:port; port 0 picks a free one)."""
     device: str = flag("cpu", "cpu or cuda[:N] (default %(default)s)")
@@ -84,9 +86,13 @@ class GeneratorConfig:
     )  # fmt: skip
     """Ulysses degree x ring degree must equal the replica's ranks; the Ulysses degree must divide the
     transformer's attention heads (56 released: 1, 2, 4, 7, 8, 14, 28, 56). 0 picks the ranks / ring degree."""
-    ring_degree: int = flag(1, "a replica's ring-attention degree (default %(default)s)", low=1, high=1024)
+    ring_degree: int = flag(
+        0, "a replica's ring-attention degree; 0: the nodes on CUDA (Ulysses within a node, the ring across "
+        "nodes), 1 on CPU (default %(default)s)", low=0, high=1024,
+    )  # fmt: skip
     """Ring attention passes key/value blocks around the ranks; it needs a backend returning its log-sum-exp
-    (flash, _native_cudnn on CUDA), so CPU replicas use Ulysses."""
+    (flash, _native_cudnn on CUDA), so CPU replicas use Ulysses. 0 (auto, ditcore.parallel.default_layout): a
+    multi-node replica runs Ulysses within each node and the ring across the nodes on CUDA."""
     ulysses_anything: bool = flag(
         False, "accepted for older command lines: any sequence length is the default on gloo and NCCL"
     )
@@ -402,6 +408,10 @@ class GeneratorConfig:
     """The jobs API: its store, results and retention (generator_service.jobs.config)."""
 
     @property
+    def sidecar_tls_given(self) -> bool:
+        return any(f is not None for f in (self.sidecar_tls_ca, self.sidecar_tls_cert, self.sidecar_tls_key))
+
+    @property
     def sidecar_tcp(self) -> bool:
         """The sidecar target is TCP (mutual TLS + admin token), not a unix socket (peer uid)."""
         return bool(self.sidecar) and not self.sidecar.startswith("unix")
@@ -456,10 +466,9 @@ class GeneratorConfig:
             raise ValueError(f"--devices lists {len(listed)} device(s); LOCAL_RANK {local_rank} has none")
         return listed[local_rank]
 
-    def parallel_spec(self, world_size: int) -> ParallelSpec:
-        """The replica's layout on `world_size` ranks (--ulysses-degree 0: the ranks over the ring degree)."""
-        ulysses = self.ulysses_degree or max(1, world_size // self.ring_degree)
-        return ParallelSpec(ulysses, self.ring_degree)
+    def parallel_spec(self, ranks: Ranks, device: torch.device) -> ParallelSpec:
+        """The replica's layout on `ranks` (0 degrees: ditcore.parallel.default_layout for `device`'s backend)."""
+        return default_layout(ranks, collective_backend(device), self.ulysses_degree, self.ring_degree)
 
     @property
     def request_handlers(self) -> int:
@@ -511,9 +520,10 @@ class GeneratorConfig:
                 "--sidecar-tls-cert": self.sidecar_tls_cert,
                 "--sidecar-tls-key": self.sidecar_tls_key,
             },
-            required=self.adaln_mode == "cached" and self.sidecar_tcp,
-            needed_by=f"--sidecar {self.sidecar} (TCP)",
-            stray="apply only to a TCP --sidecar HOST:PORT in cached mode",
+            required=self.adaln_mode == "cached" and (self.sidecar_tcp or self.sidecar_tls_given),
+            needed_by=f"--sidecar {self.sidecar} (TCP)" if self.sidecar_tcp else "a TCP sidecar of another node",
+            stray="apply only in cached mode (to a TCP --sidecar HOST:PORT, or the TCP sidecars of a multi-node "
+            "replica's other nodes)",
         )
         if self.control_workers + self.upload_watch_workers >= self.workers:
             raise ValueError(

@@ -141,6 +141,14 @@ class ReplicaUnavailableError(GeneratorError):
     grpc_code = "UNAVAILABLE"
 
 
+class NodeWeightsDifferError(GeneratorError):
+    """A replica across nodes: the nodes' sidecars read one weights path as different checkpoints (their copies of
+    the files differ); the update (or the join) is refused on every node."""
+
+    reason = "NODE_WEIGHTS_DIFFER"
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class SidecarError(GeneratorError):
     """The sidecar refused a call; carries the sidecar's status code name, reason and metadata."""
 

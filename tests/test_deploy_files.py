@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from packaging.requirements import Requirement
 
+from ditcore.parallel import Ranks
 from ditruntime.auth import ADMIN_TOKEN_ENV
 from generator_service import cli as generator_cli
 from plancache_service.app import build_server
@@ -203,7 +205,8 @@ def test_k8s_replica_overlay_is_one_rank_per_gpu_with_a_slab_each(tmp_path: Path
     cfg = generator_cli.config_from_args(generator_cli.build_parser().parse_args(args))
     devices = [cfg.rank_device(r) for r in range(nproc)]
     assert devices == [f"cuda:{r}" for r in range(nproc)]
-    cfg.parallel_spec(nproc).check(nproc, 56, "nccl")  # the released transformer's 56 heads
+    one_node = Ranks(rank=0, world_size=nproc, local_rank=0)
+    cfg.parallel_spec(one_node, torch.device("cuda")).check(nproc, 56, "nccl")  # the released transformer's 56 heads
     side = config_from_args(build_parser().parse_args(sidecar["args"][1:]))
     assert list(side.cache.slab_devices) == devices
     assert generator["resources"]["limits"]["nvidia.com/gpu"] == nproc
@@ -485,3 +488,164 @@ def test_healthcheck_speaks_tls_trusting_the_served_certificate(
     monkeypatch.setenv("DITSERVE_HEALTH_TLS_CA", "")  # compose's ${DITSERVE_TLS_CERT:-} unset: plaintext
     monkeypatch.setenv("DITSERVE_HEALTH_TLS_SERVER_NAME", "")
     assert _healthcheck(target, "--timeout-s", "2").returncode == 1
+
+
+# ----------------------------------------------------------------------------- Kubernetes: a replica across nodes
+K8S_NODES = DOCKER / "k8s-replica-nodes"
+NODES, GPUS_PER_NODE = 2, 8
+ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+@pytest.fixture(scope="module")
+def nodes_sts() -> dict[str, Any]:
+    return _load(K8S_NODES / "statefulset.yaml")
+
+
+def _expand(values: list[str], container: dict[str, Any], samples: dict[str, str]) -> list[str]:
+    """`values` with the kubelet's $(VAR) references replaced by sample values; every reference must name a variable of
+    the container's env (the kubelet leaves an unknown one as literal text)."""
+    defined = {e["name"] for e in container.get("env", [])}
+    refs = {m for v in values for m in ENV_REF.findall(v)}
+    assert refs <= defined, f"undefined env references {refs - defined}"
+    return [ENV_REF.sub(lambda m: samples[m.group(1)], v) for v in values]
+
+
+def test_k8s_replica_nodes_manifests_pass_kubernetes_validate() -> None:
+    """What validate_deploy.sh runs on docker/k8s, on docker/k8s-replica-nodes: every resource against the API schema,
+    --strict (no unknown field); the kustomization lists every resource file."""
+    files = sorted(p for p in K8S_NODES.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert set(_load(K8S_NODES / "kustomization.yaml")["resources"]) == {p.name for p in files}
+    venv_tool = Path(sys.executable).parent / "kubernetes-validate"
+    tool = str(venv_tool) if venv_tool.exists() else shutil.which("kubernetes-validate")
+    assert tool, "kubernetes-validate not found (install the dev extras: pip install -e '.[dev]')"
+    res = subprocess.run([tool, "--strict", "--quiet", *map(str, files)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"kubernetes-validate failed:\n{res.stdout}\n{res.stderr}"
+
+
+def test_k8s_replica_nodes_is_a_parallel_statefulset_of_two_pods_with_dns(nodes_sts: dict[str, Any]) -> None:
+    spec = nodes_sts["spec"]
+    assert nodes_sts["kind"] == "StatefulSet"
+    assert spec["replicas"] == NODES
+    assert spec["podManagementPolicy"] == "Parallel"  # pod 0 is not ready before pod 1 has joined
+    pods = _load(K8S_NODES / "service-nodes.yaml")
+    assert spec["serviceName"] == pods["metadata"]["name"]
+    assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["publishNotReadyAddresses"] is True  # the rendezvous resolves pod 0 before it is ready
+    assert pods["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert {p["port"] for p in pods["spec"]["ports"]} >= {29400, 50052}
+    # per-pod state, CUDA IPC within a pod, 8 GPUs each
+    assert [t["metadata"]["name"] for t in spec["volumeClaimTemplates"]] == ["state"]
+    pod = spec["template"]["spec"]
+    assert pod["shareProcessNamespace"] is True
+    [sidecar], [generator] = pod["initContainers"], pod["containers"]
+    assert sidecar["restartPolicy"] == "Always"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for c in (sidecar, generator):
+        [shm] = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    assert generator["resources"]["limits"]["nvidia.com/gpu"] == GPUS_PER_NODE
+    assert "nvidia.com/gpu" not in sidecar["resources"].get("limits", {})
+
+
+def test_k8s_replica_nodes_generator_runs_torchrun_with_the_pod_index_as_node_rank(nodes_sts: dict[str, Any]) -> None:
+    pod = nodes_sts["spec"]["template"]["spec"]
+    [generator] = pod["containers"]
+    command = generator["command"]
+    assert command[:3] == ["python", "-m", "torch.distributed.run"] and command[-2:] == ["-m", "generator_service"]
+    assert _flag(command, "--nnodes") == str(NODES)
+    assert _flag(command, "--node-rank") == "$(NODE_RANK)"
+    assert _flag(command, "--rdzv-backend") == "static"
+    pod0 = f"{nodes_sts['metadata']['name']}-0.{nodes_sts['spec']['serviceName']}.$(POD_NAMESPACE).svc"
+    assert _flag(command, "--rdzv-endpoint") == f"{pod0}:29400"  # pod 0's DNS name: node rank 0 hosts the store
+    assert _flag(command, "--nproc-per-node") == str(GPUS_PER_NODE)
+    assert int(_flag(command, "--max-restarts")) >= 1
+    env = {e["name"]: e for e in generator["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    _expand(command, generator, {"NODE_RANK": "1", "POD_NAMESPACE": "ns"})  # every reference is defined
+    # torchrun's own parser takes the command line (the kubelet's substitution done)
+    from torch.distributed.run import get_args_parser
+
+    targs = get_args_parser().parse_args(_expand(command[3:], generator, {"NODE_RANK": "1", "POD_NAMESPACE": "ns"}))
+    assert (targs.nnodes, targs.node_rank, targs.nproc_per_node) == (str(NODES), 1, str(GPUS_PER_NODE))
+    assert targs.module and targs.training_script == "generator_service"
+
+
+def test_k8s_replica_nodes_probe_grpc_on_pod_0_only(nodes_sts: dict[str, Any]) -> None:
+    """One template for both pods: each generator probe runs pod 0's gRPC health check (TLS, as docker/k8s) when
+    NODE_RANK is 0, and only a check that torchrun's agent lives elsewhere (no gRPC port there)."""
+    [generator] = nodes_sts["spec"]["template"]["spec"]["containers"]
+    check = "python /opt/ditserve/healthcheck.py 127.0.0.1:50051"
+    expected = {"startupProbe": "--alive", "livenessProbe": "--alive", "readinessProbe": GENERATOR_SERVICE}
+    for name, last in expected.items():
+        shell, dash_c, script = generator[name]["exec"]["command"]
+        assert (shell, dash_c) == ("sh", "-c"), name
+        pod0, _, others = script.partition("else")
+        assert pod0.startswith('if [ "$NODE_RANK" = 0 ]; then') and f"{check} {last};" in pod0, name
+        assert "healthcheck.py" not in others and "torch[.]distributed[.]run" in others, name
+    env = {e["name"]: e for e in generator["env"]}
+    assert env["DITSERVE_HEALTH_TLS_CA"]["value"] == _flag(generator["args"], "--tls-cert")
+    assert env["DITSERVE_HEALTH_TLS_SERVER_NAME"]["value"] == "ditserve.$(POD_NAMESPACE).svc"
+
+
+def test_k8s_replica_nodes_generator_and_sidecar_args_are_valid(nodes_sts: dict[str, Any], tmp_path: Path) -> None:
+    """Each pod's generator flags parse into a GeneratorConfig naming its own sidecar over TCP (mutual TLS) at the
+    pod's DNS name, one rank per local GPU, Ulysses 8 x ring 2 by default on 2 x 8 ranks; the sidecar's parse into a
+    SidecarConfig listening on TCP with mutual TLS, one slab per rank on the same GPUs."""
+    import torch
+
+    pod = nodes_sts["spec"]["template"]["spec"]
+    [sidecar], [generator] = pod["initContainers"], pod["containers"]
+    token = tmp_path / "token"
+    token.write_text("k8s-manifest-test-token\n")
+    token.chmod(0o440)
+    samples = {"POD_NAME": "ditserve-1", "POD_NAMESPACE": "ns", "NODE_RANK": "1"}
+
+    args = _expand(generator["args"], generator, samples)
+    args = [a.replace("/etc/ditserve/admin/token", str(token)) for a in args]
+    cfg = generator_cli.config_from_args(generator_cli.build_parser().parse_args(args))
+    assert cfg.sidecar_tcp and cfg.sidecar == "ditserve-1.ditserve-nodes.ns.svc:50052"
+    devices = [cfg.rank_device(r) for r in range(GPUS_PER_NODE)]
+    assert devices == [f"cuda:{r}" for r in range(GPUS_PER_NODE)]
+    assert _flag(generator["command"], "--nproc-per-node") == str(len(devices))
+    ranks = Ranks(rank=0, world_size=NODES * GPUS_PER_NODE, local_rank=0, node_rank=0, local_world_size=GPUS_PER_NODE)
+    spec = cfg.parallel_spec(ranks, torch.device("cuda"))
+    assert (spec.ulysses_degree, spec.ring_degree) == (GPUS_PER_NODE, NODES)  # Ulysses in a node, ring across
+    spec.check(NODES * GPUS_PER_NODE, 56, "nccl")  # the released transformer's 56 heads
+
+    side_args = [a.replace("/etc/ditserve/admin/token", str(token)) for a in sidecar["args"][1:]]
+    side = config_from_args(build_parser().parse_args(_expand(side_args, sidecar, samples)))
+    assert side.tcp and side.address == "0.0.0.0:50052"
+    assert cfg.sidecar.rsplit(":", 1)[1] == side.address.rsplit(":", 1)[1]
+    assert None not in (side.tls_cert, side.tls_key, side.tls_client_ca)
+    assert list(side.cache.slab_devices) == devices
+    assert side.admin_secret == cfg.admin_secret  # rank 0 presents its token to every TCP sidecar
+
+    # the TLS files are the mounted Secrets: the public one as in docker/k8s, the sidecars' own for both ends
+    assert _mounted_secret(pod, generator, str(cfg.tls_cert))[:2] == ("ditserve-tls", "tls.crt")
+    assert _mounted_secret(pod, generator, str(cfg.tls_key))[:2] == ("ditserve-tls", "tls.key")
+    for c, path in ((generator, cfg.sidecar_tls_cert), (sidecar, side.tls_cert)):
+        assert _mounted_secret(pod, c, str(path))[:2] == ("ditserve-sidecar-tls", "tls.crt")
+    for c, path in ((generator, cfg.sidecar_tls_ca), (sidecar, side.tls_client_ca)):
+        assert _mounted_secret(pod, c, str(path))[:2] == ("ditserve-sidecar-tls", "ca.crt")
+    for c in (sidecar, generator):
+        assert _mounted_secret(pod, c, "/etc/ditserve/admin/token") == ("ditserve-admin", "token", 0o440)
+    # the sidecar's probes: mutual TLS to its TCP port, expecting the pod's name the generator dials
+    env = {e["name"]: e["value"] for e in sidecar["env"] if "value" in e}
+    assert _expand([env["DITSERVE_HEALTH_TLS_SERVER_NAME"]], sidecar, samples) == [cfg.sidecar.rsplit(":", 1)[0]]
+    assert env["DITSERVE_HEALTH_TLS_CERT"] == str(side.tls_cert)
+    assert env["DITSERVE_HEALTH_TLS_CA"] == str(side.tls_client_ca)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert sidecar[probe]["exec"]["command"][2:4] == ["127.0.0.1:50052", SIDECAR_SERVICE], probe
+
+
+def test_k8s_replica_nodes_public_service_selects_pod_0_only(nodes_sts: dict[str, Any]) -> None:
+    service = _load(K8S_NODES / "service.yaml")
+    selector = service["spec"]["selector"]
+    assert selector["apps.kubernetes.io/pod-index"] == "0"  # a string: label values are
+    labels = nodes_sts["spec"]["template"]["metadata"]["labels"]
+    assert {k: v for k, v in selector.items() if k != "apps.kubernetes.io/pod-index"}.items() <= labels.items()
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert set(ports) == {"grpc"} and ports["grpc"]["port"] == 50051
+    assert ports["grpc"].get("appProtocol") != "kubernetes.io/h2c"

@@ -40,8 +40,7 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
 from ..errors import CommitOutcomeUnknownError, LeaseCheckError, SidecarError, SidecarUnavailableError
-from ..health import ServingState
-from .sidecar_port import NOT_ATTACHED, Attachment, Committed, RemoteLease, SidecarSession
+from .sidecar_port import NOT_ATTACHED, AttachedState, Attachment, Committed, RemoteLease, SidecarSession
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +93,26 @@ class SidecarClient(SidecarSession):
 
     A TCP sidecar needs `credentials` (mutual TLS); its weight-update RPCs then carry
     `admin_token` as `authorization: Bearer` metadata. A unix socket needs neither (the sidecar
-    checks this process's uid). `prepare_timeout_s` is the PreparePlans deadline (tests shorten it)."""
+    checks this process's uid). `prepare_timeout_s` is the PreparePlans deadline (tests shorten it). `map_slab`
+    False: another node's sidecar, whose slabs are not mapped here (generator_service.backends.node_sidecars)."""
 
     def __init__(
         self,
         target: str,
         reconnect_s: float,
         on_attach: Callable[[Attachment], None],
-        state: ServingState,
+        state: AttachedState,
         *,
         credentials: grpc.ChannelCredentials | None = None,
         admin_token: str = "",
         device: torch.device | None = None,
         prepare_timeout_s: float = PREPARE_TIMEOUT_S,
+        map_slab: bool = True,
     ) -> None:
         self.target = target
+        self.map_slab = map_slab
+        """False for another node's sidecar (a replica across nodes): its slabs are that node's ranks' to map; this
+        client leases and updates only."""
         self.prepare_timeout_s = prepare_timeout_s
         self._calls = itertools.count(1)  # numbers each PreparePlans' tag
         self.device = device
@@ -187,15 +191,15 @@ class SidecarClient(SidecarSession):
         old, self._mapping = self._mapping, None
         if old is not None:  # a sidecar restart: unmap the old slab before mapping the new one
             self._close_old(old)
-        # validates every field, then the device, before anything is mapped or opened
-        self._mapping = SlabMapping.open(descriptor_from_proto(session.slab), self.device)
-        self._mapping_session = session.session_id
+        slabs = tuple(descriptor_from_proto(d) for d in session.slabs) or (descriptor_from_proto(session.slab),)
+        if self.map_slab:  # validates every field, then the device, before anything is mapped or opened
+            self._mapping = SlabMapping.open(descriptor_from_proto(session.slab), self.device)
+            self._mapping_session = session.session_id
         with self._lock:
             self._epoch += 1
             att = Attachment(
                 self._epoch, session.session_id, self._mapping,
-                session.generation, session.weights_path, session.fingerprint,
-                tuple(descriptor_from_proto(d) for d in session.slabs) or (self._mapping.descriptor,),
+                session.generation, session.weights_path, session.fingerprint, slabs,
             )  # fmt: skip
         self._on_attach(att)  # may load weights; raising keeps us detached
         self._att = att

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -52,35 +52,47 @@ class Attachment:
     """One live session: its id, the mapped slab and table, and what the sidecar serves.
 
     The mapping is closed when the session ends (before another slab is mapped); reading a
-    closed one is SidecarUnavailableError."""
+    closed one is SidecarUnavailableError. A session with another node's sidecar is not mapped here (`mapping`
+    None): that node's own ranks map its slabs."""
 
     epoch: int
     session_id: str
-    mapping: SlabMapping
+    mapping: SlabMapping | None
     generation: int
     weights_path: str
     fingerprint: str
     slabs: tuple[SlabDescriptor, ...] = ()
-    """Every device's slab of the session, in rank order (a replica's other ranks map slabs[r]; this mapping is
-    slabs[0]'s)."""
+    """Every device's slab of the session, in local rank order (a replica's other ranks on the node map slabs[r];
+    this mapping is slabs[0]'s)."""
+    nodes: tuple[Attachment, ...] = ()
+    """A replica across nodes: every node's session, in node order (nodes[0] is this node's own, as above); empty
+    on one node."""
+
+    @property
+    def node_attachments(self) -> tuple[Attachment, ...]:
+        """Every node's session, in node order (this one alone on one node)."""
+        return self.nodes or (self,)
 
     @property
     def descriptor(self) -> SlabDescriptor:
-        return self.mapping.descriptor
+        return self.mapping.descriptor if self.mapping is not None else self.slabs[0]
+
+    def _mapped(self) -> SlabMapping:
+        if self.mapping is None:
+            raise SidecarUnavailableError(f"the sidecar session {self.session_id} is another node's; not mapped here")
+        if self.mapping.closed:
+            raise SidecarUnavailableError(f"the sidecar session {self.session_id} ended; its slab is unmapped")
+        return self.mapping
 
     @property
     def slab(self) -> torch.Tensor:
         """(S, W, P) in the model dtype, read-only view."""
-        if self.mapping.closed:
-            raise SidecarUnavailableError(f"the sidecar session {self.session_id} ended; its slab is unmapped")
-        return self.mapping.slab
+        return self._mapped().slab
 
     @property
     def table(self) -> torch.Tensor:
         """(S, ROW_WORDS + W) int64, read-only view."""
-        if self.mapping.closed:
-            raise SidecarUnavailableError(f"the sidecar session {self.session_id} ended; its slab is unmapped")
-        return self.mapping.table
+        return self._mapped().table
 
 
 def check_rows(table: torch.Tensor, keys: Sequence[PlanKey], slots: Sequence[int], generation: int, what: str) -> None:
@@ -101,6 +113,37 @@ def check_rows(table: torch.Tensor, keys: Sequence[PlanKey], slots: Sequence[int
             raise LeaseCheckError(
                 f"{what}: slot {slot} row {row[:ROW_WORDS]} does not hold plan {key} of generation {generation}"
             )
+
+
+class AttachedState(Protocol):
+    """What a session reports its attachment to (health.ServingState)."""
+
+    def set_attached(self, attached: bool) -> None: ...
+
+
+class SessionLease(Protocol):
+    """A lease as a session grants it (RemoteLease on one sidecar, node_sidecars.NodeLeases on every node's)."""
+
+    epoch: int
+    generation: int
+    keys: list[PlanKey]
+    slots: list[int]
+    report: CacheReport
+
+    @property
+    def node_leases(self) -> list[tuple[int, list[int]]]:
+        """(generation, slots) of every node's lease, in node order."""
+        ...
+
+    def alive(self) -> bool: ...
+
+    def check_rows(self) -> None: ...
+
+    def pages(self, step: int) -> torch.Tensor: ...
+
+    def slab_slots(self) -> tuple[torch.Tensor, list[int]]: ...
+
+    def release(self) -> None: ...
 
 
 class RemoteLease:
@@ -125,9 +168,7 @@ class RemoteLease:
         self.generation = generation
         self._released = False
 
-    @property
-    def epoch(self) -> int:
-        return self.att.epoch
+        self.epoch = att.epoch
 
     def alive(self) -> bool:
         """False once the session that granted it has ended (a new attachment is a new epoch)."""
@@ -145,6 +186,11 @@ class RemoteLease:
     def slab_slots(self) -> tuple[torch.Tensor, list[int]]:
         """The mapped slab and every step's slot (ditcore.generation.SlabPlanLease: read by ditcore.plans.SlotReads)."""
         return self.att.slab, self.slots
+
+    @property
+    def node_leases(self) -> list[tuple[int, list[int]]]:
+        """(generation, slots) of every node's lease, in node order (this one alone on one node)."""
+        return [(self.generation, self.slots)]
 
     def release(self) -> None:
         if self._released:
@@ -188,7 +234,7 @@ class SidecarSession(ABC):
     @abstractmethod
     def prepare(
         self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0
-    ) -> RemoteLease:
+    ) -> SessionLease:
         """Lease one READY slot per step of `keys`, built for `generation`. `step_bound_s` bounds one denoise step of
         the request (0: unknown): should the session vanish, the sidecar keeps the slots pinned at least that long.
         `request_id` (the request's own) tags the call at the sidecar: a call whose answer is lost (its deadline passed,

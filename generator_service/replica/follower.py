@@ -97,8 +97,11 @@ class Follower:
             self.replica.gather_status(status)
 
     def _attach(self, msg: rpb.Attach) -> None:
-        session = cpb.Session.FromString(msg.session)
-        desc = descriptor_from_proto(session.slabs[self.replica.rank])
+        sessions = list(msg.node_sessions) or [msg.session]
+        if len(sessions) != self.replica.nnodes:
+            raise ValueError(f"{len(sessions)} sidecar session(s) for a replica of {self.replica.nnodes} node(s)")
+        session = cpb.Session.FromString(sessions[self.replica.node_rank])  # this node's sidecar
+        desc = descriptor_from_proto(session.slabs[self.replica.local_rank])
         old, self.mapping = self.mapping, None
         if old is not None:
             old.close()
@@ -138,7 +141,11 @@ class Follower:
             return model, None
         if self.mapping is None or msg.epoch != self.epoch:
             raise LeaseCheckError(f"the lease is of session epoch {msg.epoch}, this rank mapped {self.epoch}")
-        lease = RankLease(self.mapping, keys_from_work(msg), list(msg.slots), msg.generation)
+        generation, slots = msg.generation, list(msg.slots)
+        if msg.nodes:  # a replica across nodes: this node's own lease on its own sidecar
+            mine = msg.nodes[self.replica.node_rank]
+            generation, slots = mine.generation, list(mine.slots)
+        lease = RankLease(self.mapping, keys_from_work(msg), slots, generation)
         lease.check_rows()
         return model, lease
 

@@ -152,18 +152,27 @@ class ReplicaLink:
 
     # ------------------------------------------------------------ what rank 0 hands the others
     def attach(self, att: Attachment, local: Callable[[], None]) -> None:
-        """A new sidecar session: every rank maps its slab and loads the session's weights (`local`: rank 0's)."""
-        if len(att.slabs) != self.world_size:
-            raise ValueError(
-                f"the sidecar serves {len(att.slabs)} slab(s) but this replica has {self.world_size} ranks: start "
-                f"the sidecar with --devices listing each rank's device"
-            )
-        session = cpb.Session(
-            session_id=att.session_id, slab=descriptor_to_proto(att.slabs[0]),
-            slabs=[descriptor_to_proto(d) for d in att.slabs], generation=att.generation,
-            weights_path=att.weights_path, fingerprint=att.fingerprint,
-        )  # fmt: skip
-        work = rpb.Attach(epoch=att.epoch, session=session.SerializeToString(), weights_path=att.weights_path,
+        """A new sidecar session (on a replica across nodes, one per node): every rank maps its node's slab of it and
+        loads the session's weights (`local`: rank 0's)."""
+        nodes = att.node_attachments
+        if len(nodes) != self.replica.nnodes:
+            raise ValueError(f"{len(nodes)} sidecar session(s) for a replica of {self.replica.nnodes} node(s)")
+        for n, node in enumerate(nodes):
+            if len(node.slabs) != self.replica.per_node:
+                where = f"node {n}'s sidecar" if len(nodes) > 1 else "the sidecar"
+                raise ValueError(
+                    f"{where} serves {len(node.slabs)} slab(s) but this replica has {self.replica.per_node} rank(s) "
+                    "per node: start each node's sidecar with --devices listing each of its ranks' devices"
+                )
+        sessions = [
+            cpb.Session(
+                session_id=node.session_id, slab=descriptor_to_proto(node.slabs[0]),
+                slabs=[descriptor_to_proto(d) for d in node.slabs], generation=node.generation,
+                weights_path=node.weights_path, fingerprint=node.fingerprint,
+            ).SerializeToString()
+            for node in nodes
+        ]  # fmt: skip
+        work = rpb.Attach(epoch=att.epoch, session=sessions[0], node_sessions=sessions, weights_path=att.weights_path,
                           fingerprint=att.fingerprint)  # fmt: skip
         self.call(rpb.RankWork(attach=work), local)
 
@@ -225,6 +234,7 @@ class ReplicaLink:
             work.generation = lease.generation
             work.plan_keys.extend(key_to_work(k) for k in lease.keys)
             work.slots.extend(lease.slots)
+            work.nodes.extend(rpb.NodeLease(generation=g, slots=s) for g, s in lease.node_leases)
         provider = Fixed(HeldLease(lease)) if lease is not None else None
         try:
             with self._lock:

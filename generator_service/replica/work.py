@@ -64,3 +64,34 @@ def raise_first(statuses: Sequence[str], kind: type[GeneratorError] = GeneratorE
     for rank, status in enumerate(statuses):
         if status:
             raise kind(f"replica rank {rank}: {status}")
+
+
+# ---------------------------------------------------------------------------- where every rank runs
+def gather_places(replica: Replica, sidecar: str) -> list[rpb.RankPlace]:
+    """Every rank's place (its node, its local rank, its device, and its node's sidecar: `sidecar`, this rank's
+    --sidecar), in rank order, on every rank: collective, once when the replica forms."""
+    mine = rpb.RankPlace(rank=replica.rank, node_rank=replica.node_rank, local_rank=replica.local_rank,
+                         sidecar=sidecar, device=str(replica.device))  # fmt: skip
+    return [rpb.RankPlace.FromString(b) for b in replica.gather_bytes(mine.SerializeToString())]
+
+
+def node_sidecars(places: Sequence[rpb.RankPlace], per_node: int) -> list[str]:
+    """Each node's sidecar target as its ranks name it, in node order. ValueError when a node's ranks name different
+    sidecars, or two nodes the same one (each node's sidecar owns that node's slabs)."""
+    nodes: dict[int, str] = {}
+    for place in places:
+        if place.rank != place.node_rank * per_node + place.local_rank:
+            raise ValueError(f"replica rank {place.rank} is local rank {place.local_rank} of node {place.node_rank}: "
+                             f"ranks must be numbered node by node ({per_node} per node)")  # fmt: skip
+        named = nodes.setdefault(place.node_rank, place.sidecar)
+        if named != place.sidecar:
+            raise ValueError(f"node {place.node_rank}'s ranks name different sidecars ({named!r}, {place.sidecar!r}): "
+                             "every rank of a node names its node's --sidecar")  # fmt: skip
+    targets = [nodes[n] for n in sorted(nodes)]
+    for n, target in enumerate(targets):
+        if not target:
+            raise ValueError(f"node {n} names no --sidecar: every node of a cached replica runs its own sidecar")
+        if target in targets[:n]:
+            raise ValueError(f"nodes {targets.index(target)} and {n} both name the sidecar {target!r}: each node's "
+                             "ranks name their own node's sidecar, as rank 0 reaches it")  # fmt: skip
+    return targets
