@@ -13,11 +13,14 @@ A replica across nodes (--nnodes M, one `serve` per node, each with its --node-r
 every node runs its own sidecar and its --nproc ranks under torchrun (static rendezvous at --rdzv-endpoint, hosted by
 node 0). Node 0 serves the public port as with one node; a node K > 0 serves nothing public (its ranks follow rank 0):
 its generator is up once torchrun's agent is running, and it is stopped through the agent's process group.
+With nodes on different hosts, --sidecar-listen HOST:PORT puts each node's sidecar on TCP with mutual TLS
+(--sidecar-tls-ca/-cert/-key: one pair for server and client auth, which rank 0 presents too) and the generator's admin
+token, reached by rank 0 at --sidecar-advertise (default: --sidecar-listen), the generator's --sidecar.
 
 The admin token never goes on a child's argv (world-readable in /proc/PID/cmdline, `ps`): the generator gets it in
 its environment ($DITSERVE_ADMIN_TOKEN; /proc/PID/environ is readable by its own uid only) or, with
---admin-token-file, the file's path; the sidecar (on the run dir's unix socket, where the peer's uid is the
-credential) gets no token at all.
+--admin-token-file, the file's path; the sidecar gets the same on TCP (--sidecar-listen), and on the run dir's unix
+socket, where the peer's uid is the credential, no token at all.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from ditcore import validate_checkpoint, write_repository
 from ditcore.checkpoint_files import is_repository_dir
-from ditruntime.auth import ADMIN_TOKEN_ENV, is_loopback_host, plaintext_admin_warning
+from ditruntime.auth import ADMIN_TOKEN_ENV, check_tls_flags, is_loopback_host, plaintext_admin_warning
 from ditruntime.flags import LaunchOptions, add_flags, from_args, to_argv
 from ditruntime.paths import SOCKET_NAME, default_run_dir, ensure_private_dir, prepare_dir, require_dir
+from ditruntime.tls import mutual_tls_channel_credentials
 from generator_service.config import GeneratorConfig
 from plancache_service.config import CacheConfig, SidecarConfig
 
@@ -72,12 +77,11 @@ def demo_checkpoint(run_dir: Path) -> Path:
 
 
 SERVE_GENERATOR_EXCLUDE = (
-    "checkpoint", "sidecar", "listen", "metrics_port", "max_message_bytes", "prefetch",
-    "sidecar_tls_ca", "sidecar_tls_cert", "sidecar_tls_key", "state_dir",
+    "checkpoint", "sidecar", "listen", "metrics_port", "max_message_bytes", "prefetch", "state_dir",
 )  # fmt: skip
 """GeneratorConfig fields that are not `serve` flags: derived from serve's own options, or left at
-default (serve's sidecar is always on the run dir's unix socket, so no sidecar TLS; serve's one --state-dir holds
-the sidecar's state file and the generator's jobs)."""
+default (serve's one --state-dir holds the sidecar's state file and the generator's jobs). Its --sidecar-tls-* are
+serve's: this node's TCP sidecar's pair and CA (--sidecar-listen), which rank 0 presents to every TCP sidecar."""
 SERVE_CACHE_EXCLUDE = ("device", "devices")
 """One --device / --devices (GeneratorConfig's) places both the transformer and the slab(s)."""
 REPLICA_MAX_RESTARTS = 3
@@ -87,6 +91,8 @@ SERVE_SIDECAR_ONLY = ("state_dir",)
 SERVE_LAUNCH_EXCLUDE = ("threads",)
 FORWARDED_LAUNCH = ("log_level", "log_format")
 """Launch options both children get from `serve`."""
+ANY_HOST = ("0.0.0.0", "::", "[::]")
+"""Listen hosts that bind every interface: no address a client can reach."""
 
 
 def replica_devices(gen: GeneratorConfig, nproc: int) -> list[str]:
@@ -126,6 +132,53 @@ def check_nodes(args: argparse.Namespace) -> None:
         )
 
 
+def _host_port(address: str, flag: str) -> str:
+    """The host of `address` (HOST:PORT, [V6]:PORT); ValueError naming `flag` otherwise."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{flag} must be HOST:PORT with PORT in [1, 65535], got {address!r}")
+    return host
+
+
+def sidecar_addresses(args: argparse.Namespace, run_dir: Path) -> tuple[str, str]:
+    """Where this node's sidecar listens, and the --sidecar its generator ranks name (where rank 0 reaches it): the
+    run dir's unix socket for both, or --sidecar-listen HOST:PORT (TCP, mutual TLS) and --sidecar-advertise (default:
+    the same). ValueError naming the flags."""
+    listen, advertise = args.sidecar_listen, args.sidecar_advertise
+    tls = {"--sidecar-tls-ca": args.sidecar_tls_ca, "--sidecar-tls-cert": args.sidecar_tls_cert,
+           "--sidecar-tls-key": args.sidecar_tls_key}  # fmt: skip
+    if not listen:
+        if advertise:
+            raise ValueError(
+                f"--sidecar-advertise {advertise} is where rank 0 reaches this node's TCP sidecar: it needs "
+                "--sidecar-listen HOST:PORT (without it the sidecar is on the run dir's unix socket)"
+            )
+        if (args.node_rank > 0 or args.nnodes == 1) and (given := [k for k, v in tls.items() if v is not None]):
+            raise ValueError(
+                f"{', '.join(given)}: apply to TCP sidecars: this node's (--sidecar-listen HOST:PORT), or, on node 0 "
+                "of a replica across nodes (--nnodes 2 or more), the other nodes' that rank 0 reaches"
+            )
+        unix = f"unix:{run_dir / SOCKET_NAME}"
+        return unix, unix
+    if args.adaln_mode != "cached":
+        raise ValueError(f"--sidecar-listen {listen}: resident mode (--adaln-mode resident) runs no sidecar")
+    host = _host_port(listen, "--sidecar-listen")
+    check_tls_flags(tls, required=True, needed_by=f"--sidecar-listen {listen} (TCP)", stray="",
+                    hint=" (one certificate for server and client auth, signed by the CA)")  # fmt: skip
+    if not advertise:
+        if host in ANY_HOST:
+            raise ValueError(
+                f"--sidecar-listen {listen} binds every interface: give --sidecar-advertise HOST:PORT, the address "
+                "rank 0 reaches this node's sidecar at (its certificate must name HOST)"
+            )
+        return listen, listen
+    if _host_port(advertise, "--sidecar-advertise") in ANY_HOST:
+        raise ValueError(
+            f"--sidecar-advertise must be an address rank 0 can reach this node's sidecar at, got {advertise!r}"
+        )
+    return listen, advertise
+
+
 def child_configs(
     args: argparse.Namespace, run_dir: Path, checkpoint: Path
 ) -> tuple[GeneratorConfig, SidecarConfig | None]:
@@ -134,7 +187,7 @@ def child_configs(
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     check_nodes(args)
     cached = args.adaln_mode == "cached"
-    address = f"unix:{run_dir / SOCKET_NAME}"
+    listen, address = sidecar_addresses(args, run_dir)
     gen = from_args(
         GeneratorConfig,
         args,
@@ -149,16 +202,21 @@ def child_configs(
     if not cached:
         return gen, None
     slab_devices = ",".join(replica_devices(gen, args.nproc)) if args.nproc > 1 else ""
+    tcp: dict[str, Any] = {}
+    if not listen.startswith("unix"):  # TCP: mutual TLS, and the generator's admin token
+        tcp = {"tls_cert": gen.sidecar_tls_cert, "tls_key": gen.sidecar_tls_key, "tls_client_ca": gen.sidecar_tls_ca,
+               "admin_token": gen.admin_token, "admin_token_file": gen.admin_token_file}  # fmt: skip
     side = from_args(
         SidecarConfig,
         args,
         only=SERVE_SIDECAR_ONLY,
         checkpoint=checkpoint,
         cache=from_args(CacheConfig, args, exclude=SERVE_CACHE_EXCLUDE, device=gen.device, devices=slab_devices),
-        address=address,
+        address=listen,
         metrics_port=None if args.metrics_port is None else args.metrics_port + 1,
         metrics_host=gen.metrics_bind_host,  # both services' /metrics where serve's --metrics-host / --host says
         reflection=gen.reflection,
+        **tcp,
     )
     if side.state_dir is None:
         side = replace(side, state_dir=run_dir / "state")
@@ -173,13 +231,12 @@ def build_children(
     run_dir = Path(launch.run_dir or default_run_dir())
     common = to_argv(launch, only=FORWARDED_LAUNCH)
     children = []
-    if side is not None:
-        socket = side.address.removeprefix("unix:")
-        side_argv = [py, "-m", "plancache_service", *to_argv(side, exclude=("address",)), f"--socket={socket}"]
-        side_log = run_dir / "plancache.log"
-        children.append(
-            Child("plancache sidecar", side_argv + common, side.address, side_log, None, child_env(""), side)
-        )
+    if side is not None:  # TCP: checked where rank 0 reaches it (its certificate names that), with mutual TLS
+        where = f"--listen={side.address}" if side.tcp else f"--socket={side.address.removeprefix('unix:')}"
+        side_argv = [py, "-m", "plancache_service", *to_argv(side, exclude=("address", "admin_token")), where]
+        target, side_creds = (gen.sidecar, sidecar_health_credentials(side)) if side.tcp else (side.address, None)
+        side_log, side_env = run_dir / "plancache.log", child_env(side.admin_token if side.tcp else "")
+        children.append(Child("plancache sidecar", side_argv + common, target, side_log, side_creds, side_env, side))
     host = args.host
     health_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     gen_argv = [*generator_launcher(args), *to_argv(gen, exclude=("admin_token",)), *common]
@@ -302,10 +359,13 @@ def banner(args: argparse.Namespace, gen: GeneratorConfig, checkpoint: Path, run
     if args.metrics_port is not None:
         host = gen.metrics_bind_host
         where = "" if is_loopback_host(host) else " (reachable from other hosts)"
-        metrics = f"  metrics{where}: {_url(host, args.metrics_port)} (generator)"
+        served = [] if args.node_rank > 0 else [f"{_url(host, args.metrics_port)} (generator)"]  # rank 0's alone
         if args.adaln_mode == "cached":
-            metrics += f", {_url(host, args.metrics_port + 1)} (sidecar)"
-        lines.append(metrics)
+            served.append(f"{_url(host, args.metrics_port + 1)} (sidecar)")
+        if served:
+            lines.append(f"  metrics{where}: {', '.join(served)}")
+    if args.sidecar_listen and args.adaln_mode == "cached":
+        lines.append(f"  sidecar: TCP {args.sidecar_listen} (mutual TLS), reached by rank 0 at {gen.sidecar}")
     if args.node_rank > 0:  # no public server on this node: requests go to node 0's --port
         sidecar = f"sidecar {gen.sidecar}" if gen.sidecar else "no sidecar (resident mode)"
         lines.append(f"  this node's ranks: {sidecar}; no public gRPC port here (requests go to node 0)")
@@ -330,6 +390,12 @@ def warnings(args: argparse.Namespace, gen: GeneratorConfig) -> list[str]:
             f"--admin-token-file or ${ADMIN_TOKEN_ENV}"
         )
     tls, token = gen.tls_cert is not None, bool(gen.admin_secret)
+    if getattr(args, "sidecar_listen", "") and gen.adaln_mode == "cached" and not token:
+        out.append(
+            f"--sidecar-listen {args.sidecar_listen}: no admin token (--admin-token-file or ${ADMIN_TOKEN_ENV}), so "
+            "this TCP sidecar refuses weight updates and the replica's UpdateWeights fails: give every node rank "
+            "0's token"
+        )
     plaintext = plaintext_admin_warning(gen.listen, tls, token, gen.allow_plaintext_admin)
     if plaintext:
         out.append(plaintext)
@@ -346,6 +412,14 @@ def health_credentials(gen: GeneratorConfig) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(root_certificates=gen.tls_cert.read_bytes(), **client_pair)
 
 
+def sidecar_health_credentials(side: SidecarConfig) -> grpc.ChannelCredentials:
+    """How `serve` checks a TCP sidecar's health: mutual TLS with the sidecar's own pair, trusting its client CA (serve's
+    --sidecar-tls-*: one pair for server and client auth, signed by that CA). ValueError naming the flag of a bad
+    file."""
+    assert side.tls_client_ca is not None and side.tls_cert is not None and side.tls_key is not None
+    return mutual_tls_channel_credentials(side.tls_client_ca, side.tls_cert, side.tls_key, "--sidecar-tls")
+
+
 def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[Child]]:
     """The run dir, the checkpoint and the children; bad flags or a bad checkpoint raise before any start.
     Prints `warnings` (to stderr)."""
@@ -356,6 +430,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[Child]]:
     checkpoint = Path(args.checkpoint) if args.checkpoint else demo_path(run_dir)
     try:
         gen, side = child_configs(args, run_dir, checkpoint)
+        if side is not None and side.tcp:
+            sidecar_health_credentials(side)  # an unreadable or non-PEM --sidecar-tls-* file, before any start
     except ValueError as e:  # a combination of flags no config accepts
         raise UsageError(str(e)) from e
     if side is not None and side.state_dir is not None:  # every directory flag, before any child starts
@@ -454,5 +530,16 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p, LaunchOptions, exclude=SERVE_LAUNCH_EXCLUDE)
     add_flags(p, GeneratorConfig, exclude=SERVE_GENERATOR_EXCLUDE, group="generator")
     side = p.add_argument_group("plan-cache sidecar (cached mode)")
+    side.add_argument(
+        "--sidecar-listen", default="", metavar="HOST:PORT",
+        help="this node's sidecar listens on TCP here with mutual TLS (--sidecar-tls-ca, --sidecar-tls-cert, "
+        "--sidecar-tls-key: one pair for server and client auth) and the generator's admin token, for a replica "
+        "across hosts (default: the run dir's unix socket)",
+    )  # fmt: skip
+    side.add_argument(
+        "--sidecar-advertise", default="", metavar="HOST:PORT",
+        help="where rank 0 reaches this node's --sidecar-listen sidecar, named by its certificate (default: "
+        "--sidecar-listen; required when that binds 0.0.0.0 or ::)",
+    )  # fmt: skip
     add_flags(side, CacheConfig, exclude=SERVE_CACHE_EXCLUDE)
     add_flags(side, SidecarConfig, only=SERVE_SIDECAR_ONLY)

@@ -312,8 +312,8 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
             {"--max-num-frames", "--max-prompt-bytes", "--admin-token", "--device", "--log-format", "--run-dir"},
         ),
         # serve's --device / --devices are the generator's declarations (the same devices for both processes); the
-        # sidecar's TLS and admin-token flags are for `plancache --listen` (TCP), which serve never
-        # starts: serve's --tls-* / --admin-token are the generator's.
+        # sidecar's TLS and admin-token flags are not serve's: serve's --tls-* / --admin-token are the generator's, and
+        # a TCP sidecar (serve --sidecar-listen) gets the generator's --sidecar-tls-* pair and admin token.
         (
             plancache_cli.build_parser(),
             own

@@ -37,7 +37,7 @@ from protos.ditserve.replica.v1 import replica_pb2 as rpb
 from ..errors import PartitionNotServedError, RequestTooLargeForDeviceError
 from .placement import StartPlacement
 from .replica_port import ReplicaPort
-from .sidecar_port import Committed
+from .sidecar_port import Committed, NodeState
 
 SWAP_INSTALL, SWAP_ROLLBACK, SWAP_DROP, SWAP_RETIRE = (
     rpb.SWAP_ACTION_INSTALL, rpb.SWAP_ACTION_ROLLBACK, rpb.SWAP_ACTION_DROP, rpb.SWAP_ACTION_RETIRE,
@@ -77,6 +77,8 @@ class BackendStatus:
     weights_path: str
     fingerprint: str
     slab: SlabDescriptor | None = None
+    node_sidecars: tuple[NodeState, ...] = ()
+    """Cached mode: every node's sidecar as rank 0 holds it, in node order (one on one node)."""
 
 
 @dataclass(frozen=True)

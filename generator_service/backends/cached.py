@@ -145,11 +145,11 @@ class CachedBackend(Backend):
         return self._attachment().generation
 
     def status(self) -> BackendStatus:
-        att = self.link.attachment
+        att, nodes = self.link.attachment, tuple(self.link.node_states())
         if att is None:
             loaded = self._weights.loaded
-            return BackendStatus(False, False, self.link.target, loaded[0] if loaded else "", "")
-        return BackendStatus(True, True, self.link.target, att.weights_path, att.fingerprint, att.descriptor)
+            return BackendStatus(False, False, self.link.target, loaded[0] if loaded else "", "", node_sidecars=nodes)
+        return BackendStatus(True, True, self.link.target, att.weights_path, att.fingerprint, att.descriptor, nodes)
 
     # ---------------------------------------------------------------- plans
     def _keys(self, request: GenerationRequest) -> list[PlanKey]:

@@ -37,7 +37,16 @@ import torch
 from ditcore.plans import PlanKey
 
 from ..errors import NodeWeightsDifferError, SidecarUnavailableError
-from .sidecar_port import NOT_ATTACHED, AttachedState, Attachment, Committed, RemoteLease, SessionLease, SidecarSession
+from .sidecar_port import (
+    NOT_ATTACHED,
+    AttachedState,
+    Attachment,
+    Committed,
+    NodeState,
+    RemoteLease,
+    SessionLease,
+    SidecarSession,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +154,14 @@ class NodeSidecars(SidecarSession):
     def last_error(self) -> str:
         errors = [f"node {n}: {s.last_error}" for n, s in enumerate(self.nodes) if s.last_error]
         return "; ".join(errors)
+
+    def node_states(self) -> list[NodeState]:
+        states = []
+        for node, (session, known) in enumerate(zip(self.nodes, self._node_att, strict=True)):
+            att = known if session.attachment is not None else None
+            states.append(NodeState(node, self.targets[node], att is not None, att.generation if att else 0,
+                                    att.weights_path if att else "", att.fingerprint if att else ""))  # fmt: skip
+        return states
 
     def wait_attached(self, timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
@@ -292,24 +309,24 @@ class NodeSidecars(SidecarSession):
             session.abort_update(weights_path)
 
     def adopt(self, generation: int, weights_path: str, fingerprint: str) -> None:
+        """The committed update, on every node that committed it (node 0's `generation`, the others' own)."""
         with self._lock:
+            committed = {node: done for node, done in self._committed.items() if node}
+            committed[0] = Committed(generation, fingerprint)
+            for node, done in committed.items():
+                self.nodes[node].adopt(done.generation, weights_path, done.fingerprint)
+                known = self._node_att[node]
+                if known is not None:  # what the next join starts from, too
+                    self._node_att[node] = dataclasses.replace(
+                        known, generation=done.generation, weights_path=weights_path, fingerprint=done.fingerprint
+                    )
             att = self._att
-            self.nodes[0].adopt(generation, weights_path, fingerprint)
             if att is not None:
-                nodes = list(att.node_attachments)
-                nodes[0] = dataclasses.replace(nodes[0], generation=generation, weights_path=weights_path,
-                                               fingerprint=fingerprint)  # fmt: skip
-                for node, done in self._committed.items():
-                    if node:
-                        self.nodes[node].adopt(done.generation, weights_path, done.fingerprint)
-                        nodes[node] = dataclasses.replace(
-                            nodes[node],
-                            generation=done.generation,
-                            weights_path=weights_path,
-                            fingerprint=done.fingerprint,
-                        )
+                nodes = tuple(
+                    self._node_att[n] or a if n in committed else a for n, a in enumerate(att.node_attachments)
+                )
                 self._att = dataclasses.replace(att, generation=generation, weights_path=weights_path,
-                                                fingerprint=fingerprint, nodes=tuple(nodes))  # fmt: skip
+                                                fingerprint=fingerprint, nodes=nodes)  # fmt: skip
             behind, self._behind, self._committed = self._behind, [], {}
         for node in behind:  # its reattach converges it to node 0's weights before the replica serves
             self.nodes[node].reattach()

@@ -203,10 +203,28 @@ NOT_ATTACHED = "not attached to the plan-cache sidecar (it is starting, restarti
 """What a caller is told while detached: the sidecar's address and the last error stay in the generator's log."""
 
 
+class NodeState(NamedTuple):
+    """One node's sidecar as rank 0 holds it (GetStatus)."""
+
+    node: int
+    target: str
+    attached: bool
+    generation: int
+    weights_path: str
+    fingerprint: str
+
+
 class SidecarSession(ABC):
     """The generator's session with its sidecar; keeps itself attached once started."""
 
     target: str
+
+    def node_states(self) -> list[NodeState]:
+        """Every node's sidecar, in node order (this one's alone on one node)."""
+        att = self.attachment
+        if att is None:
+            return [NodeState(0, self.target, False, 0, "", "")]
+        return [NodeState(0, self.target, True, att.generation, att.weights_path, att.fingerprint)]
 
     # ---------------------------------------------------------------- lifecycle
     @abstractmethod

@@ -56,7 +56,8 @@ def key_to_work(key: PlanKey) -> rpb.PlanKey:
 def rank_report(replica: Replica, model: H3Model | None) -> rpb.RankReport:
     """This rank's device and its model's components."""
     components = [rpb.Component(**dataclasses.asdict(c)) for c in model.components()] if model is not None else []
-    return rpb.RankReport(rank=replica.rank, device=str(replica.device), components=components)
+    return rpb.RankReport(rank=replica.rank, device=str(replica.device), components=components,
+                          node=replica.node_rank)  # fmt: skip
 
 
 def raise_first(statuses: Sequence[str], kind: type[GeneratorError] = GeneratorError) -> None:

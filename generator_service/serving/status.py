@@ -41,6 +41,7 @@ def status_response(
         resp.partitions.extend(partition_status(model))
     if backend.replica is not None:
         resp.replica.CopyFrom(_replica_status(backend.replica))
+        resp.replica.node_sidecars.extend(pb.NodeSidecar(**n._asdict()) for n in st.node_sidecars)
     placed = backend.placement.to_status() if backend.placement is not None else None
     if placed is not None:
         ranks = [pb.RankNeed(**r) for r in placed.pop("ranks")]
@@ -60,7 +61,8 @@ def _replica_status(link: ReplicaPort) -> pb.ReplicaStatus:
     spec = link.replica.spec
     return pb.ReplicaStatus(
         ranks=link.world_size, ulysses_degree=spec.ulysses_degree, ring_degree=spec.ring_degree,
-        rank_placements=[pb.RankPlacement(rank=r.rank, device=r.device, components=[
+        nodes=link.replica.nnodes,
+        rank_placements=[pb.RankPlacement(rank=r.rank, device=r.device, node=r.node, components=[
             pb.ComponentPlacement(name=c.name, device=c.device, placement=c.placement, dtype=c.dtype,
                                   bytes=c.bytes, device_bytes=c.device_bytes, note=c.note)
             for c in r.components]) for r in link.reports],

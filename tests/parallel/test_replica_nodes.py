@@ -2,6 +2,8 @@
 --rdzv-endpoint ...` twice, each with its own run dir and its own plan-cache sidecar (one slab each), one CPU rank per
 node under torchrun's static rendezvous, gloo. Rank 0 (node 0) is the one client of both sidecars.
 
+- Node 1's sidecar starts on other weights than node 0's: the replica commits node 0's there before it serves.
+
 - Outputs equal diffusers' own context-parallel run with the same degrees (Ulysses 2 across the nodes: the ring,
   the default across nodes on CUDA, has no log-sum-exp backend on the CPU), t2va with even and uneven rows, fl2va,
   ref2va (tests/parallel/rankwork.py `oracle_digests`).
@@ -81,10 +83,10 @@ class TwoNodes:
     nodes: list[Node]
 
 
-def start_node(rank: int, weights: Weights, rdzv: str, port: int) -> Node:
+def start_node(rank: int, checkpoint: Path, weights: Weights, rdzv: str, port: int) -> Node:
     run_dir = short_tmpdir(f"dsnode{rank}-")
     argv = [sys.executable, "-m", "ditserve", "serve", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint",
-            rdzv, "--nproc", "1", "--device", "cpu", "--checkpoint", str(weights.a), "--weights-root",
+            rdzv, "--nproc", "1", "--device", "cpu", "--checkpoint", str(checkpoint), "--weights-root",
             str(weights.root), "--run-dir", str(run_dir), "--port", str(port), "--no-metrics", "--gpu-plans", "512"]  # fmt: skip
     env = {**os.environ, "DITSERVE_ADMIN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     log = (run_dir / "serve.out").open("wb")
@@ -94,7 +96,8 @@ def start_node(rank: int, weights: Weights, rdzv: str, port: int) -> Node:
 @pytest.fixture(scope="module")
 def two_nodes(weights: Weights) -> Iterator[TwoNodes]:
     rdzv, port = f"127.0.0.1:{free_port()}", free_port()
-    nodes = [start_node(1, weights, rdzv, free_port()), start_node(0, weights, rdzv, port)]
+    # node 1's sidecar starts on other weights (B): the replica brings it to node 0's (A) before it serves
+    nodes = [start_node(1, weights.b, weights, rdzv, free_port()), start_node(0, weights.a, weights, rdzv, port)]
     nodes.reverse()
     target = f"127.0.0.1:{port}"
     try:
@@ -126,11 +129,19 @@ def generate(target: str, request: dict[str, Any]) -> tuple[int, str]:
     return result.generation, result.sha256
 
 
-def test_two_nodes_serve_the_oracle_of_every_task(two_nodes: TwoNodes, oracle: dict[str, dict[str, str]]) -> None:
+def test_two_nodes_serve_the_oracle_of_every_task(
+    two_nodes: TwoNodes, weights: Weights, oracle: dict[str, dict[str, str]]
+) -> None:
     with GeneratorClient(two_nodes.target) as client:
         status = client.status()
     assert status.replica.ranks == 2 and status.replica.ulysses_degree == 2 and status.replica.ring_degree == 1
+    assert status.replica.nodes == 2 and [r.node for r in status.replica.rank_placements] == [0, 1]
     assert status.sidecar_target == ",".join(n.sidecar for n in two_nodes.nodes)  # rank 0: a client of both
+    states = [sidecar_state(n.sidecar) for n in two_nodes.nodes]
+    assert [(s.weights_path, s.generation) for s in states] == [(str(weights.a), 1), (str(weights.a), 2)]
+    sidecars = [(n.node, n.target, n.attached, n.generation, n.fingerprint) for n in status.replica.node_sidecars]
+    assert sidecars == [(i, node.sidecar, True, state.generation, status.fingerprint)
+                        for i, (node, state) in enumerate(zip(two_nodes.nodes, states, strict=True))]  # fmt: skip
     for request in BATCH:
         generation, sha = generate(two_nodes.target, request)
         assert (generation, sha) == (1, oracle["a"][request["request_id"]]), request["request_id"]
@@ -158,7 +169,8 @@ def test_an_update_commits_on_both_sidecars(
 def test_kill_a_rank_on_node_1_restarts_the_replica_and_nothing_mixes(
     two_nodes: TwoNodes, oracle: dict[str, dict[str, str]]
 ) -> None:
-    generation = sidecar_state(two_nodes.nodes[0].sidecar).generation
+    before = [sidecar_state(node.sidecar) for node in two_nodes.nodes]
+    generation = before[0].generation  # node 0's is the replica's (each sidecar counts its own)
     expected = oracle["b"]["fox"] if generation == 2 else oracle["a"]["fox"]
     old = {pid for node in two_nodes.nodes for pid in node.rank_pids()}
     victim = two_nodes.nodes[1].rank_pids()
@@ -175,5 +187,5 @@ def test_kill_a_rank_on_node_1_restarts_the_replica_and_nothing_mixes(
     wait_for(restarted, 240, "both nodes' ranks restarted as a unit")
     answers.append(generate(two_nodes.target, BATCH[0]))
     assert all(answer == (generation, expected) for answer in answers), answers
-    for node in two_nodes.nodes:
-        assert sidecar_state(node.sidecar).generation == generation
+    after = [sidecar_state(node.sidecar) for node in two_nodes.nodes]
+    assert [(s.generation, s.fingerprint) for s in after] == [(s.generation, s.fingerprint) for s in before]

@@ -455,26 +455,48 @@ class PartitionStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., folder: _Optional[str] = ..., loaded: _Optional[bool] = ..., tasks: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("ranks", "ulysses_degree", "ring_degree", "rank_placements")
+    __slots__ = ("ranks", "ulysses_degree", "ring_degree", "rank_placements", "nodes", "node_sidecars")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     ULYSSES_DEGREE_FIELD_NUMBER: _ClassVar[int]
     RING_DEGREE_FIELD_NUMBER: _ClassVar[int]
     RANK_PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_SIDECARS_FIELD_NUMBER: _ClassVar[int]
     ranks: int
     ulysses_degree: int
     ring_degree: int
     rank_placements: _containers.RepeatedCompositeFieldContainer[RankPlacement]
-    def __init__(self, ranks: _Optional[int] = ..., ulysses_degree: _Optional[int] = ..., ring_degree: _Optional[int] = ..., rank_placements: _Optional[_Iterable[_Union[RankPlacement, _Mapping]]] = ...) -> None: ...
+    nodes: int
+    node_sidecars: _containers.RepeatedCompositeFieldContainer[NodeSidecar]
+    def __init__(self, ranks: _Optional[int] = ..., ulysses_degree: _Optional[int] = ..., ring_degree: _Optional[int] = ..., rank_placements: _Optional[_Iterable[_Union[RankPlacement, _Mapping]]] = ..., nodes: _Optional[int] = ..., node_sidecars: _Optional[_Iterable[_Union[NodeSidecar, _Mapping]]] = ...) -> None: ...
+
+class NodeSidecar(_message.Message):
+    __slots__ = ("node", "target", "attached", "generation", "weights_path", "fingerprint")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    target: str
+    attached: bool
+    generation: int
+    weights_path: str
+    fingerprint: str
+    def __init__(self, node: _Optional[int] = ..., target: _Optional[str] = ..., attached: _Optional[bool] = ..., generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class RankPlacement(_message.Message):
-    __slots__ = ("rank", "device", "components")
+    __slots__ = ("rank", "device", "components", "node")
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     device: str
     components: _containers.RepeatedCompositeFieldContainer[ComponentPlacement]
-    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ...) -> None: ...
+    node: int
+    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., node: _Optional[int] = ...) -> None: ...
 
 class ComponentPlacement(_message.Message):
     __slots__ = ("name", "device", "placement", "dtype", "bytes", "device_bytes", "note")

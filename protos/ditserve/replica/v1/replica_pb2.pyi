@@ -41,14 +41,16 @@ class Describe(_message.Message):
     def __init__(self) -> None: ...
 
 class RankReport(_message.Message):
-    __slots__ = ("rank", "device", "components")
+    __slots__ = ("rank", "device", "components", "node")
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     device: str
     components: _containers.RepeatedCompositeFieldContainer[Component]
-    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., components: _Optional[_Iterable[_Union[Component, _Mapping]]] = ...) -> None: ...
+    node: int
+    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., components: _Optional[_Iterable[_Union[Component, _Mapping]]] = ..., node: _Optional[int] = ...) -> None: ...
 
 class Component(_message.Message):
     __slots__ = ("name", "device", "placement", "dtype", "bytes", "device_bytes", "note")
