@@ -5,6 +5,7 @@ from __future__ import annotations
 SLOW_FIRST = (
     "tests/test_bench_quick.py",
     "tests/parallel/test_replica_any_prompt.py",
+    "tests/parallel/test_replica_nodes.py",
     "tests/test_update_crash.py",
     "tests/parallel/test_parallel_oracle.py",
     "tests/test_gpu_check.py",
