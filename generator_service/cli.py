@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
 from ditcore import CheckpointError
-from ditcore.parallel import ranks_from_env
+from ditcore.parallel import ParallelError, ranks_from_env
 from ditruntime.flags import LaunchOptions, add_flags, from_args
 from ditruntime.obs import setup_logging
 from ditruntime.paths import default_socket, grpc_target
@@ -47,7 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     launch = from_args(LaunchOptions, args)
     setup_logging(launch.log_level, launch.log_format)
-    if ranks_from_env().rank > 0:  # a replica rank other than 0 (torchrun): no server, it follows rank 0
+    try:
+        ranks = ranks_from_env()  # torchrun's environment
+    except ParallelError as e:
+        print(f"ditserve generator: error: {e}", file=sys.stderr)
+        return 2
+    if ranks.rank > 0:  # a replica rank other than 0 (torchrun): no server, it follows rank 0
         if launch.threads is not None:
             torch.set_num_threads(launch.threads)
         try:
@@ -55,11 +62,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, CheckpointError, OSError) as e:
             print(f"ditserve generator: error: {e}", file=sys.stderr)
             return 2
-        return run_follower(cfg)
-    return run_service(
+        end_rank(run_follower(cfg))
+    code = run_service(
         "ditserve generator",
         launch.threads,
         lambda: build_server(config_from_args(args)),
         (ValueError, CheckpointError, OSError),
         lambda server: f"generator serving on port {server.port}",  # type: ignore[attr-defined]
     )
+    if ranks.world_size > 1:
+        end_rank(code)
+    return code
+
+
+def end_rank(code: int) -> NoReturn:
+    """A replica rank's exit, past the interpreter's teardown: torch's gloo threads may still be joinable when its
+    static destructors run, and std::terminate (SIGABRT) would turn the rank's clean stop into a failure its elastic
+    agent restarts (seen under load right after a Stop)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,16 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, worker: Callable
     import torch
 
     torch.set_num_threads(1)  # two ranks on two cores
-    try:
-        worker(rank, Path(out_dir), *args)
-    finally:
-        import torch.distributed as dist
+    worker(rank, Path(out_dir), *args)  # a failure: the traceback goes to the parent, which ends the other ranks
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()  # every rank is past its last collective
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # past the interpreter's teardown: gloo's threads may still be joinable when torch's static destructors run, and
+    # std::terminate (SIGABRT) would fail a rank that finished (seen under load)
+    os._exit(0)
 
 
 def run_ranks(worker: Callable[..., None], world_size: int, args: tuple[Any, ...], tmp: Path) -> Path:

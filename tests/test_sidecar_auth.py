@@ -256,8 +256,11 @@ def test_generator_with_a_tcp_sidecar_needs_client_tls(capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     for name in ("--sidecar-tls-ca", "--sidecar-tls-cert", "--sidecar-tls-key"):
         assert name in err
-    with pytest.raises(ValueError, match="--sidecar-tls-ca: apply only to a TCP --sidecar"):
+    # with a unix --sidecar they are rank 0's for the other nodes' TCP sidecars (a replica across nodes): all three
+    with pytest.raises(ValueError, match=r"a TCP sidecar of another node needs mutual TLS.*--sidecar-tls-cert"):
         GeneratorConfig(sidecar="unix:/tmp/x.sock", sidecar_tls_ca=Path("ca.pem"))
+    with pytest.raises(ValueError, match=r"--sidecar-tls-ca: apply only in cached mode"):
+        GeneratorConfig(adaln_mode="resident", checkpoint=Path("/c"), sidecar_tls_ca=Path("ca.pem"))
 
 
 @needs_openssl

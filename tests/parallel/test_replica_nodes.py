@@ -104,9 +104,8 @@ def two_nodes(weights: Weights) -> Iterator[TwoNodes]:
         wait_for(lambda: is_serving(target), 300, "the two-node replica serving")
         yield TwoNodes(target, nodes)
     finally:
-        for node in nodes:
+        for node in nodes:  # node 0 first: its rank 0 stops every rank, then node 1's serve has nothing to wait for
             node.proc.send_signal(signal.SIGTERM)
-        for node in nodes:
             try:
                 node.proc.wait(60)
             except subprocess.TimeoutExpired:
