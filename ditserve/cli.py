@@ -1,6 +1,7 @@
 """The `ditserve` command line: MiniMax-H3 repositories, inspection, local generation, services.
 
     ditserve make-checkpoint --preset tiny --seed 0 --out ./ckpt      # a diffusers repository, released precision
+    ditserve make-adapter --preset tiny --targets all --layout musubi --rank 4 --out lora.safetensors
     ditserve inspect ./ckpt            # or: ditserve inspect --preset h3 (the released figures)
     ditserve generate-local --checkpoint ./ckpt --adaln-mode cached --prompt "a red fox"
     ditserve generate-local --checkpoint ./ckpt --prompt "a red fox" --out fox.mp4     # decoded: H.264 + AAC
@@ -66,6 +67,34 @@ def _make_checkpoint_flags(mk: argparse.ArgumentParser) -> None:
     )
     mk.add_argument("--force", action="store_true", help="overwrite an existing repository at --out")
     mk.set_defaults(func=cmd_make_checkpoint)
+
+
+def _make_adapter_flags(ma: argparse.ArgumentParser) -> None:
+    from ditcore.adapter_files import LAYOUTS, PARTITIONS, TARGETS
+
+    from .commands import cmd_make_adapter
+
+    ma.add_argument("--preset", default=None, help="the shapes of this preset (tiny, small, bench, h3)")
+    ma.add_argument("--checkpoint", default=None, help="or: the shapes of this repository's transformer")
+    ma.add_argument(
+        "--targets",
+        choices=TARGETS,
+        required=True,
+        help="trunk: attention and feed-forward linears; modulation: adaln_proj and norm_out; time: time_embedder",
+    )
+    ma.add_argument("--layout", choices=LAYOUTS, required=True, help="the key layout (ditcore/adapter_files.py)")
+    ma.add_argument("--rank", type=int, required=True, help="LoRA rank, >= 1")
+    ma.add_argument("--alpha", type=float, default=None, help="LoRA alpha (scale alpha/rank); omitted: scale 1.0")
+    ma.add_argument("--seed", type=int, default=0, help="factor seed in [0, 2^63-1] (default %(default)s)")
+    ma.add_argument(
+        "--partition",
+        choices=PARTITIONS,
+        default="base",
+        help="ref: the file targets transformer_ref (diffusers layout only) (default %(default)s)",
+    )
+    ma.add_argument("--out", required=True, help="the adapter file (.safetensors)")
+    ma.add_argument("--force", action="store_true", help="overwrite an existing file at --out")
+    ma.set_defaults(func=cmd_make_adapter)
 
 
 def _inspect_flags(ins: argparse.ArgumentParser) -> None:
@@ -179,6 +208,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "make-checkpoint": Command("write a MiniMax-H3 diffusers repository with random weights", _make_checkpoint_flags),
+    "make-adapter": Command("write a random MiniMax-H3 LoRA adapter in a public key layout", _make_adapter_flags),
     "inspect": Command(
         "parameters, adaln_proj share and bytes, page size, fingerprint; memory and time at a canvas", _inspect_flags
     ),

@@ -114,6 +114,65 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- make-adapter
+def cmd_make_adapter(args: argparse.Namespace) -> int:
+    """Write a random MiniMax-H3 LoRA adapter (ditcore.adapter_files) in one of the layouts diffusers' H3 loader
+    converts; print one JSON line (adapter, layout, targets, rank, alpha, seed, partition, tensors)."""
+    import math
+    from pathlib import Path
+
+    from ditcore.adapter_files import AdapterError, check_adapter, transformer_config, write_adapter
+    from ditcore.presets import preset_of
+    from ditruntime.paths import write_atomically
+
+    if args.rank < 1:
+        raise UsageError(f"--rank must be >= 1, got {args.rank}")
+    if args.alpha is not None and not (math.isfinite(args.alpha) and args.alpha > 0):
+        raise UsageError(f"--alpha must be a finite number > 0 (omit it for scale 1.0), got {args.alpha}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, 2^63-1], got {args.seed}")
+    if args.checkpoint is None and args.preset is None:
+        raise UsageError("give --preset NAME or --checkpoint DIR (the transformer the adapter is shaped for)")
+    if args.preset is not None and args.preset not in PRESETS:
+        raise UsageError(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
+    shapes: Any = args.preset
+    if args.checkpoint is not None:
+        try:
+            shapes = transformer_config(Path(args.checkpoint).expanduser())
+        except AdapterError as e:
+            raise UsageError(f"--checkpoint: {e}") from None
+        if args.preset is not None and preset_of(shapes) != args.preset:
+            raise UsageError(
+                f"--checkpoint {args.checkpoint} has the shapes of preset {preset_of(shapes)!r}, not --preset "
+                f"{args.preset}; drop --preset to shape the adapter for the repository"
+            )
+    values = dict(layout=args.layout, targets=args.targets, rank=args.rank, alpha=args.alpha, partition=args.partition)
+    try:  # what the layout cannot carry is refused before anything is written
+        check_adapter(transformer_config(shapes), args.targets, args.layout, args.rank, args.alpha, args.partition)
+    except AdapterError as e:
+        flags = " ".join(f"--{p} {values[p]}" for p in e.params if p in values)
+        raise UsageError(f"{flags}: {e}" if flags else str(e)) from None
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give the adapter's file name (e.g. adapter.safetensors)")
+    if out.exists() and not args.force:
+        raise UsageError(f"--out {out} exists; pass --force to overwrite it")
+    prepare_dir(out.parent, "--out")
+    quiet_model_libraries()
+    write_atomically(
+        out,
+        lambda tmp: write_adapter(
+            tmp, shapes, args.targets, args.layout, args.rank, args.alpha, args.seed, partition=args.partition
+        ),
+    )
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as f:
+        tensors = len(list(f.keys()))
+    print(json.dumps({"adapter": str(out), **values, "seed": args.seed, "tensors": tensors}))
+    return 0
+
+
 # ---------------------------------------------------------------------------- inspect
 def _transformer_params(config: dict[str, Any]) -> tuple[int, int]:
     """(all parameters, adaln_proj parameters) of the transformer `config` describes, counted on meta."""
