@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .adapters import AdapterInfo
 from .decode import decode
 from .denoise import generate_latents
 from .media import DecodedMedia
@@ -122,9 +123,12 @@ def generate(
     on_step: StepCallback | None = None,
     limits: RequestLimits = H3_LIMITS,
     check: Callable[[], None] | None = None,
+    adapters: Sequence[tuple[AdapterInfo, float]] = (),
 ) -> GenerationResult:
     """Run one request through diffusers' t2va or fl2va loop. Cached models need `plans`; resident models take none.
     `check` (optional) is called between the decode's chunks; it raises to stop the request there (cancel, deadline).
+    `adapters` (AdapterInfo, scale) are active on the request's transformer for its loop, in that order
+    (ditcore.adapters.ModelAdapters); every adapter the model holds is disabled for a request without any.
 
     The lease (if any) is acquired after validation and released in every outcome (before decoding, which reads no
     plan). Timings: `plans` (acquire), `encode` (start of the loop to the first transformer forward: text and keyframe
@@ -167,7 +171,8 @@ def generate(
     try:
         t0 = _clock(device)
         reads = _plan_reads(lease, keys)
-        video, audio = generate_latents(model.pipe, request, reads, keys)
+        with model.adapter_set.active(request.partition, adapters):
+            video, audio = generate_latents(model.pipe, request, reads, keys)
         end = _clock(device)  # resident mode too: the last step's kernels have run
         first = first_forward[0] if first_forward else end
         timings["encode"] = round((first - t0) * 1000.0, 3)

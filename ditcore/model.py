@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .adapters import ModelAdapters
 from .attention import AUTO, backend_of, check_name, use_backend
 from .checkpoint import CheckpointInfo, validate_checkpoint
 from .checkpoint_files import PARTITION_TASKS
@@ -195,6 +196,7 @@ class H3Model:
         )
         self.replica = replica
         """The replica this rank's model runs in (None: one device); its transformer runs context parallel."""
+        self._adapter_set: ModelAdapters | None = None
         self.partitions: tuple[str, ...] = loaded_partitions(self.pipe)
         """The partitions whose transformer this model holds ("base", and "ref" when loaded)."""
         self.repository_partitions: tuple[str, ...] = repository_partitions(info.path)
@@ -212,6 +214,13 @@ class H3Model:
     def transformer(self) -> Any:
         """diffusers' MiniMaxH3Transformer3DModel of the base partition (t2va, fl2va)."""
         return self.pipe.transformer
+
+    @property
+    def adapter_set(self) -> ModelAdapters:
+        """The adapters loaded into this model's transformers (ditcore.adapters), created on first use."""
+        if self._adapter_set is None:
+            self._adapter_set = ModelAdapters(self)
+        return self._adapter_set
 
     def transformer_of(self, partition: str) -> Any:
         """The transformer of `partition` (PartitionNotLoadedError naming the folder when not loaded)."""

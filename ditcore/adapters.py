@@ -1,0 +1,251 @@
+"""Adapters (LoRA files) as ditserve serves them: what one file is (`read_adapter` -> `AdapterInfo`: its identity,
+rank, targets grouped as trunk / modulation / time embedder, partition and contract), the directory of them
+(`AdapterRegistry`, `--adapter-dir`), and the adapters loaded into one model (`ModelAdapters`: diffusers' own loader
+puts them in PEFT layers; a request activates its own with PEFT's `set_adapters(names, weights)`, a request without
+any runs with every adapter disabled, which is the base model's computation exactly).
+
+An adapter is any `*.safetensors` file of the directory, named by its stem, in a layout diffusers' MiniMax-H3 loader
+converts (`MiniMaxH3LoraLoaderMixin.lora_state_dict`: diffusers, ai-toolkit, musubi-tuner, kohya, DiffSynth). Its
+contract (ditcore.adapter_contract) comes from `NAME.json` beside it, else from the file's `__metadata__` entry
+`ditserve_contract`. Its identity is the sha256 of the file's bytes and the canonical contract: a file that changes
+under its name is read again (size, mtime or inode moved) and gets a new identity; what was loaded under the old one
+is never served for it again (loaded adapters are keyed by identity).
+
+A cached model (ditcore.plans: `adaln_proj` and `norm_out` read plans) serves trunk-only adapters on the base plans;
+an adapter that changes the modulation (`adaln_proj`, `norm_out` or the time embedder) needs plans built with it and
+is refused there (`AdapterError`, naming the adapter and its modulation targets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .adapter_contract import METADATA_KEY, NAME, AdapterContract, ManifestError
+from .adapter_files import group_of
+
+GROUPS = ("trunk", "modulation", "time")
+MODULATION_GROUPS = ("modulation", "time")
+"""Targets that change what a plan holds (adaln_proj / norm_out, and the time embedding they read)."""
+_PREFIXES = {"transformer.": "base", "transformer_ref.": "ref"}
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served: names the file (or the adapter) and the rule."""
+
+
+class AdapterNotFoundError(LookupError):
+    """No adapter of that name in the adapter directory."""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One adapter file as read."""
+
+    name: str
+    path: Path
+    identity: str
+    """sha256 of the file's bytes and its canonical contract (hex)."""
+    size_bytes: int
+    rank: int
+    """The largest LoRA rank of its modules."""
+    partition: str
+    """"base" (transformer) or "ref" (transformer_ref)."""
+    targets: dict[str, tuple[str, ...]]
+    """Its modules (diffusers' names) by group: "trunk", "modulation", "time"."""
+    contract: AdapterContract
+    stat: tuple[Any, ...] = field(default=(), compare=False)
+    """The file's and its manifest's (size, mtime_ns, inode) when read: an adapter whose stat moved is read again."""
+
+    @property
+    def changes_modulation(self) -> bool:
+        """It targets adaln_proj / norm_out or the time embedder: a plan is a function of it too."""
+        return any(self.targets.get(g) for g in MODULATION_GROUPS)
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "identity": self.identity, "rank": self.rank, "partition": self.partition,
+                "bytes": self.size_bytes, "targets": {g: len(self.targets.get(g, ())) for g in GROUPS},
+                "contract": self.contract.to_dict()}  # fmt: skip
+
+
+def _stat(path: Path) -> tuple[Any, ...]:
+    """The file's (size, mtime_ns, inode) and its manifest's (or None): OSError when the file is gone."""
+    st = os.stat(path)
+    manifest = path.with_suffix(".json")
+    try:
+        ms = os.stat(manifest)
+        mine: tuple[int, int, int] | None = (ms.st_size, ms.st_mtime_ns, ms.st_ino)
+    except OSError:
+        mine = None
+    return (st.st_size, st.st_mtime_ns, st.st_ino, mine)
+
+
+def read_adapter(path: Path) -> AdapterInfo:
+    """Read one adapter file (and its manifest): AdapterError naming the file when it is not one diffusers' H3 loader
+    converts, carries non-finite factors, keys that name no LoRA module, or a broken manifest."""
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    name = path.stem
+    if path.suffix != ".safetensors" or not NAME.fullmatch(name):
+        raise AdapterError(f"{path.name}: an adapter is NAME.safetensors, NAME 1-128 of A-Z a-z 0-9 . _ -")
+    stat = _stat(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            file_metadata = dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AdapterError(f"{path.name}: not a safetensors file ({e})") from None
+    manifest = path.with_suffix(".json")
+    try:
+        if manifest.is_file():
+            contract = AdapterContract.parse(manifest.read_text(), manifest.name)
+        elif METADATA_KEY in file_metadata:
+            contract = AdapterContract.parse(file_metadata[METADATA_KEY], f"{path.name} __metadata__ {METADATA_KEY}")
+        else:
+            contract = AdapterContract()
+    except ManifestError as e:
+        raise AdapterError(str(e)) from None
+    try:
+        state = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(path))
+    except Exception as e:  # diffusers' converter: a layout it does not know, a key it cannot map
+        raise AdapterError(f"{path.name}: diffusers' MiniMax-H3 LoRA loader refuses it: {e}") from None
+    targets: dict[str, set[str]] = {g: set() for g in GROUPS}
+    partitions, ranks, stray = set(), [], []
+    for key, tensor in state.items():
+        prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+        module, _, kind = key.removeprefix(prefix or "").rpartition(".lora_")
+        if prefix is None or not kind or kind not in ("A.weight", "B.weight"):
+            stray.append(key)
+            continue
+        group = group_of(module)
+        if group is None:
+            stray.append(key)
+            continue
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"{path.name}: {key} holds NaN or Inf")
+        partitions.add(_PREFIXES[prefix])
+        targets[group].add(module)
+        if kind == "A.weight":
+            ranks.append(int(tensor.shape[0]))
+    if stray:
+        raise AdapterError(
+            f"{path.name}: {len(stray)} key(s) name no LoRA factor of a MiniMax-H3 module ditserve serves (e.g. "
+            f"{', '.join(sorted(stray)[:3])}): full-parameter deltas and other modules are refused, nothing is loaded"
+        )
+    if not ranks:
+        raise AdapterError(f"{path.name}: no LoRA factors")
+    partition = contract.partition or (partitions.pop() if len(partitions) == 1 else "")
+    if len(partitions) > 1 or not partition:
+        raise AdapterError(f"{path.name}: targets both transformer partitions; an adapter targets one")
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(b"\0" + contract.canonical().encode())
+    return AdapterInfo(name, path, h.hexdigest(), stat[0], max(ranks), partition,
+                       {g: tuple(sorted(m)) for g, m in targets.items()}, contract, stat)  # fmt: skip
+
+
+class AdapterRegistry:
+    """The adapters of one directory (`--adapter-dir`), read when first asked for and again when their file moved."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._known: dict[str, AdapterInfo] = {}
+
+    def names(self) -> list[str]:
+        return sorted(p.stem for p in self.root.glob("*.safetensors") if NAME.fullmatch(p.stem))
+
+    def get(self, name: str) -> AdapterInfo:
+        """The adapter `name`, its file read again if it changed. AdapterNotFoundError, AdapterError."""
+        if not NAME.fullmatch(name):
+            raise AdapterNotFoundError(f"adapter {name!r}: not an adapter name (no path, 1-128 of A-Z a-z 0-9 . _ -)")
+        path = self.root / f"{name}.safetensors"
+        try:
+            stat = _stat(path)
+        except OSError:
+            self._known.pop(name, None)
+            raise AdapterNotFoundError(f"adapter {name}: no {name}.safetensors in the adapter directory") from None
+        known = self._known.get(name)
+        if known is None or known.stat != stat:
+            known = read_adapter(path)
+            self._known[name] = known
+        return known
+
+    def scan(self) -> tuple[list[AdapterInfo], dict[str, str]]:
+        """Every adapter of the directory, and the refusal of each file that is not one (name -> message)."""
+        found, errors = [], {}
+        for name in self.names():
+            try:
+                found.append(self.get(name))
+            except (AdapterError, AdapterNotFoundError) as e:
+                errors[name] = str(e)
+        return found, errors
+
+
+class ModelAdapters:
+    """The adapters loaded into one model's transformers, keyed by identity (diffusers' `load_lora_weights` into PEFT
+    layers), at most `max_loaded` (the least recently used is deleted first)."""
+
+    def __init__(self, model: Any, max_loaded: int = 8) -> None:
+        self.model = model
+        self.max_loaded = max_loaded
+        self._loaded: OrderedDict[str, AdapterInfo] = OrderedDict()
+
+    @staticmethod
+    def peft_name(info: AdapterInfo) -> str:
+        return f"a{info.identity[:24]}"
+
+    def loaded(self) -> list[AdapterInfo]:
+        return list(self._loaded.values())
+
+    def _ensure(self, info: AdapterInfo) -> str:
+        name = self.peft_name(info)
+        if name in self._loaded:
+            self._loaded.move_to_end(name)
+            return name
+        if info.changes_modulation and self.model.mode == "cached":
+            mods = ", ".join((*info.targets["modulation"], *info.targets["time"])[:4])
+            raise AdapterError(
+                f"adapter {info.name} changes the modulation ({mods}, ...): cached mode serves it only on plans built "
+                "with it; serve it in resident mode"
+            )
+        while len(self._loaded) >= self.max_loaded:
+            old, _ = self._loaded.popitem(last=False)
+            self.model.pipe.delete_adapters(old)
+        self.model.pipe.load_lora_weights(str(info.path), adapter_name=name,
+                                          load_into_transformer_ref=info.partition == "ref")  # fmt: skip
+        self._loaded[name] = info
+        return name
+
+    @contextmanager
+    def active(self, partition: str, uses: Sequence[tuple[AdapterInfo, float]]) -> Iterator[None]:
+        """The request's adapters (in its order, at its scales) active on the `partition` transformer meanwhile; every
+        adapter disabled after, and for a request without any."""
+        transformer = self.model.transformer_of(partition)
+        for info, _ in uses:
+            if info.partition != partition:
+                raise AdapterError(
+                    f"adapter {info.name} targets the {info.partition} transformer; this request runs the {partition} one"
+                )
+        names = [self._ensure(info) for info, _ in uses]
+        has_peft = bool(getattr(transformer, "peft_config", None))
+        try:
+            if names:
+                transformer.enable_lora()
+                transformer.set_adapters(names, [float(s) for _, s in uses])
+            elif has_peft:
+                transformer.disable_lora()
+            yield
+        finally:
+            if getattr(transformer, "peft_config", None):
+                transformer.disable_lora()

@@ -1,0 +1,233 @@
+"""Adapters on one model (ditcore.adapters) against the oracle: diffusers' own pipeline with the same files loaded
+through `load_lora_weights` and activated with `set_adapters(names, weights)` (unfused), `torch.equal`:
+
+- resident: trunk-only (musubi layout), adaln_proj + norm_out (diffusers layout), time embedder (ai-toolkit), and two
+  composed with scales; a ref2va adapter on `transformer_ref`; a base request right after an adapter request equals
+  the base oracle;
+- cached: a trunk-only adapter on the base plans equals the oracle; an adapter that changes the modulation is
+  refused there, nothing loaded;
+- the registry: identities, a file changed under its name read again with a new identity, manifests, refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
+from refmedia import image_bytes
+
+from ditcore import GenerationRequest, generate, load_model
+from ditcore.adapter_contract import AdapterContract, AdapterUse, check_uses
+from ditcore.adapter_files import write_adapter
+from ditcore.adapters import AdapterError, AdapterNotFoundError, AdapterRegistry, read_adapter
+from ditcore.references import Reference
+from ditcore.request import RequestError
+
+REQUEST = GenerationRequest(request_id="a", prompt="a red fox", num_inference_steps=3, seed=7)
+REF2VA = GenerationRequest(request_id="r", task="ref2va", prompt="a red fox", num_inference_steps=3, seed=7,
+                           references=(Reference(image_bytes(80, 48, seed=1)),))  # fmt: skip
+ADAPTERS = {  # name: (targets, layout, partition)
+    "trunk": ("trunk", "musubi", "base"),
+    "mod": ("modulation", "diffusers", "base"),
+    "time": ("time", "ai-toolkit", "base"),
+    "refmod": ("all", "diffusers", "ref"),
+}
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, (targets, layout, partition)) in enumerate(ADAPTERS.items()):
+        write_adapter(root / f"{name}.safetensors", tiny_ckpt, targets, layout, rank=2, alpha=None, seed=seed + 3,
+                      partition=partition)  # fmt: skip
+    return root
+
+
+@pytest.fixture(scope="module")
+def registry(adapter_dir: Path) -> AdapterRegistry:
+    return AdapterRegistry(adapter_dir)
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_ckpt: Path) -> Any:
+    return load_model(tiny_ckpt, "resident")
+
+
+def oracle(repo: Path, request: GenerationRequest, uses: Sequence[tuple[Path, float]]) -> tuple[torch.Tensor, ...]:
+    """diffusers' latents with these adapter files loaded and set (names in order, at their scales), unloaded after."""
+    precision = stored_precision(repo)
+    pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
+    names = [f"o{i}" for i in range(len(uses))]
+    try:
+        for name, (path, _) in zip(names, uses, strict=True):
+            pipe.load_lora_weights(str(path), adapter_name=name)
+        if uses:
+            pipe.set_adapters(names, [s for _, s in uses])
+        return diffusers_request_latents(repo, request)
+    finally:
+        if uses:
+            pipe.unload_lora_weights()
+
+
+def run(model: Any, request: GenerationRequest, registry: AdapterRegistry, uses: Sequence[tuple[str, float]],
+        plans: Any = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    result = generate(model, request, plans, adapters=[(registry.get(n), s) for n, s in uses])
+    return result.video, result.audio
+
+
+@pytest.mark.parametrize(
+    "uses",
+    [[("trunk", 1.0)], [("mod", 1.0)], [("time", 0.8)], [("mod", 1.3), ("trunk", 0.7)]],
+    ids=["trunk", "adaln+norm_out", "time-embedder", "two-composed"],
+)
+def test_resident_equals_diffusers_with_the_same_adapters(
+    uses: list[tuple[str, float]], resident: Any, registry: AdapterRegistry, adapter_dir: Path, tiny_ckpt: Path
+) -> None:
+    video, audio = run(resident, REQUEST, registry, uses)
+    ref_video, ref_audio = oracle(tiny_ckpt, REQUEST, [(adapter_dir / f"{n}.safetensors", s) for n, s in uses])
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+    base_video, _ = oracle(tiny_ckpt, REQUEST, [])
+    assert not torch.equal(video, base_video)  # the adapter did change the output
+
+
+def test_a_base_request_after_adapter_requests_is_the_base_model(resident: Any, registry: AdapterRegistry,
+                                                                  tiny_ckpt: Path) -> None:  # fmt: skip
+    run(resident, REQUEST, registry, [("mod", 1.0), ("trunk", 1.0)])
+    video, audio = run(resident, REQUEST, registry, [])
+    ref_video, ref_audio = oracle(tiny_ckpt, REQUEST, [])
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+
+
+def test_ref2va_adapter_on_transformer_ref(resident: Any, registry: AdapterRegistry, adapter_dir: Path,
+                                           tiny_ckpt: Path) -> None:  # fmt: skip
+    assert registry.get("refmod").partition == "ref"
+    video, audio = run(resident, REF2VA, registry, [("refmod", 1.0)])
+    ref_video, ref_audio = oracle(tiny_ckpt, REF2VA, [(adapter_dir / "refmod.safetensors", 1.0)])
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+    with pytest.raises(AdapterError, match="targets the ref transformer; this request runs the base one"):
+        run(resident, REQUEST, registry, [("refmod", 1.0)])
+
+
+class BuiltPlans:
+    """Plans built here by the sidecar's own PlanBuilder (no sidecar process)."""
+
+    def __init__(self, repo: Path) -> None:
+        from ditcore.rebuild import PlanBuilder
+
+        self.builder = PlanBuilder(repo / "transformer", torch.device("cpu"))
+
+    def acquire(self, keys: Any) -> Any:
+        from ditcore.report import CacheReport
+
+        pages = [self.builder.build_one(k) for k in keys]
+
+        class Lease:
+            report = CacheReport(built_plans=len(keys))
+
+            def pages(self, step: int) -> torch.Tensor:
+                return pages[step]
+
+            def release(self) -> None:
+                pass
+
+        return Lease()
+
+
+def test_cached_serves_a_trunk_adapter_on_the_base_plans_and_refuses_a_modulation_one(
+    registry: AdapterRegistry, adapter_dir: Path, tiny_ckpt: Path
+) -> None:
+    cached = load_model(tiny_ckpt, "cached")
+    plans = BuiltPlans(tiny_ckpt)
+    video, audio = run(cached, REQUEST, registry, [("trunk", 1.0)], plans)
+    ref_video, ref_audio = oracle(tiny_ckpt, REQUEST, [(adapter_dir / "trunk.safetensors", 1.0)])
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+    for name in ("mod", "time"):
+        with pytest.raises(AdapterError, match=rf"adapter {name} changes the modulation"):
+            run(cached, REQUEST, registry, [(name, 1.0)], plans)
+    assert [a.name for a in cached.adapter_set.loaded()] == ["trunk"]
+
+
+# ---------------------------------------------------------------------------- the registry and the rules
+def test_identity_targets_and_a_file_changed_under_its_name(adapter_dir: Path, tmp_path: Path, tiny_ckpt: Path) -> None:
+    for name in ADAPTERS:
+        shutil.copy(adapter_dir / f"{name}.safetensors", tmp_path)
+    reg = AdapterRegistry(tmp_path)
+    info = reg.get("trunk")
+    assert (info.rank, info.partition, info.changes_modulation) == (2, "base", False)
+    assert {g: len(m) for g, m in info.targets.items()} == {"trunk": 24, "modulation": 0, "time": 0}
+    assert reg.get("mod").changes_modulation and reg.get("time").changes_modulation
+    assert reg.get("trunk") is info  # unchanged: not read again
+    write_adapter(tmp_path / "trunk.safetensors", tiny_ckpt, "trunk", "musubi", rank=2, alpha=None, seed=99)
+    changed = reg.get("trunk")
+    assert changed.identity != info.identity
+    (tmp_path / "trunk.json").write_text(json.dumps({"steps": [5]}))  # a manifest is part of the identity
+    assert reg.get("trunk").identity != changed.identity and reg.get("trunk").contract.steps == (5,)
+    (tmp_path / "trunk.json").unlink()
+    (tmp_path / "trunk.safetensors").unlink()
+    with pytest.raises(AdapterNotFoundError, match=r"no trunk\.safetensors"):
+        reg.get("trunk")
+    with pytest.raises(AdapterNotFoundError, match="not an adapter name"):
+        reg.get("../trunk")
+
+
+def test_bad_files_are_refused_naming_the_file(tmp_path: Path, tiny_ckpt: Path) -> None:
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match=r"junk\.safetensors: not a safetensors file"):
+        read_adapter(tmp_path / "junk.safetensors")
+    from safetensors.torch import load_file, save_file
+
+    good = write_adapter(tmp_path / "nan.safetensors", tiny_ckpt, "trunk", "diffusers", rank=2, alpha=None, seed=1)
+    tensors = load_file(str(good))
+    first = sorted(tensors)[0]
+    tensors[first][0, 0] = float("nan")
+    save_file(tensors, str(good))
+    with pytest.raises(AdapterError, match="holds NaN or Inf"):
+        read_adapter(good)
+    tensors = load_file(str(write_adapter(tmp_path / "x.safetensors", tiny_ckpt, "trunk", "diffusers", 2, None, 1)))
+    save_file(
+        {**tensors, "transformer.transformer_blocks.0.attn.to_q.diff": torch.zeros(4)}, str(tmp_path / "x.safetensors")
+    )
+    with pytest.raises(AdapterError):
+        read_adapter(tmp_path / "x.safetensors")
+    reg = AdapterRegistry(tmp_path)
+    found, errors = reg.scan()
+    assert not found and set(errors) == {"junk", "nan", "x"}
+
+
+def test_manifest_contract_and_request_rules() -> None:
+    contract = AdapterContract.parse(json.dumps({"steps": [5, 9], "flow_shifts": [5.0], "scale": [0, 1.5],
+                                                 "tasks": ["t2va"], "default_steps": 5}), "turbo.json")  # fmt: skip
+    contract.check("turbo", 1.0, "t2va", 5, 5.0, 3.0)
+    with pytest.raises(RequestError, match=r"num_inference_steps: adapter turbo allows num_inference_steps 5, 9"):
+        contract.check("turbo", 1.0, "t2va", 50, 5.0, 3.0)
+    with pytest.raises(RequestError, match=r"flow_shift: adapter turbo allows flow_shift 5, got 12"):
+        contract.check("turbo", 1.0, "t2va", 5, 12.0, 3.0)
+    with pytest.raises(RequestError, match=r"adapters: turbo: scale 2 is outside its range \[0, 1.5\]"):
+        contract.check("turbo", 2.0, "t2va", 5, 5.0, 3.0)
+    with pytest.raises(RequestError, match=r"task: adapter turbo runs with tasks t2va, not ref2va"):
+        contract.check("turbo", 1.0, "ref2va", 5, 5.0, 3.0)
+    for bad, message in (({"steps": [1]}, "steps must be a list of integers >= 2"),
+                         ({"scale": [2, 1]}, "scale must be"), ({"nope": 1}, "unknown key 'nope'"),
+                         ({"steps": [5], "default_steps": 9}, "default_steps 9 is not one of")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            AdapterContract.parse(json.dumps(bad), "m.json")
+    check_uses([AdapterUse("a", 1.0), AdapterUse("b", 0.5)], max_count=4)
+    for uses, message in (([AdapterUse("a"), AdapterUse("a")], "a is named twice"),
+                          ([AdapterUse("../a")], "no path"), ([AdapterUse("a", float("nan"))], "finite"),
+                          ([AdapterUse(str(i)) for i in range(5)], "at most 4 adapters")):  # fmt: skip
+        with pytest.raises(RequestError, match=message):
+            check_uses(uses, max_count=4)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover(resident: Any) -> Iterator[None]:
+    yield
+    transformer = resident.transformer_of("base")
+    if getattr(transformer, "peft_config", None):  # every test leaves the base model's bits for the next
+        assert all(getattr(m, "disable_adapters", True) for m in transformer.modules() if hasattr(m, "lora_A"))
