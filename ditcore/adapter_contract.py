@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .request import TASKS, RequestError
+from .request import ADAPTER_NAME, TASKS, AdapterUse, RequestError, check_uses
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-"""An adapter's name: its file's stem; no path, no separator."""
+__all__ = ["AdapterContract", "AdapterError", "AdapterNotFoundError", "AdapterUse", "ManifestError", "check_uses"]
+
+NAME = ADAPTER_NAME
 DEFAULT_SCALE_RANGE = (0.0, 4.0)
 """The scales an adapter without a declared range takes."""
 METADATA_KEY = "ditserve_contract"
@@ -37,6 +36,15 @@ _KEYS = ("steps", "flow_shifts", "audio_flow_shifts", "scale", "tasks", "partiti
 
 class ManifestError(ValueError):
     """A manifest that breaks a rule: names the file and the key."""
+
+
+class AdapterError(ValueError):
+    """An adapter this server cannot serve (a file diffusers' loader refuses, non-finite factors, a broken manifest,
+    or a modulation adapter on cached plans): names the adapter and the rule."""
+
+
+class AdapterNotFoundError(LookupError):
+    """A request names an adapter the server's --adapter-dir does not hold."""
 
 
 @dataclass(frozen=True)
@@ -126,35 +134,6 @@ class AdapterContract:
                 raise RequestError(
                     fname, f"adapter {name} allows {fname} {', '.join(f'{v:g}' for v in allowed_shifts)}, got {value:g}"
                 )
-
-
-@dataclass(frozen=True)
-class AdapterUse:
-    """One adapter of a request: its name and scale (PEFT's `set_adapters(names, weights)`)."""
-
-    name: str
-    scale: float = 1.0
-
-
-def check_uses(uses: Sequence[AdapterUse], max_count: int) -> None:
-    """RequestError naming the adapter unless a request's adapter list is well formed: at most `max_count`, names
-    that are file stems (no path), no name twice, finite scales."""
-    if len(uses) > max_count:
-        raise RequestError(
-            "adapters", f"at most {max_count} adapters per request (--max-adapters-per-request), got {len(uses)}"
-        )
-    seen: set[str] = set()
-    for i, use in enumerate(uses):
-        if not isinstance(use.name, str) or not NAME.fullmatch(use.name):
-            raise RequestError(
-                "adapters",
-                f"[{i}].name must be an adapter's name (1-128 of A-Z a-z 0-9 . _ -, no path), got {use.name!r}",
-            )
-        if use.name in seen:
-            raise RequestError("adapters", f"{use.name} is named twice; give each adapter once, with its scale")
-        seen.add(use.name)
-        if isinstance(use.scale, bool) or not _finite(use.scale):
-            raise RequestError("adapters", f"{use.name}: scale must be a finite number, got {use.scale!r}")
 
 
 def _finite(v: Any) -> bool:

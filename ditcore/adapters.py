@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,21 +30,21 @@ from typing import Any
 
 import torch
 
-from .adapter_contract import METADATA_KEY, NAME, AdapterContract, ManifestError
+from .adapter_contract import (
+    METADATA_KEY,
+    NAME,
+    AdapterContract,
+    AdapterError,
+    AdapterNotFoundError,
+    ManifestError,
+)
 from .adapter_files import group_of
+from .request import GenerationRequest, RequestError
 
 GROUPS = ("trunk", "modulation", "time")
 MODULATION_GROUPS = ("modulation", "time")
 """Targets that change what a plan holds (adaln_proj / norm_out, and the time embedding they read)."""
 _PREFIXES = {"transformer.": "base", "transformer_ref.": "ref"}
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served: names the file (or the adapter) and the rule."""
-
-
-class AdapterNotFoundError(LookupError):
-    """No adapter of that name in the adapter directory."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ class AdapterRegistry:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._known: dict[str, AdapterInfo] = {}
+        self._lock = threading.Lock()  # requests, ListAdapters and admission read it from several threads
 
     def names(self) -> list[str]:
         return sorted(p.stem for p in self.root.glob("*.safetensors") if NAME.fullmatch(p.stem))
@@ -175,11 +177,12 @@ class AdapterRegistry:
         except OSError:
             self._known.pop(name, None)
             raise AdapterNotFoundError(f"adapter {name}: no {name}.safetensors in the adapter directory") from None
-        known = self._known.get(name)
-        if known is None or known.stat != stat:
-            known = read_adapter(path)
-            self._known[name] = known
-        return known
+        with self._lock:
+            known = self._known.get(name)
+            if known is None or known.stat != stat:
+                known = read_adapter(path)
+                self._known[name] = known
+            return known
 
     def scan(self) -> tuple[list[AdapterInfo], dict[str, str]]:
         """Every adapter of the directory, and the refusal of each file that is not one (name -> message)."""
@@ -196,10 +199,44 @@ class ModelAdapters:
     """The adapters loaded into one model's transformers, keyed by identity (diffusers' `load_lora_weights` into PEFT
     layers), at most `max_loaded` (the least recently used is deleted first)."""
 
-    def __init__(self, model: Any, max_loaded: int = 8) -> None:
+    def __init__(self, model: Any, registry: AdapterRegistry | None = None, max_loaded: int = 8) -> None:
         self.model = model
+        self.registry = registry
+        """Where a request's adapter names are found (--adapter-dir); None: this model serves none."""
         self.max_loaded = max_loaded
         self._loaded: OrderedDict[str, AdapterInfo] = OrderedDict()
+
+    def resolve(self, request: GenerationRequest) -> list[tuple[AdapterInfo, float]]:
+        """The request's adapters as read now, each at its scale: AdapterNotFoundError for a name the directory
+        lacks, RequestError for a contract or partition the request breaks, AdapterError for a file this model
+        cannot serve (a modulation adapter on cached plans)."""
+        if not request.adapters:
+            return []
+        out = []
+        for use in request.adapters:
+            if self.registry is None:
+                raise AdapterNotFoundError(f"adapter {use.name}: this server serves no adapters (no --adapter-dir)")
+            info = self.registry.get(use.name)
+            info.contract.check(info.name, float(use.scale), request.task, request.num_inference_steps,
+                                request.flow_shift, request.audio_flow_shift)  # fmt: skip
+            if info.partition != request.partition:
+                raise RequestError(
+                    "adapters", f"adapter {info.name} targets the {info.partition} transformer ("
+                    f"{'ref2va' if info.partition == 'ref' else 't2va and fl2va'}); a {request.task} request runs "
+                    f"the {request.partition} one",
+                )  # fmt: skip
+            self.check_servable(info)
+            out.append((info, float(use.scale)))
+        return out
+
+    def check_servable(self, info: AdapterInfo) -> None:
+        """AdapterError unless this model can serve `info` (a cached model: no modulation targets)."""
+        if info.changes_modulation and self.model.mode == "cached":
+            mods = ", ".join((*info.targets["modulation"], *info.targets["time"])[:4])
+            raise AdapterError(
+                f"adapter {info.name} changes the modulation ({mods}, ...): cached mode serves it only on plans built "
+                "with it; serve it in resident mode"
+            )
 
     @staticmethod
     def peft_name(info: AdapterInfo) -> str:
@@ -213,12 +250,7 @@ class ModelAdapters:
         if name in self._loaded:
             self._loaded.move_to_end(name)
             return name
-        if info.changes_modulation and self.model.mode == "cached":
-            mods = ", ".join((*info.targets["modulation"], *info.targets["time"])[:4])
-            raise AdapterError(
-                f"adapter {info.name} changes the modulation ({mods}, ...): cached mode serves it only on plans built "
-                "with it; serve it in resident mode"
-            )
+        self.check_servable(info)
         while len(self._loaded) >= self.max_loaded:
             old, _ = self._loaded.popitem(last=False)
             self.model.pipe.delete_adapters(old)

@@ -128,7 +128,8 @@ def generate(
     """Run one request through diffusers' t2va or fl2va loop. Cached models need `plans`; resident models take none.
     `check` (optional) is called between the decode's chunks; it raises to stop the request there (cancel, deadline).
     `adapters` (AdapterInfo, scale) are active on the request's transformer for its loop, in that order
-    (ditcore.adapters.ModelAdapters); every adapter the model holds is disabled for a request without any.
+    (ditcore.adapters.ModelAdapters); default: the request's own `adapters` as the model's registry reads them now.
+    Every adapter the model holds is disabled for a request without any.
 
     The lease (if any) is acquired after validation and released in every outcome (before decoding, which reads no
     plan). Timings: `plans` (acquire), `encode` (start of the loop to the first transformer forward: text and keyframe
@@ -138,6 +139,7 @@ def generate(
     """
     request.validate(limits)
     model.check_partition(request)
+    uses = list(adapters) if adapters else model.adapter_set.resolve(request)
     check_prompt_tokens(model.pipe.tokenizer, request.prompt, limits)  # the served tokenizer, as diffusers calls it
     if (plans is None) != (model.mode == "resident"):
         raise ValueError(f"a {model.mode} model {'takes no' if plans is not None else 'needs a'} plan provider")
@@ -171,7 +173,7 @@ def generate(
     try:
         t0 = _clock(device)
         reads = _plan_reads(lease, keys)
-        with model.adapter_set.active(request.partition, adapters):
+        with model.adapter_set.active(request.partition, uses):
             video, audio = generate_latents(model.pipe, request, reads, keys)
         end = _clock(device)  # resident mode too: the last step's kernels have run
         first = first_forward[0] if first_forward else end

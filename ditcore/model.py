@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .adapters import ModelAdapters
+from .adapters import AdapterRegistry, ModelAdapters
 from .attention import AUTO, backend_of, check_name, use_backend
 from .checkpoint import CheckpointInfo, validate_checkpoint
 from .checkpoint_files import PARTITION_TASKS
@@ -60,6 +60,10 @@ class RunOptions:
     partitions: str = AUTO
     """The transformer partitions loaded, comma-separated ("base", "base,ref"); "auto": every one the repository
     has (a repository without transformer_ref/ serves t2va and fl2va only)."""
+    adapters: AdapterRegistry | None = field(default=None, compare=False)
+    """Where a request's adapter names are read (--adapter-dir; ditcore.adapters); None: no adapters."""
+    max_loaded_adapters: int = 8
+    """Adapters one model holds loaded at most (the least recently used is deleted first)."""
 
     def __post_init__(self) -> None:
         check_name(self.attention_backend)
@@ -340,6 +344,7 @@ def load_model(
         info, mode, device, options.text_encoder, options.decode_dtype_for(info.precision), replica,
         options.partitions_for(info),
     )  # fmt: skip
+    model.adapter_set.registry, model.adapter_set.max_loaded = options.adapters, options.max_loaded_adapters
     for transformer in model.transformers().values():
         # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
         use_backend(transformer, options.attention_backend, context_parallel=parallel is not None)

@@ -86,6 +86,45 @@ class RequestError(ValueError):
         self.description = message
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""An adapter's name: its file's stem; no path, no separator."""
+MAX_ADAPTERS = 4
+"""Adapters one request may compose, by default (--max-adapters-per-request)."""
+
+
+@dataclass(frozen=True)
+class AdapterUse:
+    """One adapter of a request: its name (the adapter file's stem) and scale (PEFT's `set_adapters(names,
+    weights)`: the adapter's delta times scale)."""
+
+    name: str
+    scale: float = 1.0
+
+
+def check_uses(uses: Any, max_count: int = MAX_ADAPTERS) -> None:
+    """RequestError naming the adapter unless a request's adapter list is well formed: at most `max_count`, names
+    that are file stems (no path), no name twice, finite scales."""
+    if not isinstance(uses, list | tuple) or not all(isinstance(u, AdapterUse) for u in uses):
+        raise RequestError("adapters", f"must be a list of {{name, scale}}, got {uses!r}")
+    if len(uses) > max_count:
+        raise RequestError(
+            "adapters", f"at most {max_count} adapters per request (--max-adapters-per-request), got {len(uses)}"
+        )
+    seen: set[str] = set()
+    for i, use in enumerate(uses):
+        if not isinstance(use.name, str) or not ADAPTER_NAME.fullmatch(use.name):
+            raise RequestError(
+                "adapters",
+                f"[{i}].name must be an adapter's name (1-128 of A-Z a-z 0-9 . _ -, no path), got {use.name!r}",
+            )
+        if use.name in seen:
+            raise RequestError("adapters", f"{use.name} is named twice; give each adapter once, with its scale")
+        seen.add(use.name)
+        scale = use.scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise RequestError("adapters", f"{use.name}: scale must be a finite number, got {scale!r}")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Operator limits: by default the released envelope; each may be raised up to its hard cap (MAX_SIDE,
@@ -113,6 +152,8 @@ class RequestLimits:
     """Width x height of a video reference's frames."""
     max_reference_decoded_bytes: int = DEFAULT_REFERENCE_LIMITS.max_decoded_bytes
     """Host bytes one decoded video or audio reference may take."""
+    max_adapters: int = MAX_ADAPTERS
+    """Adapters one request may compose (--max-adapters-per-request)."""
 
     def reference_limits(self) -> ReferenceLimits:
         """The ditcore.references limits these operator limits set (an image reference: the keyframe rules, within
@@ -184,6 +225,9 @@ class GenerationRequest:
     references: tuple[Reference, ...] = ()
     """ref2va: the references in the order the model reads them (images: PNG / JPEG; videos: MP4 / WebM, with their
     soundtrack; audio: WAV / FLAC / MP3 / AAC), or empty. diffusers' `references`."""
+    adapters: tuple[AdapterUse, ...] = ()
+    """Adapters active for this request, in this order, each at its scale (ditcore.adapters); empty: the base
+    model."""
 
     @property
     def steps(self) -> int:
@@ -289,6 +333,8 @@ class GenerationRequest:
             {"kind": r.kind, "bytes": len(r.data), "sha256": hashlib.sha256(r.data).hexdigest()}
             for r in self.references
         ]
+        if not self.adapters:  # a request without adapters reads as it did before they existed (a job's meaning)
+            del out["adapters"]
         return out
 
     @classmethod
@@ -301,6 +347,9 @@ class GenerationRequest:
         refs = data.get("references")
         if isinstance(refs, list | tuple):  # Reference, bare bytes (read by content) or {"data": ..., "kind": ...}
             data = {**data, "references": tuple(_reference(i, r) for i, r in enumerate(refs))}
+        uses = data.get("adapters")
+        if isinstance(uses, list | tuple):  # AdapterUse, {"name": ..., "scale": ...} or "NAME" (scale 1)
+            data = {**data, "adapters": tuple(_adapter_use(i, u) for i, u in enumerate(uses))}
         return dataclasses.replace(defaults or cls(), **data)
 
     # ---------------------------------------------------------------- validation
@@ -348,7 +397,20 @@ class GenerationRequest:
         self.probe_keyframes(limits)  # headers and structure only: bad media is refused before any work
         if self.references:
             self.probe_references(limits)
+        check_uses(self.adapters, limits.max_adapters)
         return self
+
+
+def _adapter_use(index: int, use: Any) -> Any:
+    """One entry of a JSON-like "adapters" list as an AdapterUse (anything else is left to validate's checks)."""
+    if isinstance(use, str):
+        return AdapterUse(use)
+    if isinstance(use, dict):
+        extra = sorted(set(use) - {"name", "scale"})
+        if extra or "name" not in use:
+            raise RequestError("adapters", f"[{index}] must be {{name, scale}}, got keys {sorted(use)}")
+        return AdapterUse(use["name"], use.get("scale", 1.0))
+    return use
 
 
 def _reference(index: int, ref: Any) -> Any:
@@ -453,6 +515,8 @@ def _check_types(req: GenerationRequest) -> None:
             ok = isinstance(v, tuple) and all(
                 isinstance(r, Reference) and isinstance(r.data, bytes) and isinstance(r.kind, str) for r in v
             )
+        elif f.name == "adapters":
+            ok = isinstance(v, tuple)  # its entries: check_uses
         elif f.name in ("flow_shift", "audio_flow_shift"):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
         else:

@@ -18,6 +18,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ditcore import CheckpointError, CheckpointNotFoundError, PresetError, RequestError
+from ditcore.adapter_contract import AdapterError, AdapterNotFoundError
 from ditcore.pipeline import PartitionNotLoadedError
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ _CORE_TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION, "CHECKPOINT_INVALID"),
     (PresetError, grpc.StatusCode.INVALID_ARGUMENT, "PRESET_INVALID"),
     (PartitionNotLoadedError, grpc.StatusCode.FAILED_PRECONDITION, "PARTITION_NOT_SERVED"),
+    (AdapterNotFoundError, grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND"),
+    (AdapterError, grpc.StatusCode.FAILED_PRECONDITION, "ADAPTER_REFUSED"),
 ]
 
 

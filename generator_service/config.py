@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,7 @@ from ditcore.pipeline import DECODE_DTYPES
 from ditcore.references import DEFAULT_REFERENCE_LIMITS
 from ditcore.request import (
     CANVAS_MULTIPLE,
+    MAX_ADAPTERS,
     MAX_FRAMES,
     MAX_KEYFRAME_BYTES,
     MAX_KEYFRAME_PIXELS,
@@ -47,6 +49,9 @@ from ditruntime.auth import (
     resolve_admin_token,
 )
 from ditruntime.flags import check_bounds, flag
+
+if TYPE_CHECKING:
+    from ditcore.adapters import AdapterRegistry
 
 from .execution.policy import GB, MIB, SizingPolicy
 from .jobs.config import JobsConfig
@@ -360,6 +365,20 @@ class GeneratorConfig:
         name="--max-reference-decoded-mb", scale=MIB, low=MIB, high=MAX_REFERENCE_DECODED_BYTES,
     )  # fmt: skip
     """What one decoded reference may weigh (a video's uint8 frames, an audio clip's float32 samples)."""
+    adapter_dir: Path | None = flag(
+        None, "directory of adapters (LoRA *.safetensors, each named by its stem, with an optional NAME.json "
+        "contract) a request may name (default: none)",
+    )  # fmt: skip
+    """Adapters (ditcore.adapters): every `*.safetensors` here, named by its file stem, in any layout diffusers'
+    MiniMax-H3 loader converts; `NAME.json` beside it (or the file's `__metadata__` entry `ditserve_contract`)
+    declares what it may be sampled with. Read when first named, and again when the file changes (a new identity).
+    Every rank of a replica reads the same directory."""
+    max_adapters_per_request: int = flag(
+        MAX_ADAPTERS, "adapters one request may compose (default %(default)s)", low=1, high=64
+    )
+    """More in one request is INVALID_ARGUMENT naming the flag."""
+    max_loaded_adapters: int = flag(8, "adapters the model holds loaded at once (default %(default)s)", low=1, high=256)
+    """The least recently used is deleted from the model (PEFT layers) first; a request loads its own on first use."""
     max_upload_bytes: int = flag(
         1024 * MIB, "UploadReference: bytes held for uploads at once, in MiB; 0 turns uploads off (default "
         "%(default)s)", name="--max-upload-mb", scale=MIB, low=0, high=64 * 1024 * MIB,
@@ -444,6 +463,7 @@ class GeneratorConfig:
             max_reference_seconds=self.max_reference_seconds,
             max_reference_frame_pixels=self.max_reference_frame_pixels,
             max_reference_decoded_bytes=self.max_reference_decoded_bytes,
+            max_adapters=self.max_adapters_per_request,
         )
 
     @property
@@ -455,7 +475,17 @@ class GeneratorConfig:
     def run_options(self) -> RunOptions:
         """How every model this generator loads runs: its attention backend and decode dtype."""
         te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
-        return RunOptions(self.attention_backend, self.decode_dtype, te, self.partitions)
+        return RunOptions(self.attention_backend, self.decode_dtype, te, self.partitions, self.adapter_registry,
+                          self.max_loaded_adapters)  # fmt: skip
+
+    @cached_property
+    def adapter_registry(self) -> AdapterRegistry | None:
+        """--adapter-dir's registry, one per generator (every model it loads reads it)."""
+        if self.adapter_dir is None:
+            return None
+        from ditcore.adapters import AdapterRegistry
+
+        return AdapterRegistry(self.adapter_dir)
 
     def rank_device(self, local_rank: int) -> str:
         """The device of the replica rank with this LOCAL_RANK (--devices, else --device)."""

@@ -206,6 +206,14 @@ class Backend(ABC):
             except PartitionNotLoadedError as e:
                 raise PartitionNotServedError(str(e)) from None
 
+    def check_adapters(self, request: GenerationRequest) -> None:
+        """Admission: the request's adapters as the served model reads them now (ditcore.adapters.ModelAdapters.resolve:
+        NOT_FOUND for an unknown name, INVALID_ARGUMENT for a contract or partition the request breaks,
+        FAILED_PRECONDITION for a file this model cannot serve). The run reads them again (a file may change)."""
+        model = self.loaded()
+        if model is not None and request.adapters:
+            model.adapter_set.resolve(request)
+
     @abstractmethod
     def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease | None:
         """The request's plans, leased; None when the model computes modulation itself. `step_bound_s` bounds one of

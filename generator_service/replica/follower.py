@@ -10,7 +10,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ditcore import H3Model, RequestError, RequestLimits, generate, load_model, validate_checkpoint
+from ditcore import GenerationRequest, H3Model, RequestError, RequestLimits, generate, load_model, validate_checkpoint
+from ditcore.adapter_contract import AdapterError, AdapterNotFoundError
 from ditcore.model import RunOptions
 from ditcore.parallel import SplitError
 from ditcore.pipeline import quiet_block_errors
@@ -128,8 +129,8 @@ class Follower:
         elif action == rpb.SWAP_ACTION_RETIRE:
             s.previous = None
 
-    def _ready(self, msg: rpb.Run) -> tuple[H3Model, Any]:
-        """The model and lease a Run needs, or the reason this rank cannot run it."""
+    def _ready(self, msg: rpb.Run, request: GenerationRequest) -> tuple[H3Model, Any, list[Any]]:
+        """The model, lease and adapters a Run needs, or the reason this rank cannot run it."""
         model = self.served.model
         if model is None:
             raise LeaseCheckError("no weights loaded on this rank")
@@ -137,8 +138,15 @@ class Follower:
             raise LeaseCheckError(
                 f"this rank serves weights {model.info.fingerprint[:16]}, rank 0 runs {msg.fingerprint[:16]}"
             )
+        uses = model.adapter_set.resolve(request)  # this rank's --adapter-dir, by the same names
+        for (info, _), sent in zip(uses, msg.request.adapters, strict=True):
+            if info.identity != sent.identity:
+                raise LeaseCheckError(
+                    f"adapter {info.name} is {info.identity[:16]} on this rank but {sent.identity[:16]} on rank 0: "
+                    "every rank must read the same adapter files"
+                )
         if self.mode == "resident":
-            return model, None
+            return model, None, uses
         if self.mapping is None or msg.epoch != self.epoch:
             raise LeaseCheckError(f"the lease is of session epoch {msg.epoch}, this rank mapped {self.epoch}")
         generation, slots = msg.generation, list(msg.slots)
@@ -147,12 +155,12 @@ class Follower:
             generation, slots = mine.generation, list(mine.slots)
         lease = RankLease(self.mapping, keys_from_work(msg), slots, generation)
         lease.check_rows()
-        return model, lease
+        return model, lease, uses
 
     def _run(self, msg: rpb.Run) -> None:
         request = request_from_work(msg.request)
         try:
-            model, lease = self._ready(msg)
+            model, lease, uses = self._ready(msg, request)
             status = ""
         except Exception as e:
             status = f"{type(e).__name__}: {e}"
@@ -160,11 +168,12 @@ class Follower:
             return  # some rank cannot run it: none does
         try:
             generate(model, request, Fixed(lease) if lease is not None else None, Lockstep(self.replica, None),
-                     self.limits)  # fmt: skip
+                     self.limits, adapters=uses)  # fmt: skip
             if lease is not None:
                 lease.check_rows()
             status = ""
-        except (RankStoppedError, SplitError, RequestError, LeaseCheckError) as e:  # every rank stops there
+        except (RankStoppedError, SplitError, RequestError, LeaseCheckError, AdapterError, AdapterNotFoundError) as e:
+            # every rank stops there (an adapter: every rank reads the same files before the first collective)
             status = "" if isinstance(e, RankStoppedError) else f"{type(e).__name__}: {e}"
         except ReplicaLostError:
             raise

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ditcore import GenerationRequest, GenerationResult, H3Model, RequestError, RequestLimits, generate
+from ditcore.adapter_contract import AdapterError, AdapterNotFoundError
 from ditcore.generation import StepCallback
 from ditcore.parallel import SplitError
 from ditcore.replica import Replica, ReplicaLostError
@@ -227,8 +228,16 @@ class ReplicaLink:
         limits: RequestLimits,
         check: Callable[[], None] | None,
     ) -> GenerationResult:
-        """One request on every rank (the executor's denoise step for N ranks)."""
-        work = rpb.Run(request=request_to_work(request), fingerprint=model.info.fingerprint)
+        """One request on every rank (the executor's denoise step for N ranks). Its adapters are read here once and
+        every rank must find the same identities (its own --adapter-dir read by the same names)."""
+        try:
+            uses = model.adapter_set.resolve(request)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        work = rpb.Run(request=request_to_work(request, [info.identity for info, _ in uses]),
+                       fingerprint=model.info.fingerprint)  # fmt: skip
         if lease is not None:
             work.epoch = lease.epoch
             work.generation = lease.generation
@@ -244,14 +253,18 @@ class ReplicaLink:
                 steps = Lockstep(self.replica, on_step)
                 result, error = None, None
                 try:
-                    result = generate(model, request, provider, steps, limits, check)
+                    result = generate(model, request, provider, steps, limits, check, uses)
                     if lease is not None:
                         lease.check_rows()  # after the last step too
                 except ReplicaLostError as e:
                     raise self._lose(e) from e
                 except Exception as e:
                     agreed = (
-                        e is steps.agreed or steps.done or isinstance(e, SplitError | RequestError | LeaseCheckError)
+                        e is steps.agreed
+                        or steps.done
+                        or isinstance(
+                            e, SplitError | RequestError | LeaseCheckError | AdapterError | AdapterNotFoundError
+                        )
                     )
                     if not agreed:  # failed inside the loop on rank 0 alone: the others wait in a collective it left
                         raise self._lose(e) from e

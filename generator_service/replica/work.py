@@ -11,6 +11,7 @@ from ditcore.model import H3Model
 from ditcore.plans import PlanKey
 from ditcore.references import Reference
 from ditcore.replica import Replica
+from ditcore.request import AdapterUse
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
 from ..errors import GeneratorError
@@ -24,8 +25,12 @@ class RankStoppedError(GeneratorError):
 
 
 # ---------------------------------------------------------------------------- request on the wire
-def request_to_work(request: GenerationRequest) -> rpb.Request:
+def request_to_work(request: GenerationRequest, identities: Sequence[str] = ()) -> rpb.Request:
+    """The request as rank 0 hands it on, with each adapter's identity as rank 0 read it (`identities`, in order)."""
+    adapters = [rpb.AdapterUse(name=u.name, scale=float(u.scale), identity=i)
+                for u, i in zip(request.adapters, identities, strict=True)]  # fmt: skip
     return rpb.Request(
+        adapters=adapters,
         request_id=request.request_id, task=request.task, prompt=request.prompt,
         num_inference_steps=request.num_inference_steps, flow_shift=request.flow_shift,
         audio_flow_shift=request.audio_flow_shift, seed=request.seed, height=request.height, width=request.width,
@@ -41,6 +46,7 @@ def request_from_work(msg: rpb.Request) -> GenerationRequest:
         flow_shift=msg.flow_shift, audio_flow_shift=msg.audio_flow_shift, seed=msg.seed, height=msg.height,
         width=msg.width, num_frames=msg.num_frames, first_frame=msg.first_frame, last_frame=msg.last_frame,
         output_type="latents", references=tuple(Reference(r.data, r.kind) for r in msg.references),
+        adapters=tuple(AdapterUse(a.name, a.scale) for a in msg.adapters),
     )  # fmt: skip
 
 

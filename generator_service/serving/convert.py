@@ -14,7 +14,7 @@ import torch
 from ditcore import GenerationRequest, RequestError
 from ditcore.plans import DTYPES
 from ditcore.references import Reference
-from ditcore.request import infer_task
+from ditcore.request import AdapterUse, infer_task
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 from ..jobs.types import job_spec, spec_meaning
@@ -112,6 +112,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int 
         "first_frame": msg.first_frame,
         "last_frame": msg.last_frame,
         "references": tuple(references),
+        "adapters": tuple(AdapterUse(a.name, a.scale if a.HasField("scale") else 1.0) for a in msg.adapters),
     }
     for name in _OPTIONAL:
         if msg.HasField(name):

@@ -30,7 +30,7 @@ from ..metrics import GeneratorMetrics
 from ..updates import UpdateCoordinator, resolve_weights_path
 from .convert import OUTPUT_ENUMS, reference_kind, request_from_proto, resolve_uploads, tensor_from_proto
 from .responses import response_from_result, result_chunks
-from .status import status_response
+from .status import adapters_response, status_response
 from .streams import HandlerSlots, SendWatchdog, StreamWatch
 from .uploads import UploadStore
 
@@ -248,3 +248,6 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         return status_response(self.cfg, self.backend, self.executor, self.mode)
+
+    def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
+        return adapters_response(self.cfg.adapter_registry, self.backend.loaded())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ditcore.adapters import AdapterRegistry
 from ditcore.checkpoint_files import PARTITION_TASKS
 from ditcore.model import ComponentInfo, H3Model
 from protos.ditserve.generator.v1 import generator_pb2 as pb
@@ -87,3 +88,28 @@ def partition_status(model: H3Model) -> list[pb.PartitionStatus]:
 def component_placement(c: ComponentInfo) -> pb.ComponentPlacement:
     """GetStatus' view of one loaded component (the two share their field names)."""
     return pb.ComponentPlacement(**dataclasses.asdict(c))
+
+
+def adapters_response(registry: AdapterRegistry | None, model: H3Model | None) -> pb.ListAdaptersResponse:
+    """ListAdapters' answer: every adapter of --adapter-dir as read now (a changed file is read again), whether the
+    served model holds it, and each file refused with why. Empty without --adapter-dir."""
+    resp = pb.ListAdaptersResponse()
+    if registry is None:
+        return resp
+    found, refused = registry.scan()
+    loaded = {a.identity for a in model.adapter_set.loaded()} if model is not None else set()
+    for info in found:
+        c = info.contract
+        contract = pb.AdapterContract(
+            steps=c.steps, flow_shifts=c.flow_shifts, audio_flow_shifts=c.audio_flow_shifts, scale_min=c.scale[0],
+            scale_max=c.scale[1], tasks=c.tasks, default_steps=c.default_steps, default_flow_shift=c.default_flow_shift,
+            default_audio_flow_shift=c.default_audio_flow_shift,
+        )  # fmt: skip
+        targets = pb.AdapterTargets(**{g: len(info.targets.get(g, ())) for g in ("trunk", "modulation", "time")})
+        resp.adapters.append(pb.Adapter(
+            name=info.name, identity=info.identity, rank=info.rank, partition=info.partition, bytes=info.size_bytes,
+            targets=targets, contract=contract, loaded=info.identity in loaded,
+            changes_modulation=info.changes_modulation,
+        ))  # fmt: skip
+    resp.refused.extend(pb.AdapterRefusal(name=n, message=m) for n, m in sorted(refused.items()))
+    return resp

@@ -119,7 +119,7 @@ class UploadReferenceResponse(_message.Message):
     def __init__(self, upload_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., kind: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame", "references")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame", "references", "adapters")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class GenerateRequest(_message.Message):
     FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
     LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
@@ -150,7 +151,90 @@ class GenerateRequest(_message.Message):
     first_frame: bytes
     last_frame: bytes
     references: _containers.RepeatedCompositeFieldContainer[Reference]
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterUse]
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ...) -> None: ...
+
+class AdapterUse(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "refused")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    refused: _containers.RepeatedCompositeFieldContainer[AdapterRefusal]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[AdapterRefusal, _Mapping]]] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "identity", "rank", "partition", "bytes", "targets", "contract", "loaded", "changes_modulation")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_MODULATION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    identity: str
+    rank: int
+    partition: str
+    bytes: int
+    targets: AdapterTargets
+    contract: AdapterContract
+    loaded: bool
+    changes_modulation: bool
+    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ..., rank: _Optional[int] = ..., partition: _Optional[str] = ..., bytes: _Optional[int] = ..., targets: _Optional[_Union[AdapterTargets, _Mapping]] = ..., contract: _Optional[_Union[AdapterContract, _Mapping]] = ..., loaded: _Optional[bool] = ..., changes_modulation: _Optional[bool] = ...) -> None: ...
+
+class AdapterTargets(_message.Message):
+    __slots__ = ("trunk", "modulation", "time")
+    TRUNK_FIELD_NUMBER: _ClassVar[int]
+    MODULATION_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    trunk: int
+    modulation: int
+    time: int
+    def __init__(self, trunk: _Optional[int] = ..., modulation: _Optional[int] = ..., time: _Optional[int] = ...) -> None: ...
+
+class AdapterContract(_message.Message):
+    __slots__ = ("steps", "flow_shifts", "audio_flow_shifts", "scale_min", "scale_max", "tasks", "default_steps", "default_flow_shift", "default_audio_flow_shift")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_SHIFTS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FLOW_SHIFTS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MIN_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MAX_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_AUDIO_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    flow_shifts: _containers.RepeatedScalarFieldContainer[float]
+    audio_flow_shifts: _containers.RepeatedScalarFieldContainer[float]
+    scale_min: float
+    scale_max: float
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    default_steps: int
+    default_flow_shift: float
+    default_audio_flow_shift: float
+    def __init__(self, steps: _Optional[_Iterable[int]] = ..., flow_shifts: _Optional[_Iterable[float]] = ..., audio_flow_shifts: _Optional[_Iterable[float]] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., tasks: _Optional[_Iterable[str]] = ..., default_steps: _Optional[int] = ..., default_flow_shift: _Optional[float] = ..., default_audio_flow_shift: _Optional[float] = ...) -> None: ...
+
+class AdapterRefusal(_message.Message):
+    __slots__ = ("name", "message")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    message: str
+    def __init__(self, name: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")

@@ -55,6 +55,11 @@ class GeneratorStub:
                 request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/ditserve.generator.v1.Generator/ListAdapters',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
         self.UploadReference = channel.stream_unary(
                 '/ditserve.generator.v1.Generator/UploadReference',
                 request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceRequest.SerializeToString,
@@ -94,6 +99,14 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAdapters(self, request, context):
+        """ListAdapters lists the adapters of --adapter-dir (read again when their files changed): each one's identity,
+        rank, targets, partition and contract, whether it is loaded, and each file refused with why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UploadReference(self, request_iterator, context):
         """UploadReference receives one ref2va reference file as a client stream of chunks (for
         references larger than the unary limit): a GenerateRequest (or a job) then names it by
@@ -125,6 +138,11 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusRequest.FromString,
                     response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersResponse.SerializeToString,
             ),
             'UploadReference': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadReference,
@@ -241,6 +259,33 @@ class Generator:
             '/ditserve.generator.v1.Generator/GetStatus',
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusRequest.SerializeToString,
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Generator/ListAdapters',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
