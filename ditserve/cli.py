@@ -260,6 +260,8 @@ USAGE_ERRORS = (
     "plancache_service.errors:PlanCapacityError",
     "plancache_service.errors:InvalidPlanRequestError",
     "ditcore.text_encoder:TextEncoderError",
+    "ditcore.adapter_contract:AdapterNotFoundError",
+    "ditcore.adapter_contract:AdapterError",
 )
 """Errors in what the user gave (flags, request fields, a repository): exit code 2. Named, not imported: a class
 whose module the command never loaded cannot have been raised, so a client command does not load the model layer

@@ -1,6 +1,6 @@
 """The client's request side: a GenerationRequest or a mapping of its fields -> the GenerateRequest proto (the task
-inferred, a fresh request id when it has none), the protocol's task / kind / output-type tables, and the schedule
-affinity key sent as `x-ditserve-schedule`."""
+inferred, a fresh request id when it has none, its adapters as `AdapterUse` messages), the protocol's task / kind /
+output-type tables, and the schedule affinity key sent as `x-ditserve-schedule`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ditcore.request import GenerationRequest, RequestError
+from ditcore.request import AdapterUse, GenerationRequest, RequestError
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 _TASKS = {"t2va": pb.TASK_T2VA, "fl2va": pb.TASK_FL2VA, "ref2va": pb.TASK_REF2VA}
@@ -67,8 +67,10 @@ def request_to_proto(
         if ref.kind not in REFERENCE_KINDS:
             raise RequestError("references", f"unknown reference kind {ref.kind!r}; allowed: image, video, audio")
         msg.references.append(pb.Reference(data=ref.data, kind=REFERENCE_KINDS[ref.kind]))
+    for use in req.adapters:
+        msg.adapters.append(adapter_to_proto(use))
     for f in dataclasses.fields(GenerationRequest):
-        if f.name in ("request_id", "task", "prompt", "output_type", "references"):
+        if f.name in ("request_id", "task", "prompt", "output_type", "references", "adapters"):
             continue
         value = getattr(req, f.name)
         try:
@@ -78,6 +80,17 @@ def request_to_proto(
     if expected_generation is not None:
         msg.expected_generation = expected_generation
     return msg
+
+
+def adapter_to_proto(use: AdapterUse) -> pb.AdapterUse:
+    """One adapter of a request as the proto's AdapterUse, its scale always set (RequestError naming `adapters`
+    when the name or scale cannot be carried; the server checks the rest)."""
+    if not isinstance(use, AdapterUse) or not isinstance(use.name, str):
+        raise RequestError("adapters", f"must be a list of {{name, scale}}, got {use!r}")
+    scale = use.scale
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise RequestError("adapters", f"{use.name}: scale must be a number, got {scale!r}")
+    return pb.AdapterUse(name=use.name, scale=float(scale))
 
 
 def kind_name(value: int) -> str:

@@ -24,6 +24,7 @@ from ditcore import (
     validate_checkpoint,
     write_repository,
 )
+from ditcore.adapters import AdapterRegistry
 from ditcore.checkpoint_files import is_repository_dir
 from ditcore.media import encode
 from ditcore.model import RunOptions
@@ -51,7 +52,8 @@ MAX_SHARDS = 1000
 MAX_SEED = 2**63 - 1
 LOCAL_CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
 """The CacheConfig flags of `generate-local` (its slab is always in host memory)."""
-LOCAL_MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload")
+LOCAL_MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload", "adapter_dir",
+                     "max_loaded_adapters")  # fmt: skip
 """The GeneratorConfig flags of `generate-local`: how its model runs (ditcore.model.RunOptions)."""
 WRITABLE_PRESETS = tuple(name for name, p in PRESETS.items() if p.writable)
 _BYTES = {"mixed": 2, "float32": 4}  # bytes per element of the projections (mixed keeps them in bfloat16)
@@ -301,14 +303,18 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
     text_encoder = TextEncoderPlacement(args.text_encoder_device, args.text_encoder_offload)
     text_encoder.check(torch.device("cpu"))  # generate-local runs on the CPU: refused before anything loads
     options = RunOptions(attention_backend=args.attention_backend, decode_dtype=args.decode_dtype,
-                         text_encoder=text_encoder)  # fmt: skip
+                         text_encoder=text_encoder, adapters=_adapter_registry(args, requests),
+                         max_loaded_adapters=args.max_loaded_adapters)  # fmt: skip
     if args.adaln_mode == "resident":
-        _run_local(load_model(info, "resident", options=options), None, requests, target, args)
+        model = load_model(info, "resident", options=options)
+        _check_adapters(model, requests)
+        _run_local(model, None, requests, target, args)
         return 0
     cache_config = from_args(CacheConfig, args, only=LOCAL_CACHE_FLAGS)  # bounds were checked while parsing
     cache = PlanCache(cache_config, RebuildSource(info, torch.device("cpu")))
     try:
         model = load_model(info, "cached", options=options)
+        _check_adapters(model, requests)
         for req in requests:  # every request must fit this slab before any runs
             try:
                 cache.check_request(model.plan_keys(req))
@@ -318,6 +324,30 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
     finally:
         cache.close()
     return 0
+
+
+def _adapter_registry(args: argparse.Namespace, requests: list[GenerationRequest]) -> AdapterRegistry | None:
+    """--adapter-dir's registry (None without it); UsageError for a directory that is not one, or for a request that
+    names an adapter without it."""
+    if args.adapter_dir is None:
+        named = next((r for r in requests if r.adapters), None)
+        if named is not None:
+            raise UsageError(
+                f"request {named.request_id!r} names the adapter {named.adapters[0].name}: give --adapter-dir DIR "
+                "(the directory of NAME.safetensors files)"
+            )
+        return None
+    path = Path(args.adapter_dir).expanduser()
+    if not path.is_dir():
+        raise UsageError(f"--adapter-dir {path}: not a directory")
+    return AdapterRegistry(path)
+
+
+def _check_adapters(model: H3Model, requests: list[GenerationRequest]) -> None:
+    """Every request's adapters as the model reads them (found, within their contracts, servable in this mode) before
+    any runs: AdapterNotFoundError / AdapterError / RequestError naming the adapter (exit 2)."""
+    for req in requests:
+        model.adapter_set.resolve(req)
 
 
 def _run_local(

@@ -5,7 +5,9 @@ The request flags and the JSONL keys are `ditcore.GenerationRequest`'s fields (`
 files: `--first-frame PATH` / `--last-frame PATH`, and in a JSONL line "first_frame" / "last_frame" are paths relative
 to the JSONL file's directory (null or "" for none). ref2va references are files too, in order: `--reference
 [KIND:]PATH` (repeatable; KIND image, video or audio, default by content: "audio:clip.mp4" takes a video's soundtrack
-alone), and in a JSONL line "references": a list of such strings (paths relative to the JSONL file's directory). A
+alone), and in a JSONL line "references": a list of such strings (paths relative to the JSONL file's directory).
+Adapters: `--adapter NAME[=SCALE]` (repeatable, in order; scale 1.0 by default), and in a JSONL line "adapters": a
+list of {"name": ..., "scale": ...} objects or bare names (a line's list replaces the flags'). A
 request whose task is left unset (no `--task`, no "task" key) is ref2va when it has references, fl2va when it has a
 keyframe, else t2va (`ditcore.request.infer_task`). `--out` and `--output-type` are resolved by
 `outputs.py`. `generate-local` validates every request against MiniMax-H3's rules before any runs, so bad input writes
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +28,7 @@ from ditcore.media import OUTPUT_TYPES
 from ditcore.references import KINDS, Reference
 from ditcore.report import CacheReport
 from ditcore.request import (
+    ADAPTER_NAME,
     H3_LIMITS,
     KEYFRAME_FIELDS,
     MAX_FRAMES,
@@ -34,6 +38,7 @@ from ditcore.request import (
     MIN_FRAMES,
     MIN_STEPS,
     TASKS,
+    AdapterUse,
     GenerationRequest,
     RequestError,
     RequestLimits,
@@ -83,6 +88,15 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
         "audio (default: by content; audio:clip.mp4 takes a video's soundtrack alone)",
     )
     g.add_argument(
+        "--adapter",
+        metavar="NAME[=SCALE]",
+        type=parse_adapter,
+        action="append",
+        default=[],
+        help="an adapter (LoRA) of the generator's --adapter-dir, by name (its file's stem), at SCALE (a finite "
+        "number, default 1.0); repeat it to compose several, in order",
+    )
+    g.add_argument(
         "--num-inference-steps",
         type=int,
         default=_DEFAULTS.num_inference_steps,
@@ -122,6 +136,26 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
         help="latents, mp4 or frames_and_wav (default: --out's suffix, else the JSONL line's, else latents)",
     )
     add_progress_flag(o)
+
+
+def parse_adapter(value: str) -> AdapterUse:
+    """An `--adapter` value: "NAME" (scale 1.0) or "NAME=SCALE" (SCALE a finite number); argparse's error (exit 2,
+    naming --adapter) otherwise."""
+    name, sep, scale_text = value.partition("=")
+    name = name.strip()
+    if not ADAPTER_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: NAME[=SCALE], NAME an adapter's name (its file's stem: 1-128 of A-Z a-z 0-9 . _ -, no path)"
+        )
+    if not sep:
+        return AdapterUse(name)
+    try:
+        scale = float(scale_text)
+    except ValueError:
+        scale = math.nan
+    if not math.isfinite(scale):
+        raise argparse.ArgumentTypeError(f"{value!r}: NAME=SCALE, SCALE a finite number (e.g. {name}=0.8)")
+    return AdapterUse(name, scale)
 
 
 def _keyframe_from_flag(flag: str, value: str | None) -> bytes:
@@ -174,6 +208,7 @@ def _defaults_from_args(args: argparse.Namespace, target: OutputTarget) -> Gener
         references=read_references(
             getattr(args, "reference", None) or [], lambda i, msg: UsageError(f"--reference #{i + 1}: {msg}")
         ),
+        adapters=tuple(getattr(args, "adapter", None) or ()),
     )
 
 
@@ -199,6 +234,22 @@ def _line_keyframes(data: dict[str, Any], where: str, base: Path) -> None:
         data["references"] = read_references(
             value, lambda i, msg: RequestError(f"references[{i}]", f"{where}: {msg}"), base
         )
+
+
+def _line_adapters(data: dict[str, Any], where: str) -> None:
+    """A JSONL line's "adapters" checked for its shape (null: none), in place; each entry becomes an AdapterUse in
+    GenerationRequest.from_dict."""
+    if "adapters" not in data:
+        return
+    value = data["adapters"]
+    if value is None:
+        value = []
+    ok = isinstance(value, list) and all(
+        isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("name"), str)) for v in value
+    )
+    if not ok:
+        raise RequestError("adapters", f'{where}: must be a list of {{"name": ..., "scale": ...}} objects or names')
+    data["adapters"] = value
 
 
 def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = None) -> list[GenerationRequest]:
@@ -227,6 +278,7 @@ def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = N
             raise RequestError("requests", f"{path}:{n}: each line must be a JSON object")
         data.setdefault("request_id", f"req-{len(out)}")
         _line_keyframes(data, f"{path}:{n}", path.parent)
+        _line_adapters(data, f"{path}:{n}")
         fixed = target.output_type
         if fixed is not None and data.get("output_type", fixed) != fixed:
             raise RequestError(
