@@ -245,6 +245,17 @@ class ModelAdapters:
     def loaded(self) -> list[AdapterInfo]:
         return list(self._loaded.values())
 
+    def loaded_bytes(self) -> dict[str, int]:
+        """identity -> bytes of its PEFT factors held by the model's transformers."""
+        out = dict.fromkeys((i.identity for i in self._loaded.values()), 0)
+        by_name = {name: info.identity for name, info in self._loaded.items()}
+        for transformer in self.model.transformers().values():
+            for pname, param in transformer.named_parameters():
+                for name, identity in by_name.items():
+                    if f".{name}." in pname:
+                        out[identity] += param.numel() * param.element_size()
+        return out
+
     def _ensure(self, info: AdapterInfo) -> str:
         name = self.peft_name(info)
         if name in self._loaded:

@@ -6,6 +6,8 @@
     ditserve generate-local --checkpoint ./ckpt --adaln-mode cached --prompt "a red fox"
     ditserve generate-local --checkpoint ./ckpt --prompt "a red fox" --out fox.mp4     # decoded: H.264 + AAC
     ditserve generate --target 127.0.0.1:50051 --prompt "a red fox" --first-frame fox.png --out fox.mp4  # fl2va
+    ditserve generate --target 127.0.0.1:50051 --prompt "a red fox" --adapter style=0.8   # an --adapter-dir LoRA
+    ditserve adapters --target 127.0.0.1:50051          # the generator's adapters (ListAdapters)
 
 User errors (bad flags, bad request fields, corrupt repositories) exit with code 2 and a message naming the flag,
 field or file and the rule; nothing is written.
@@ -182,6 +184,16 @@ def _status_flags(st: argparse.ArgumentParser) -> None:
     st.set_defaults(func=cmd_status)
 
 
+def _adapters_flags(ad: argparse.ArgumentParser) -> None:
+    from .remote import add_client_flags, cmd_adapters
+
+    ad.add_argument("--target", required=True, help="generator address HOST:PORT")
+    ad.add_argument("--json", action="store_true", help="print the ListAdapters response as one JSON object")
+    ad.add_argument("--timeout-s", type=float, default=10.0, help="the call's deadline (default %(default)s)")
+    add_client_flags(ad)
+    ad.set_defaults(func=cmd_adapters)
+
+
 def _bench_flags(bn: argparse.ArgumentParser) -> None:
     from .bench.runner import add_bench_flags, cmd_bench
 
@@ -218,6 +230,10 @@ COMMANDS: dict[str, Command] = {
     "openai-api": Command("serve an OpenAI-compatible /v1/videos HTTP API over a generator's jobs", _openai_api_flags),
     "status": Command(
         "a generator's GetStatus as one JSON object (serving, weights, queue, slab, placement)", _status_flags
+    ),
+    "adapters": Command(
+        "a generator's adapters (ListAdapters): name, partition, rank, targets, loaded, contract; refused files",
+        _adapters_flags,
     ),
     "update-weights": Command("swap the served repository (admin token required)", _update_weights_flags),
     "bench": Command("run the benchmark scenarios on real services", _bench_flags),

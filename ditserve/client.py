@@ -228,3 +228,9 @@ class GeneratorClient:
 
     def status(self, timeout: float = 10.0) -> pb.GetStatusResponse:
         return self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout)
+
+    def list_adapters(self, timeout: float = 10.0) -> pb.ListAdaptersResponse:
+        """The adapters of the generator's --adapter-dir (ListAdapters): each one's identity, rank, targets,
+        partition, contract and whether it is loaded, and the files it refuses with why."""
+        response: pb.ListAdaptersResponse = self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=timeout)
+        return response

@@ -8,6 +8,7 @@ import json
 import shutil
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,7 +122,6 @@ def cmd_make_adapter(args: argparse.Namespace) -> int:
     """Write a random MiniMax-H3 LoRA adapter (ditcore.adapter_files) in one of the layouts diffusers' H3 loader
     converts; print one JSON line (adapter, layout, targets, rank, alpha, seed, partition, tensors)."""
     import math
-    from pathlib import Path
 
     from ditcore.adapter_files import AdapterError, check_adapter, transformer_config, write_adapter
     from ditcore.presets import preset_of

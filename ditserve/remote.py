@@ -1,4 +1,4 @@
-"""`ditserve generate --target HOST:PORT` and `ditserve update-weights`: the command line's gRPC clients.
+"""`ditserve generate --target HOST:PORT`, `status`, `adapters` and `update-weights`: the command line's gRPC clients.
 
 `generate` prints the same JSON line per request as `generate-local` (plus `generation`), writes results where
 `--out` says (outputs.py: latents as safetensors, or the service's MP4 / ZIP as received, after the client has checked
@@ -187,6 +187,63 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 1
     print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), sort_keys=True))
     return 0
+
+
+def cmd_adapters(args: argparse.Namespace) -> int:
+    """The generator's ListAdapters: a table (one row per adapter, then the refused files with why), or with --json
+    the response as one JSON object (proto field names); exit 1 when the call fails."""
+    import json
+
+    from google.protobuf.json_format import MessageToDict
+
+    check_client_args(args)
+    with client_from_args(args) as client:
+        try:
+            resp = client.list_adapters(timeout=args.timeout_s)
+        except grpc.RpcError as e:
+            print(f"ditserve adapters: failed: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        data = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        print(json.dumps(data, sort_keys=True))
+    else:
+        print(adapters_table(resp), flush=True)
+    return 0
+
+
+def contract_summary(c: Any) -> str:
+    """An AdapterContract in one cell: its scale range, then each rule it declares (steps, shifts, tasks, defaults)."""
+    parts = [f"scale [{c.scale_min:g}, {c.scale_max:g}]"]
+    for label, values in (("steps", c.steps), ("flow_shift", c.flow_shifts), ("audio_flow_shift", c.audio_flow_shifts),
+                          ("tasks", c.tasks)):  # fmt: skip
+        if values:
+            parts.append(f"{label} {','.join(v if isinstance(v, str) else f'{v:g}' for v in values)}")
+    for name in ("default_steps", "default_flow_shift", "default_audio_flow_shift"):
+        if c.HasField(name):
+            parts.append(f"{name.removeprefix('default_')}={getattr(c, name):g} by default")
+    return "; ".join(parts)
+
+
+def adapters_table(resp: Any) -> str:
+    """A ListAdaptersResponse as text: a header and a row per adapter (targets: trunk/modulation/time modules), then
+    each refused file with why."""
+    header = ("NAME", "PARTITION", "RANK", "TARGETS t/m/time", "LOADED", "IDENTITY", "CONTRACT")
+    rows = [
+        (a.name, a.partition, str(a.rank), f"{a.targets.trunk}/{a.targets.modulation}/{a.targets.time}",
+         "yes" if a.loaded else "no", a.identity[:12], contract_summary(a.contract))
+        for a in resp.adapters
+    ]  # fmt: skip
+    lines = []
+    if rows:
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header) - 1)]
+        for r in (header, *rows):
+            lines.append("  ".join([*(cell.ljust(w) for cell, w in zip(r, widths, strict=False)), r[-1]]))
+    else:
+        lines.append("no adapters (the generator serves those of its --adapter-dir)")
+    if resp.refused:
+        lines.append("refused:")
+        lines.extend(f"  {r.name}: {r.message}" for r in resp.refused)
+    return "\n".join(lines)
 
 
 def cmd_update_weights(args: argparse.Namespace) -> int:

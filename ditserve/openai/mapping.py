@@ -3,7 +3,8 @@
 - A create body (`prompt`, `model`, `seconds`, `size`, plus H3's own fields under their proto names) becomes a
   GenerateRequest: `seconds` -> the nearest valid `num_frames` (17n + 5 at 24 fps, 5 to 15 s), `size` "WIDTHxHEIGHT"
   -> width, height; the output type is MP4 (what `/content` serves). JSON is parsed strictly: a number that is not
-  finite (`NaN`, `Infinity`, `1e999`) is refused naming its field, an integer field takes only integers.
+  finite (`NaN`, `Infinity`, `1e999`) is refused naming its field, an integer field takes only integers. vLLM-Omni's
+  `lora` (`{"name", "scale"}` or a list of them) names adapters of the generator's --adapter-dir (no `local_path`).
 - A Job becomes OpenAI's `Video` object: status queued | in_progress | completed | failed (a cancelled job is
   `failed` with error code "cancelled"), progress from the steps actually finished in any state (100 only once
   completed), `seconds` as the client asked it (the real length in `duration_seconds`), `expires_at` from the
@@ -42,7 +43,7 @@ EXTRA_FIELDS = (*INT_FIELDS, *FLOAT_FIELDS)
 FILE_PARTS = ("input_reference", "first_frame", "last_frame")
 """The multipart parts that may be files (the keyframes); another file part is refused naming it."""
 CREATE_FIELDS = frozenset({"prompt", "model", "seconds", "size", "input_reference", "first_frame", "last_frame",
-                           "output_type", "idempotency_key", *EXTRA_FIELDS})  # fmt: skip
+                           "output_type", "idempotency_key", "lora", *EXTRA_FIELDS})  # fmt: skip
 """Every field a create body may carry (another is refused naming it, not ignored)."""
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 _INTEGER = re.compile(r"[+-]?\d{1,20}")
@@ -211,6 +212,47 @@ def reference_image(value: Any, name: str) -> bytes:
         raise ApiError(400, f"{name} must be base64 PNG or JPEG bytes or a data URL", name) from None
 
 
+LORA_KEYS = ("name", "scale")
+"""The keys of one `lora` entry (vLLM-Omni's extra field): an adapter of the generator's --adapter-dir by name, at its
+scale; a `local_path` is refused (the generator serves only its own directory's adapters, by name)."""
+
+
+def lora_adapters(value: Any) -> list[pb.AdapterUse]:
+    """vLLM-Omni's `lora`: one `{"name": ..., "scale": ...}` object or a list of them (multipart: that JSON as text)
+    -> the request's AdapterUses, in order; ApiError naming `lora` for another shape (the generator checks the names,
+    scales and contracts)."""
+    if isinstance(value, str):  # a multipart field: its JSON text
+        try:
+            value = json.loads(value, parse_constant=_NonFinite, parse_float=_finite_float)
+        except (ValueError, RecursionError):
+            raise ApiError(400, 'lora must be {"name": ..., "scale": ...} or a list of them (JSON)', "lora") from None
+    entries = value if isinstance(value, list) else [value]
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"lora[{i}]" if isinstance(value, list) else "lora"
+        if not isinstance(entry, dict):
+            raise ApiError(400, f'{where} must be an object {{"name": ..., "scale": ...}}, got {entry!r:.100}', "lora")
+        if "local_path" in entry:
+            raise ApiError(400, f"{where}: local_path is not served: name an adapter of the generator's --adapter-dir "
+                           "(GET its list with `ditserve adapters`)", "lora")  # fmt: skip
+        extra = sorted(set(entry) - set(LORA_KEYS))
+        if extra:
+            raise ApiError(400, f"{where}: unknown key {extra[0]!r}; allowed: {', '.join(LORA_KEYS)}", "lora")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, f"{where}.name must be an adapter's name (a non-empty string), got {name!r:.100}",
+                           "lora")  # fmt: skip
+        use = pb.AdapterUse(name=name)
+        if entry.get("scale") is not None:
+            scale = entry["scale"]
+            if isinstance(scale, _NonFinite | bool) or not isinstance(scale, int | float):
+                shown = scale.text if isinstance(scale, _NonFinite) else repr(scale)
+                raise ApiError(400, f"{where}.scale must be a finite number, got {shown:.100}", "lora")
+            use.scale = float(scale)
+        out.append(use)
+    return out
+
+
 def create_body(fields: dict[str, Any], first_frame: bytes = b"", last_frame: bytes = b"") -> CreateBody:
     unknown = sorted(set(fields) - CREATE_FIELDS)
     if unknown:
@@ -234,6 +276,8 @@ def create_body(fields: dict[str, Any], first_frame: bytes = b"", last_frame: by
     for name in FLOAT_FIELDS:
         if fields.get(name) not in (None, ""):
             setattr(req, name, number_field(name, fields[name]))
+    if fields.get("lora") not in (None, "", []):
+        req.adapters.extend(lora_adapters(fields["lora"]))
     if fields.get("output_type") not in (None, "", "mp4"):
         raise ApiError(400, f"output_type must be mp4 here (what /content serves), got {fields['output_type']!r}",
                        "output_type")  # fmt: skip

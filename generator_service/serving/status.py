@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ditcore.adapters import AdapterRegistry
+from ditcore.adapters import AdapterInfo, AdapterRegistry
 from ditcore.checkpoint_files import PARTITION_TASKS
 from ditcore.model import ComponentInfo, H3Model
 from protos.ditserve.generator.v1 import generator_pb2 as pb
@@ -40,6 +40,9 @@ def status_response(
         resp.memory.CopyFrom(pb.ModelMemory(**model.memory().to_dict()))
         resp.components.extend(component_placement(c) for c in model.components())
         resp.partitions.extend(partition_status(model))
+        held = model.adapter_set.loaded_bytes()
+        resp.adapters.extend(adapter_message(info, True, held.get(info.identity, 0))
+                             for info in model.adapter_set.loaded())  # fmt: skip
     if backend.replica is not None:
         resp.replica.CopyFrom(_replica_status(backend.replica))
         resp.replica.node_sidecars.extend(pb.NodeSidecar(**n._asdict()) for n in st.node_sidecars)
@@ -98,18 +101,23 @@ def adapters_response(registry: AdapterRegistry | None, model: H3Model | None) -
         return resp
     found, refused = registry.scan()
     loaded = {a.identity for a in model.adapter_set.loaded()} if model is not None else set()
-    for info in found:
-        c = info.contract
-        contract = pb.AdapterContract(
-            steps=c.steps, flow_shifts=c.flow_shifts, audio_flow_shifts=c.audio_flow_shifts, scale_min=c.scale[0],
-            scale_max=c.scale[1], tasks=c.tasks, default_steps=c.default_steps, default_flow_shift=c.default_flow_shift,
-            default_audio_flow_shift=c.default_audio_flow_shift,
-        )  # fmt: skip
-        targets = pb.AdapterTargets(**{g: len(info.targets.get(g, ())) for g in ("trunk", "modulation", "time")})
-        resp.adapters.append(pb.Adapter(
-            name=info.name, identity=info.identity, rank=info.rank, partition=info.partition, bytes=info.size_bytes,
-            targets=targets, contract=contract, loaded=info.identity in loaded,
-            changes_modulation=info.changes_modulation,
-        ))  # fmt: skip
+    held = model.adapter_set.loaded_bytes() if model is not None else {}
+    resp.adapters.extend(adapter_message(i, i.identity in loaded, held.get(i.identity, 0)) for i in found)
     resp.refused.extend(pb.AdapterRefusal(name=n, message=m) for n, m in sorted(refused.items()))
     return resp
+
+
+def adapter_message(info: AdapterInfo, loaded: bool, loaded_bytes: int) -> pb.Adapter:
+    """One adapter as ListAdapters and GetStatus show it."""
+    c = info.contract
+    contract = pb.AdapterContract(
+        steps=c.steps, flow_shifts=c.flow_shifts, audio_flow_shifts=c.audio_flow_shifts, scale_min=c.scale[0],
+        scale_max=c.scale[1], tasks=c.tasks, default_steps=c.default_steps, default_flow_shift=c.default_flow_shift,
+        default_audio_flow_shift=c.default_audio_flow_shift,
+    )  # fmt: skip
+    targets = pb.AdapterTargets(**{g: len(info.targets.get(g, ())) for g in ("trunk", "modulation", "time")})
+    return pb.Adapter(
+        name=info.name, identity=info.identity, rank=info.rank, partition=info.partition, bytes=info.size_bytes,
+        targets=targets, contract=contract, loaded=loaded, changes_modulation=info.changes_modulation,
+        loaded_bytes=loaded_bytes,
+    )  # fmt: skip

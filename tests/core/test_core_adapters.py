@@ -151,6 +151,11 @@ def test_cached_serves_a_trunk_adapter_on_the_base_plans_and_refuses_a_modulatio
         with pytest.raises(AdapterError, match=rf"adapter {name} changes the modulation"):
             run(cached, REQUEST, registry, [(name, 1.0)], plans)
     assert [a.name for a in cached.adapter_set.loaded()] == ["trunk"]
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+
+    factors = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(adapter_dir / "trunk.safetensors")).values()
+    held = cached.adapter_set.loaded_bytes()[registry.get("trunk").identity]
+    assert held == sum(t.numel() for t in factors) * 2  # its factors as loaded: in the base layers' bfloat16
 
 
 # ---------------------------------------------------------------------------- the registry and the rules

@@ -192,3 +192,28 @@ def oracle_digests(rank: int, out: Path, repo: Path, requests: list[dict[str, An
             }  # fmt: skip
     if rank == 0:
         (out / "oracle.json").write_text(json.dumps(found))
+
+
+def diffusers_with_adapters(
+    rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int, adapters: list[tuple[Path, float]]
+) -> None:
+    """diffusers' own Ulysses loop on `degree` ranks with these adapter files loaded (`load_lora_weights`, after
+    `enable_parallelism`, as a served model loads them) and set (`set_adapters(names, weights)`); rank 0 saves the
+    latents as adapters.safetensors."""
+    from diffusers import ContextParallelConfig
+    from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
+
+    from ditcore.parallel import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    precision = stored_precision(repo)
+    pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
+    with mock.patch("torch.accelerator.device_count", return_value=1):
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))
+    names = [f"o{i}" for i in range(len(adapters))]
+    for name, (path, _) in zip(names, adapters, strict=True):
+        pipe.load_lora_weights(str(path), adapter_name=name)
+    pipe.set_adapters(names, [s for _, s in adapters])
+    video, audio = diffusers_request_latents(repo, request)
+    if rank == 0:
+        save_file({"video": video.contiguous(), "audio": audio.contiguous()}, str(out / "adapters.safetensors"))

@@ -30,11 +30,12 @@ import grpc
 import pytest
 import torch
 from distkit import run_ranks
-from rankwork import diffusers_only
+from rankwork import diffusers_only, diffusers_with_adapters
 from refmedia import video_bytes
 from safetensors.torch import load_file
 from servicekit import TOKEN, Weights, free_port, is_serving, short_tmpdir, wait_for
 
+from ditcore.adapter_files import write_adapter
 from ditcore.references import Reference
 from ditserve.client import GeneratorClient
 
@@ -97,13 +98,22 @@ class Replica:
 
 
 @pytest.fixture(scope="module")
-def replica(weights: Weights) -> Iterator[Replica]:
+def adapter_dir(weights: Weights, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trunk-only adapter (served on the base plans) and a modulation one (cached mode refuses it)."""
+    root = tmp_path_factory.mktemp("replica-adapters")
+    write_adapter(root / "trunk.safetensors", weights.a, "trunk", "diffusers", rank=2, alpha=None, seed=5)
+    write_adapter(root / "mod.safetensors", weights.a, "modulation", "diffusers", rank=2, alpha=None, seed=6)
+    return root
+
+
+@pytest.fixture(scope="module")
+def replica(weights: Weights, adapter_dir: Path) -> Iterator[Replica]:
     run_dir = short_tmpdir("dsrep-")
     port = free_port()
     env = {**os.environ, "DITSERVE_ADMIN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "ditserve", "serve", "--nproc", "2", "--device", "cpu", "--checkpoint",
             str(weights.a), "--weights-root", str(weights.root), "--run-dir", str(run_dir), "--port", str(port),
-            "--no-metrics", "--gpu-plans", "512"]  # fmt: skip
+            "--no-metrics", "--gpu-plans", "512", "--adapter-dir", str(adapter_dir)]  # fmt: skip
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"
     try:
@@ -131,6 +141,25 @@ def test_generate_through_two_ranks_returns_diffusers_context_parallel_sha(
     line = json.loads(res.stdout.strip().splitlines()[-1])
     assert line["sha256"] == expected["a"]
     assert line["cache"]["built_plans"] > 0 or line["cache"]["gpu_hit_plans"] > 0
+
+
+def test_a_trunk_adapter_on_two_ranks_is_diffusers_context_parallel_with_it(
+    replica: Replica, weights: Weights, adapter_dir: Path, tmp_path: Path
+) -> None:
+    """Every rank loads the adapter (its own --adapter-dir, the same identity as rank 0's) on the base plans; a
+    modulation adapter is refused on cached plans, naming it, and the replica serves on."""
+    uses = [(adapter_dir / "trunk.safetensors", 0.8)]
+    out = run_ranks(diffusers_with_adapters, 2, (weights.a, REQUEST, 2, uses), tmp_path)
+    expected = digest(load_file(out / "adapters.safetensors"))
+    with GeneratorClient(replica.target) as client:
+        result = client.generate({**REQUEST, "request_id": "lora", "adapters": [{"name": "trunk", "scale": 0.8}]},
+                                 timeout=240)  # fmt: skip
+        assert result.sha256 == expected
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate({**REQUEST, "request_id": "mod", "adapters": ["mod"]}, timeout=240)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "adapter mod changes the modulation" in (refused.value.details() or "")
+        assert client.generate({**REQUEST, "request_id": "base"}, timeout=240).generation == 1
 
 
 def test_ref2va_through_two_ranks_returns_diffusers_context_parallel_sha(

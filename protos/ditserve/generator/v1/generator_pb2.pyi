@@ -175,7 +175,7 @@ class ListAdaptersResponse(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[AdapterRefusal, _Mapping]]] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "identity", "rank", "partition", "bytes", "targets", "contract", "loaded", "changes_modulation")
+    __slots__ = ("name", "identity", "rank", "partition", "bytes", "targets", "contract", "loaded", "changes_modulation", "loaded_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class Adapter(_message.Message):
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
     CHANGES_MODULATION_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     identity: str
     rank: int
@@ -194,7 +195,8 @@ class Adapter(_message.Message):
     contract: AdapterContract
     loaded: bool
     changes_modulation: bool
-    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ..., rank: _Optional[int] = ..., partition: _Optional[str] = ..., bytes: _Optional[int] = ..., targets: _Optional[_Union[AdapterTargets, _Mapping]] = ..., contract: _Optional[_Union[AdapterContract, _Mapping]] = ..., loaded: _Optional[bool] = ..., changes_modulation: _Optional[bool] = ...) -> None: ...
+    loaded_bytes: int
+    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ..., rank: _Optional[int] = ..., partition: _Optional[str] = ..., bytes: _Optional[int] = ..., targets: _Optional[_Union[AdapterTargets, _Mapping]] = ..., contract: _Optional[_Union[AdapterContract, _Mapping]] = ..., loaded: _Optional[bool] = ..., changes_modulation: _Optional[bool] = ..., loaded_bytes: _Optional[int] = ...) -> None: ...
 
 class AdapterTargets(_message.Message):
     __slots__ = ("trunk", "modulation", "time")
@@ -442,7 +444,7 @@ class SlabGeometry(_message.Message):
     def __init__(self, num_slots: _Optional[int] = ..., width: _Optional[int] = ..., page_numel: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype", "replica", "partitions", "start_placement")
+    __slots__ = ("generation", "weights_path", "fingerprint", "adaln_mode", "sidecar_connected", "sidecar_target", "queue_depth", "max_queue_depth", "slab", "serving", "model_preset", "memory", "precision", "components", "attention_backend", "decode_dtype", "replica", "partitions", "start_placement", "adapters")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -462,6 +464,7 @@ class GetStatusResponse(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     START_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     weights_path: str
     fingerprint: str
@@ -481,7 +484,8 @@ class GetStatusResponse(_message.Message):
     replica: ReplicaStatus
     partitions: _containers.RepeatedCompositeFieldContainer[PartitionStatus]
     start_placement: StartPlacement
-    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[PartitionStatus, _Mapping]]] = ..., start_placement: _Optional[_Union[StartPlacement, _Mapping]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    def __init__(self, generation: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., sidecar_connected: _Optional[bool] = ..., sidecar_target: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., slab: _Optional[_Union[SlabGeometry, _Mapping]] = ..., serving: _Optional[bool] = ..., model_preset: _Optional[str] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ..., precision: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentPlacement, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., decode_dtype: _Optional[str] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[PartitionStatus, _Mapping]]] = ..., start_placement: _Optional[_Union[StartPlacement, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
 
 class StartPlacement(_message.Message):
     __slots__ = ("text_encoder", "partitions", "decided", "free_bytes", "free_source", "need_bytes", "left_bytes", "canvas", "ranks")

@@ -1,0 +1,214 @@
+"""Adapters on the client side: GenerateRequest.adapters from a request (names, scales, a name alone), `--adapter
+NAME[=SCALE]` and a JSONL line's "adapters", the facade's `lora` (vLLM-Omni's extra field), and end to end on a
+resident generator with --adapter-dir: `ditserve adapters` (loaded before / after use), `ditserve generate --adapter`
+(a different, deterministic result) and the refusals (NOT_FOUND, INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from clikit import run_cli_inprocess
+from servicekit import Pair
+
+from ditcore.request import AdapterUse, GenerationRequest, RequestError
+from ditserve.cli import _parser
+from ditserve.client import GeneratorClient
+from ditserve.client_requests import request_to_proto
+from ditserve.openai.mapping import ApiError, create_body, parse_json_object
+from ditserve.remote import adapters_table
+from ditserve.requests_io import parse_adapter, requests_from_args
+from protos.ditserve.generator.v1 import generator_pb2 as pb
+
+
+# ----------------------------------------------------------------------------- the request's proto
+def test_request_to_proto_carries_the_adapters_in_order_with_their_scales() -> None:
+    req = GenerationRequest(prompt="p", adapters=(AdapterUse("style", 0.5), AdapterUse("motion")))
+    msg = request_to_proto(req)
+    assert [(a.name, a.scale) for a in msg.adapters] == [("style", 0.5), ("motion", 1.0)]
+    assert all(a.HasField("scale") for a in msg.adapters)  # a name alone is sent at scale 1.0
+    assert not request_to_proto(GenerationRequest(prompt="p")).adapters
+
+
+def test_request_to_proto_takes_a_mappings_adapters_as_names_or_objects() -> None:
+    msg = request_to_proto({"prompt": "p", "adapters": ["a", {"name": "b", "scale": 2}, {"name": "c"}]})
+    assert [(a.name, a.scale) for a in msg.adapters] == [("a", 1.0), ("b", 2.0), ("c", 1.0)]
+    assert isinstance(msg.adapters[1].scale, float)
+
+
+@pytest.mark.parametrize("uses", [(AdapterUse("a", "x"),), (AdapterUse("a", True),), ("a",)])  # type: ignore[arg-type]
+def test_request_to_proto_refuses_adapters_it_cannot_carry_naming_the_field(uses: Any) -> None:
+    with pytest.raises(RequestError) as err:
+        request_to_proto(GenerationRequest(prompt="p", adapters=uses))
+    assert err.value.field == "adapters"
+
+
+# ----------------------------------------------------------------------------- --adapter and JSONL
+@pytest.mark.parametrize(
+    ("value", "use"),
+    [("trunk", AdapterUse("trunk")), ("trunk=0.5", AdapterUse("trunk", 0.5)), ("a.b-c_1=-2", AdapterUse("a.b-c_1", -2.0)),
+     ("x=1e-3", AdapterUse("x", 0.001))],
+)  # fmt: skip
+def test_parse_adapter_reads_name_and_scale(value: str, use: AdapterUse) -> None:
+    assert parse_adapter(value) == use
+
+
+@pytest.mark.parametrize("value", ["", "=0.5", "../x", "a/b", "a=", "a=half", "a=nan", "a=inf", "a=0.5=1", ".x"])
+def test_parse_adapter_refuses_bad_forms(value: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_adapter(value)
+
+
+def _generate_args(argv: list[str]) -> argparse.Namespace:
+    return _parser(declared=("generate",)).parse_args(["generate", "--target", "127.0.0.1:1", *argv])
+
+
+def test_adapter_flags_are_every_requests_default_and_a_jsonl_line_replaces_them(tmp_path: Path) -> None:
+    args = _generate_args(["--prompt", "p", "--adapter", "a=0.5", "--adapter", "b"])
+    (req,) = requests_from_args(args)
+    assert req.adapters == (AdapterUse("a", 0.5), AdapterUse("b"))
+    lines = tmp_path / "r.jsonl"
+    lines.write_text(
+        "\n".join(json.dumps(d) for d in ({}, {"adapters": [{"name": "c", "scale": 0.25}, "d"]}, {"adapters": None}))
+    )
+    reqs = requests_from_args(_generate_args(["--prompt", "p", "--adapter", "a", "--requests", str(lines)]))
+    assert [r.adapters for r in reqs] == [(AdapterUse("a"),), (AdapterUse("c", 0.25), AdapterUse("d")), ()]
+
+
+@pytest.mark.parametrize("value", ['"a"', "[1]", '[{"scale": 1}]', '[{"name": "a", "path": "x"}]', "{}"])
+def test_a_jsonl_lines_bad_adapters_are_refused_naming_the_line(tmp_path: Path, value: str) -> None:
+    lines = tmp_path / "r.jsonl"
+    lines.write_text(f'{{"adapters": {value}}}\n')
+    with pytest.raises(RequestError) as err:
+        requests_from_args(_generate_args(["--prompt", "p", "--requests", str(lines)]))
+    assert err.value.field == "adapters" and f"{lines}:1" in str(err.value)
+
+
+def test_bad_adapter_flags_are_usage_errors_naming_the_flag() -> None:
+    res = run_cli_inprocess(["generate", "--target", "127.0.0.1:1", "--prompt", "p", "--adapter", "../x"])
+    assert res.code == 2 and "argument --adapter" in res.err and "../x" in res.err
+    res = run_cli_inprocess(["generate", "--target", "127.0.0.1:1", "--prompt", "p", "--adapter", "x=big"])
+    assert res.code == 2 and "argument --adapter" in res.err and "SCALE" in res.err
+
+
+def test_generate_local_refuses_an_adapter_without_an_adapter_dir(tiny_ckpt: Path, tmp_path: Path) -> None:
+    res = run_cli_inprocess(["generate-local", "--checkpoint", tiny_ckpt, "--prompt", "p", "--adapter", "x"])
+    assert res.code == 2 and "--adapter-dir" in res.err and "x" in res.err
+    argv = ["generate-local", "--checkpoint", tiny_ckpt, "--prompt", "p", "--adapter-dir", tmp_path / "none"]
+    res = run_cli_inprocess(argv)
+    assert res.code == 2 and "--adapter-dir" in res.err and "not a directory" in res.err
+
+
+# ----------------------------------------------------------------------------- the facade's `lora`
+def test_lora_maps_an_object_or_a_list_to_the_requests_adapters() -> None:
+    r = create_body({"prompt": "p", "lora": {"name": "style", "scale": 0.5}}).request
+    assert [(a.name, a.scale) for a in r.adapters] == [("style", 0.5)]
+    r = create_body({"prompt": "p", "lora": [{"name": "a"}, {"name": "b", "scale": 2}]}).request
+    assert [(a.name, a.HasField("scale")) for a in r.adapters] == [("a", False), ("b", True)]
+    assert r.adapters[1].scale == 2.0  # an unset scale stays unset: the generator's 1.0
+    r = create_body({"prompt": "p", "lora": '[{"name": "a", "scale": 0.75}]'}).request  # multipart: JSON text
+    assert [(a.name, a.scale) for a in r.adapters] == [("a", 0.75)]
+    assert not create_body({"prompt": "p", "lora": None}).request.adapters
+
+
+@pytest.mark.parametrize(
+    "lora",
+    ["style", 3, [1], [{"scale": 1}], {"name": ""}, {"name": 5}, {"name": "a", "scale": "big"},
+     {"name": "a", "scale": True}, {"name": "a", "weight": 1}, "[{", [{"name": "a"}, "b"]],
+)  # fmt: skip
+def test_bad_lora_shapes_are_400_naming_lora(lora: Any) -> None:
+    with pytest.raises(ApiError) as err:
+        create_body({"prompt": "p", "lora": lora})
+    assert err.value.status == 400 and err.value.param == "lora" and "lora" in err.value.message
+
+
+@pytest.mark.parametrize("lora", [{"name": "a", "local_path": "/x/a.safetensors"}, [{"name": "a", "local_path": "y"}]])
+def test_a_lora_local_path_is_refused_naming_it(lora: Any) -> None:
+    with pytest.raises(ApiError) as err:
+        create_body({"prompt": "p", "lora": lora})
+    assert err.value.status == 400 and err.value.param == "lora" and "local_path" in err.value.message
+
+
+def test_a_non_finite_lora_scale_is_refused_naming_lora() -> None:
+    with pytest.raises(ApiError) as err:
+        create_body(parse_json_object(b'{"prompt": "p", "lora": {"name": "a", "scale": NaN}}'))
+    assert err.value.status == 400 and err.value.param == "lora"
+
+
+def test_the_adapters_table_shows_each_adapter_and_the_refused_files() -> None:
+    resp = pb.ListAdaptersResponse(
+        adapters=[pb.Adapter(name="trunk", identity="ab" * 32, rank=2, partition="base", loaded=True,
+                             targets=pb.AdapterTargets(trunk=12),
+                             contract=pb.AdapterContract(scale_min=0, scale_max=4, steps=[5, 9], default_steps=5))],
+        refused=[pb.AdapterRefusal(name="bad", message="bad.safetensors: no LoRA factors")],
+    )  # fmt: skip
+    text = adapters_table(resp)
+    row = next(line for line in text.splitlines() if line.startswith("trunk"))
+    for part in ("base", "12/0/0", "yes", "abababababab", "scale [0, 4]", "steps 5,9", "steps=5 by default"):
+        assert part in row, (part, row)
+    assert "refused:" in text and "bad: bad.safetensors: no LoRA factors" in text
+    assert "no adapters" in adapters_table(pb.ListAdaptersResponse())
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def adapter_pair(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """A resident generator in this process on the tiny repository with an --adapter-dir of a trunk and a modulation
+    adapter."""
+    from ditcore.adapter_files import write_adapter
+
+    adir = tmp_path_factory.mktemp("adapters")
+    write_adapter(adir / "trunk.safetensors", str(tiny_ckpt), "trunk", "diffusers", rank=2, alpha=None, seed=1)
+    write_adapter(adir / "mod.safetensors", str(tiny_ckpt), "modulation", "diffusers", rank=2, alpha=None, seed=2)
+    with Pair(tiny_ckpt, mode="resident", adapter_dir=adir) as p:
+        yield p.start()
+
+
+def _listed(target: str) -> dict[str, dict[str, Any]]:
+    res = run_cli_inprocess(["adapters", "--target", target, "--json"])
+    assert res.code == 0, res.err
+    data = json.loads(res.out)
+    assert not data.get("refused")
+    return {a["name"]: a for a in data["adapters"]}
+
+
+def _sha(target: str, *extra: str) -> str:
+    argv = ["generate", "--target", target, "--prompt", "a red fox", "--num-inference-steps", "3", "--seed", "7"]
+    res = run_cli_inprocess([*argv, *extra])
+    assert res.code == 0, res.err
+    (line,) = res.json_lines()
+    return str(line["sha256"])
+
+
+def test_adapters_end_to_end(adapter_pair: Pair) -> None:
+    target = adapter_pair.target
+    listed = _listed(target)
+    assert set(listed) == {"trunk", "mod"}
+    assert not listed["trunk"]["loaded"] and not listed["mod"]["loaded"]
+    assert listed["trunk"]["targets"]["trunk"] > 0 and listed["mod"]["changes_modulation"]
+    assert listed["trunk"]["partition"] == "base" and len(listed["trunk"]["identity"]) == 64
+
+    base = _sha(target)
+    with_trunk = _sha(target, "--adapter", "trunk=0.8")
+    assert with_trunk != base
+    assert _sha(target, "--adapter", "trunk=0.8") == with_trunk  # deterministic
+    assert _sha(target) == base  # the adapter is off again for a base request
+    listed = _listed(target)
+    assert listed["trunk"]["loaded"] and not listed["mod"]["loaded"]
+    table = run_cli_inprocess(["adapters", "--target", target])
+    assert table.code == 0 and "trunk" in table.out and "mod" in table.out
+
+    res = run_cli_inprocess(["generate", "--target", target, "--prompt", "a red fox", "--adapter", "nope"])
+    assert res.code == 1 and "NOT_FOUND" in res.err and "nope" in res.err
+    with GeneratorClient(target) as client:
+        for uses in ((AdapterUse("../x"),), (AdapterUse("trunk", math.nan),)):
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(GenerationRequest(prompt="a red fox", num_inference_steps=3, adapters=uses))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "adapters" in (err.value.details() or "")
