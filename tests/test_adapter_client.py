@@ -16,6 +16,7 @@ import grpc
 import pytest
 from clikit import run_cli_inprocess
 from servicekit import Pair
+from test_client_imports import UNREACHABLE, _run
 
 from ditcore.request import AdapterUse, GenerationRequest, RequestError
 from ditserve.cli import _parser
@@ -105,6 +106,18 @@ def test_generate_local_refuses_an_adapter_without_an_adapter_dir(tiny_ckpt: Pat
     assert res.code == 2 and "--adapter-dir" in res.err and "not a directory" in res.err
 
 
+@pytest.mark.processes  # a fresh interpreter: what it loads
+@pytest.mark.parametrize(
+    "argv",
+    [["adapters", "--target", UNREACHABLE, "--timeout-s", "2"],
+     ["generate", "--target", UNREACHABLE, "--prompt", "a red fox", "--adapter", "style=0.8"]],
+    ids=lambda argv: argv[0],
+)  # fmt: skip
+def test_the_adapter_client_commands_run_without_the_model(argv: list[str]) -> None:
+    report = _run(f"from ditserve.cli import main\nrc = main({argv!r})", rc="rc")
+    assert report == {"rc": 1, "loaded": []}  # 1: it reached the (unreachable) server
+
+
 # ----------------------------------------------------------------------------- the facade's `lora`
 def test_lora_maps_an_object_or_a_list_to_the_requests_adapters() -> None:
     r = create_body({"prompt": "p", "lora": {"name": "style", "scale": 0.5}}).request
@@ -164,8 +177,8 @@ def adapter_pair(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     from ditcore.adapter_files import write_adapter
 
     adir = tmp_path_factory.mktemp("adapters")
-    write_adapter(adir / "trunk.safetensors", str(tiny_ckpt), "trunk", "diffusers", rank=2, alpha=None, seed=1)
-    write_adapter(adir / "mod.safetensors", str(tiny_ckpt), "modulation", "diffusers", rank=2, alpha=None, seed=2)
+    write_adapter(adir / "trunk.safetensors", tiny_ckpt, "trunk", "diffusers", rank=2, alpha=None, seed=1)
+    write_adapter(adir / "mod.safetensors", tiny_ckpt, "modulation", "diffusers", rank=2, alpha=None, seed=2)
     with Pair(tiny_ckpt, mode="resident", adapter_dir=adir) as p:
         yield p.start()
 
@@ -204,11 +217,54 @@ def test_adapters_end_to_end(adapter_pair: Pair) -> None:
     table = run_cli_inprocess(["adapters", "--target", target])
     assert table.code == 0 and "trunk" in table.out and "mod" in table.out
 
-    res = run_cli_inprocess(["generate", "--target", target, "--prompt", "a red fox", "--adapter", "nope"])
-    assert res.code == 1 and "NOT_FOUND" in res.err and "nope" in res.err
     with GeneratorClient(target) as client:
         for uses in ((AdapterUse("../x"),), (AdapterUse("trunk", math.nan),)):
             with pytest.raises(grpc.RpcError) as err:
                 client.generate(GenerationRequest(prompt="a red fox", num_inference_steps=3, adapters=uses))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
             assert "adapters" in (err.value.details() or "")
+
+
+def test_generate_local_with_the_adapter_dir_matches_the_server(adapter_pair: Pair, tiny_ckpt: Path) -> None:
+    """`generate-local --adapter-dir DIR --adapter trunk=0.8` runs the adapter in this process: the server's latents."""
+    adir = adapter_pair.generator_config.adapter_dir
+    argv = ["generate-local", "--checkpoint", tiny_ckpt, "--adapter-dir", adir, "--prompt", "a red fox",
+            "--num-inference-steps", "3", "--seed", "7"]  # fmt: skip
+    res = run_cli_inprocess([*argv, "--adapter", "trunk=0.8"])
+    assert res.code == 0, res.err
+    assert res.json_lines()[0]["sha256"] == _sha(adapter_pair.target, "--adapter", "trunk=0.8")
+    res = run_cli_inprocess([*argv, "--adapter", "nope"])
+    assert res.code == 2 and "nope" in res.err
+
+
+def test_an_unknown_adapter_is_not_found_naming_it(adapter_pair: Pair) -> None:
+    argv = ["generate", "--target", adapter_pair.target, "--prompt", "a red fox", "--num-inference-steps", "3"]
+    res = run_cli_inprocess([*argv, "--adapter", "nope"])
+    assert res.code == 1 and "nope" in res.err
+    assert "NOT_FOUND" in res.err, res.err
+
+
+def test_a_job_runs_its_adapters_and_shows_them(adapter_pair: Pair) -> None:
+    """The Jobs API takes the same GenerateRequest: the job's result is the direct request's bits, its spec lists
+    the adapters, and a job naming an unknown adapter is refused at CreateJob, NOT_FOUND naming it."""
+
+    from ditserve.client import GeneratorClient
+    from ditserve.jobs_client import JobsClient
+    from protos.ditserve.generator.v1 import generator_pb2 as pb
+
+    request = {
+        "prompt": "a red fox",
+        "num_inference_steps": 3,
+        "seed": 7,
+        "adapters": [{"name": "trunk", "scale": 0.8}],
+    }
+    with GeneratorClient(adapter_pair.target) as client:
+        direct = client.generate({**request, "request_id": "direct"}, timeout=120).sha256
+    with JobsClient(adapter_pair.target) as jobs:
+        job, created = jobs.create({**request, "request_id": "job"})
+        assert created and [(a.name, a.scale) for a in job.spec.adapters] == [("trunk", pytest.approx(0.8))]
+        done = next(j for j in jobs.watch(job.job_id) if j.state not in (pb.JOB_STATE_QUEUED, pb.JOB_STATE_RUNNING))
+        assert done.state == pb.JOB_STATE_SUCCEEDED and done.result.sha256 == direct
+        with pytest.raises(grpc.RpcError) as refused:
+            jobs.create({**request, "request_id": "bad", "adapters": ["nope"]})
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "adapter nope" in (refused.value.details() or "")

@@ -80,6 +80,8 @@ def _spec(spec: dict[str, object]) -> pb.JobSpec:
     )  # fmt: skip
     if spec.get("expected_generation") is not None:
         out.expected_generation = int(spec["expected_generation"])  # type: ignore[call-overload]
+    for use in spec.get("adapters") or ():  # type: ignore[attr-defined]
+        out.adapters.append(pb.AdapterUse(name=str(use["name"]), scale=float(use["scale"])))
     return out
 
 

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from ditcore import GenerationRequest, RequestError
+from ditcore.adapter_contract import AdapterError, AdapterNotFoundError
 from ditruntime.auth import check_admin_transport, check_bearer
 from ditruntime.convert import to_proto
 from ditruntime.errors import ServiceError
@@ -78,7 +79,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             run = Run(request, expected_generation=expected, deadline=deadline)
             context.add_callback(lambda: self._ended(run))  # client cancel / disconnect stops the executor
             self.registry.submit(run)
-        except (RequestError, ServiceError) as e:
+        except (RequestError, ServiceError, AdapterError, AdapterNotFoundError) as e:  # refusals: their own status
             abort(context, e)
         return run
 

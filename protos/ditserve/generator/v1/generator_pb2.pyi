@@ -639,7 +639,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "output_type", "has_first_frame", "has_last_frame", "expected_generation")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "output_type", "has_first_frame", "has_last_frame", "expected_generation", "adapters")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -654,6 +654,7 @@ class JobSpec(_message.Message):
     HAS_FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
     HAS_LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
@@ -668,7 +669,8 @@ class JobSpec(_message.Message):
     has_first_frame: bool
     has_last_frame: bool
     expected_generation: int
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., has_first_frame: _Optional[bool] = ..., has_last_frame: _Optional[bool] = ..., expected_generation: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterUse]
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., has_first_frame: _Optional[bool] = ..., has_last_frame: _Optional[bool] = ..., expected_generation: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ...) -> None: ...
 
 class JobContent(_message.Message):
     __slots__ = ("content_type", "total_bytes", "sha256", "filename", "available")
