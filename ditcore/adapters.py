@@ -18,6 +18,7 @@ is refused there (`AdapterError`, naming the adapter and its modulation targets)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -63,6 +64,8 @@ class AdapterInfo:
     targets: dict[str, tuple[str, ...]]
     """Its modules (diffusers' names) by group: "trunk", "modulation", "time"."""
     contract: AdapterContract
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+    """Each module's (in_features, out_features) as its factors say (lora_A's columns, lora_B's rows)."""
     stat: tuple[Any, ...] = field(default=(), compare=False)
     """The file's and its manifest's (size, mtime_ns, inode) when read: an adapter whose stat moved is read again."""
 
@@ -121,6 +124,8 @@ def read_adapter(path: Path) -> AdapterInfo:
         raise AdapterError(f"{path.name}: diffusers' MiniMax-H3 LoRA loader refuses it: {e}") from None
     targets: dict[str, set[str]] = {g: set() for g in GROUPS}
     partitions, ranks, stray = set(), [], []
+    ins: dict[str, int] = {}
+    outs: dict[str, int] = {}
     for key, tensor in state.items():
         prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
         module, _, kind = key.removeprefix(prefix or "").rpartition(".lora_")
@@ -137,6 +142,9 @@ def read_adapter(path: Path) -> AdapterInfo:
         targets[group].add(module)
         if kind == "A.weight":
             ranks.append(int(tensor.shape[0]))
+            ins[module] = int(tensor.shape[-1])
+        else:
+            outs[module] = int(tensor.shape[0])
     if stray:
         raise AdapterError(
             f"{path.name}: {len(stray)} key(s) name no LoRA factor of a MiniMax-H3 module ditserve serves (e.g. "
@@ -152,8 +160,9 @@ def read_adapter(path: Path) -> AdapterInfo:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     h.update(b"\0" + contract.canonical().encode())
+    shapes = {m: (ins.get(m, 0), outs.get(m, 0)) for m in set(ins) | set(outs)}
     return AdapterInfo(name, path, h.hexdigest(), stat[0], max(ranks), partition,
-                       {g: tuple(sorted(m)) for g, m in targets.items()}, contract, stat)  # fmt: skip
+                       {g: tuple(sorted(m)) for g, m in targets.items()}, contract, shapes, stat)  # fmt: skip
 
 
 class AdapterRegistry:
@@ -230,7 +239,23 @@ class ModelAdapters:
         return out
 
     def check_servable(self, info: AdapterInfo) -> None:
-        """AdapterError unless this model can serve `info` (a cached model: no modulation targets)."""
+        """AdapterError unless this model can serve `info`: every targeted module exists with the factors' shapes (a
+        LoRA trained on a pruned checkpoint does not fit), and on a cached model no modulation targets."""
+        transformer = self.model.transformers().get(info.partition)
+        if transformer is not None:
+            modules = dict(transformer.named_modules())
+            for module, (fan_in, fan_out) in sorted(info.shapes.items()):
+                base = modules.get(module)
+                base = getattr(base, "base_layer", base)  # a module PEFT already wraps
+                if self.model.mode == "cached" and module in (*info.targets["modulation"], *info.targets["time"]):
+                    continue  # not in a cached transformer at all; refused below
+                if not isinstance(base, torch.nn.Linear):
+                    raise AdapterError(f"adapter {info.name}: {module} is not a linear layer of this model")
+                if (base.in_features, base.out_features) != (fan_in, fan_out):
+                    raise AdapterError(
+                        f"adapter {info.name}: {module} is {base.in_features} -> {base.out_features} in this model but "
+                        f"its factors are {fan_in} -> {fan_out} (trained on other shapes, e.g. a pruned checkpoint)"
+                    )
         if info.changes_modulation and self.model.mode == "cached":
             mods = ", ".join((*info.targets["modulation"], *info.targets["time"])[:4])
             raise AdapterError(
@@ -265,8 +290,13 @@ class ModelAdapters:
         while len(self._loaded) >= self.max_loaded:
             old, _ = self._loaded.popitem(last=False)
             self.model.pipe.delete_adapters(old)
-        self.model.pipe.load_lora_weights(str(info.path), adapter_name=name,
-                                          load_into_transformer_ref=info.partition == "ref")  # fmt: skip
+        try:
+            self.model.pipe.load_lora_weights(str(info.path), adapter_name=name,
+                                              load_into_transformer_ref=info.partition == "ref")  # fmt: skip
+        except Exception as e:  # diffusers / PEFT refused it: nothing of it stays loaded
+            with contextlib.suppress(Exception):
+                self.model.pipe.delete_adapters(name)
+            raise AdapterError(f"adapter {info.name}: diffusers' loader refused it: {e}") from None
         self._loaded[name] = info
         return name
 

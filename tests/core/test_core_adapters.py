@@ -236,3 +236,22 @@ def _no_leftover(resident: Any) -> Iterator[None]:
     transformer = resident.transformer_of("base")
     if getattr(transformer, "peft_config", None):  # every test leaves the base model's bits for the next
         assert all(getattr(m, "disable_adapters", True) for m in transformer.modules() if hasattr(m, "lora_A"))
+
+
+def test_a_lora_of_other_shapes_is_refused_before_anything_loads(resident: Any, tmp_path: Path) -> None:
+    """A LoRA trained on other shapes (the `small` preset's, as a pruned checkpoint's would be) fits no module of
+    this model: refused when the request is read, naming the module and both shapes; nothing loaded."""
+    write_adapter(tmp_path / "other.safetensors", "small", "trunk", "diffusers", rank=2, alpha=None, seed=4)
+    reg = AdapterRegistry(tmp_path)
+    before = len(resident.adapter_set.loaded())
+    request = GenerationRequest(**{**vars(REQUEST), "adapters": (AdapterUse("other"),)})
+    resident.adapter_set.registry, saved = reg, resident.adapter_set.registry
+    try:
+        with pytest.raises(
+            AdapterError,
+            match=r"adapter other: \S+\.attn\.to_\w+ is 64 -> 64 in this model but its factors are 128 -> 128",
+        ):
+            generate(resident, request)
+    finally:
+        resident.adapter_set.registry = saved
+    assert len(resident.adapter_set.loaded()) == before
