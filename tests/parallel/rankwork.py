@@ -156,6 +156,22 @@ def latents_digest(video: torch.Tensor, audio: torch.Tensor) -> str:
 
 
 def oracle_digests(rank: int, out: Path, repo: Path, requests: list[dict[str, Any]], degree: int) -> None:
+    """`oracle_of` for one repository's requests; rank 0 writes oracle.json."""
+    oracle_digests_of(rank, out, [(repo, requests, "oracle.json")], degree)
+
+
+def oracle_digests_of(rank: int, out: Path, runs: list[tuple[Path, list[dict[str, Any]], str]], degree: int) -> None:
+    """Each run's `oracle_of` in one process group; rank 0 writes each run's file."""
+    from ditcore.parallel import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    for repo, requests, name in runs:
+        found = oracle_of(repo, requests, degree)
+        if rank == 0:
+            (out / name).write_text(json.dumps(found))
+
+
+def oracle_of(repo: Path, requests: list[dict[str, Any]], degree: int) -> dict[str, Any]:
     """Each request's oracle on `degree` Ulysses ranks, in one process group: diffusers' own context-parallel loop
     (`ContextParallelConfig(ulysses_degree=degree)`) where the packed rows divide by `degree` (the length diffusers
     runs); otherwise the same loop with diffusers' `ulysses_anything` and `gather_by_broadcast`. Rank 0 writes
@@ -163,10 +179,8 @@ def oracle_digests(rank: int, out: Path, repo: Path, requests: list[dict[str, An
     from diffusers import ContextParallelConfig
     from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
 
-    from ditcore.parallel import init_process_group
     from ditcore.request import prompt_tokens
 
-    init_process_group(torch.device("cpu"))
     precision = stored_precision(repo)
     pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
     seen: dict[str, int] = {}
@@ -190,8 +204,7 @@ def oracle_digests(rank: int, out: Path, repo: Path, requests: list[dict[str, An
                 "tokens": prompt_tokens(pipe.tokenizer, request["prompt"]),
                 "oracle": "diffusers-anything-broadcast" if seen["rows"] % degree else "diffusers",
             }  # fmt: skip
-    if rank == 0:
-        (out / "oracle.json").write_text(json.dumps(found))
+    return found
 
 
 def diffusers_with_adapters(

@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 import pytest
 from distkit import run_ranks
-from rankwork import oracle_digests
+from rankwork import oracle_digests_of
 from refmedia import image_bytes
 from servicekit import TOKEN, Weights, free_port, is_serving, short_tmpdir, sidecar_state, wait_for
 
@@ -114,12 +114,12 @@ def two_nodes(weights: Weights) -> Iterator[TwoNodes]:
 
 @pytest.fixture(scope="module")
 def oracle(weights: Weights, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
-    """weights name -> request id -> sha256 of diffusers' own 2-rank Ulysses run (A: the batch; B: "a red fox")."""
-    found = {}
-    for name, repo, batch in (("a", weights.a, BATCH), ("b", weights.b, BATCH[:1])):
-        out = run_ranks(oracle_digests, 2, (repo, batch, 2), tmp_path_factory.mktemp(f"oracle-{name}"))
-        found[name] = {rid: o["sha256"] for rid, o in json.loads((out / "oracle.json").read_text()).items()}
-    return found
+    """weights name -> request id -> sha256 of diffusers' own 2-rank Ulysses run (A: the batch; B: "a red fox"), in
+    one process group."""
+    runs = [(weights.a, BATCH, "a.json"), (weights.b, BATCH[:1], "b.json")]
+    out = run_ranks(oracle_digests_of, 2, (runs, 2), tmp_path_factory.mktemp("oracle"))
+    return {name: {rid: o["sha256"] for rid, o in json.loads((out / f"{name}.json").read_text()).items()}
+            for name in ("a", "b")}  # fmt: skip
 
 
 def generate(target: str, request: dict[str, Any]) -> tuple[int, str]:
