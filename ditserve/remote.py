@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,19 +173,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _call(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> Any:
+    """`call(client)` on a client of --target; None (the failure on stderr) when the RPC fails."""
+    check_client_args(args)
+    with client_from_args(args) as client:
+        try:
+            return call(client)
+        except grpc.RpcError as e:
+            print(f"ditserve {command}: failed: {e.code().name}: {e.details()}", file=sys.stderr)
+            return None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """The generator's GetStatus as one JSON object on stdout (proto field names); exit 1 when the call fails."""
     import json
 
     from google.protobuf.json_format import MessageToDict
 
-    check_client_args(args)
-    with client_from_args(args) as client:
-        try:
-            resp = client.status(timeout=args.timeout_s)
-        except grpc.RpcError as e:
-            print(f"ditserve status: failed: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+    resp = _call(args, "status", lambda client: client.status(timeout=args.timeout_s))
+    if resp is None:
+        return 1
     print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True), sort_keys=True))
     return 0
 
@@ -196,13 +204,9 @@ def cmd_adapters(args: argparse.Namespace) -> int:
 
     from google.protobuf.json_format import MessageToDict
 
-    check_client_args(args)
-    with client_from_args(args) as client:
-        try:
-            resp = client.list_adapters(timeout=args.timeout_s)
-        except grpc.RpcError as e:
-            print(f"ditserve adapters: failed: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+    resp = _call(args, "adapters", lambda client: client.list_adapters(timeout=args.timeout_s))
+    if resp is None:
+        return 1
     if args.json:
         data = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         print(json.dumps(data, sort_keys=True))
