@@ -69,6 +69,9 @@ class PlanKey:
     bits: tuple[int, ...]
     partition: str = "base"
     """"base" (transformer/: t2va, fl2va) or "ref" (transformer_ref/: ref2va)."""
+    adapters: str = ""
+    """The digest of the modulation-changing adapters its pages are built with, in order, at their scales
+    (ditcore.adapter_plans.modulation_digest); "" for the base weights' plan."""
 
     def __post_init__(self) -> None:
         if self.partition not in PARTITION_CODES:
@@ -81,7 +84,11 @@ class PlanKey:
 
     def in_partition(self, partition: str) -> PlanKey:
         """The same timesteps keyed for `partition`."""
-        return PlanKey(self.bits, partition)
+        return PlanKey(self.bits, partition, self.adapters)
+
+    def with_adapters(self, digest: str) -> PlanKey:
+        """The same timesteps and partition, pages built with the adapters of `digest` ("" : the base weights')."""
+        return PlanKey(self.bits, self.partition, digest)
 
     @property
     def width(self) -> int:

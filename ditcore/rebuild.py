@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from .adapter_plans import ModulationDeltas, lora_linear
 from .plans import PageLayout, PlanKey, is_plan_tensor, plan_inputs
 from .shards import load_dtype, read_tensor, shard_map
 
@@ -240,14 +241,23 @@ class PlanBuilder:
         return timesteps
 
     @torch.no_grad()
-    def build(self, keys: Sequence[PlanKeyLike], outputs: Sequence[torch.Tensor]) -> None:
+    def build(
+        self, keys: Sequence[PlanKeyLike], outputs: Sequence[torch.Tensor], deltas: ModulationDeltas | None = None
+    ) -> None:
         """One pass over the shard's projection rows: each weight/bias slice read once, then one GEMM per key
         (M = its width).
 
         outputs[k]: (width_k, page_numel) in `projection_dtype` on the builder's device, written in place: all of it
-        for Shard(), else only `shard.columns(layout)`.
+        for Shard(), else only `shard.columns(layout)`. `deltas`: every key's pages built with these adapters'
+        modulation parts, as PEFT computes them (ditcore.adapter_plans): the time embedder's terms in `temb`, each
+        projection's term on its whole output, sliced to this shard's rows.
         """
-        acts = [self.activations(t) for t in self._check(keys, outputs)]  # (T_k, E) each
+        timesteps = self._check(keys, outputs)
+        if deltas is not None:
+            with deltas.on_time_embedder(self.time_embedder):
+                acts = [self.activations(t) for t in timesteps]
+        else:
+            acts = [self.activations(t) for t in timesteps]  # (T_k, E) each
         whole = self.shard.count == 1
         for prefix, offset, first, end in self.shard.spans(self.layout):
             rows = None if whole else (first, end)
@@ -258,16 +268,25 @@ class PlanBuilder:
                     f"{prefix}: weight {tuple(weight.shape)} / bias {tuple(bias.shape)} (rows {first}:{end}), "
                     f"expected {(end - first, self.layout.time_embed_dim)} / {(end - first,)}"
                 )
+            terms = deltas.of(prefix) if deltas is not None else []
             for act, out in zip(acts, outputs, strict=True):
-                out[:, offset + first : offset + end] = F.linear(act, weight, bias)  # (T_k, end - first)
+                rows_out = F.linear(act, weight, bias)  # (T_k, end - first)
+                if terms:
+                    rows_out = lora_linear(rows_out, act, terms, None if whole else (first, end))
+                out[:, offset + first : offset + end] = rows_out
             del weight, bias  # one projection resident at a time
 
-    def build_one(self, key: PlanKeyLike) -> torch.Tensor:
-        """One key's (width, page_numel) pages (a pass of its own)."""
+    def build_one(self, key: PlanKeyLike, deltas: ModulationDeltas | None = None) -> torch.Tensor:
+        """One key's (width, page_numel) pages (a pass of its own), with `deltas`' adapters if given."""
         width = key_timesteps(key).numel()
         out = torch.empty(width, self.layout.page_numel, dtype=self.projection_dtype, device=self.device)
-        self.build([key], [out])
+        self.build([key], [out], deltas)
         return out
+
+    @property
+    def time_dtype(self) -> torch.dtype:
+        """The time embedder's dtype (float32: `_keep_in_fp32_modules`)."""
+        return next(self.time_embedder.parameters()).dtype
 
 
 def plan_tensor_names(transformer_dir: str | os.PathLike[str]) -> list[str]:

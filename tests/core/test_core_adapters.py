@@ -121,11 +121,13 @@ class BuiltPlans:
         from ditcore.rebuild import PlanBuilder
 
         self.builder = PlanBuilder(repo / "transformer", torch.device("cpu"))
+        self.deltas: Any = None
+        """ModulationDeltas every page is built with (None: the base weights')."""
 
     def acquire(self, keys: Any) -> Any:
         from ditcore.report import CacheReport
 
-        pages = [self.builder.build_one(k) for k in keys]
+        pages = [self.builder.build_one(k, self.deltas) for k in keys]
 
         class Lease:
             report = CacheReport(built_plans=len(keys))
@@ -255,3 +257,79 @@ def test_a_lora_of_other_shapes_is_refused_before_anything_loads(resident: Any, 
     finally:
         resident.adapter_set.registry = saved
     assert len(resident.adapter_set.loaded()) == before
+
+
+# ---------------------------------------------------------------------------- plans built with adapters
+def resident_pages(model: Any, key: Any, uses: list[tuple[Any, float]]) -> torch.Tensor:
+    """A key's pages as the resident model computes them with `uses` active through PEFT: its own time embedder,
+    adaln_proj and norm_out modules (PEFT-wrapped), called on the key's timesteps."""
+    import torch.nn.functional as F
+
+    from ditcore.plans import PageLayout, plan_inputs
+
+    transformer = model.transformer_of("base")
+    layout = PageLayout.from_config(transformer.config)
+    with torch.no_grad(), model.adapter_set.active("base", uses):
+        modules = dict(transformer.named_modules())  # PEFT's wrappers, once the adapters are loaded
+        temb = plan_inputs(transformer.time_proj, transformer.time_embedder, key.timesteps())
+        pages = None
+        for prefix, offset, numel in layout.projections():
+            module = modules[prefix]
+            act = F.silu(temb).to(module.weight.dtype)
+            rows = module(act)
+            if pages is None:
+                pages = torch.empty(temb.shape[0], layout.page_numel, dtype=rows.dtype)
+            pages[:, offset : offset + numel] = rows
+    assert pages is not None
+    return pages
+
+
+@pytest.mark.parametrize(
+    "uses", [[("mod", 1.0)], [("time", 0.8)], [("mod", 1.3), ("time", 0.7), ("trunk", 0.5)]],
+    ids=["adaln+norm_out", "time-embedder", "composed"],
+)  # fmt: skip
+def test_plans_built_with_adapters_are_what_peft_computes(
+    uses: list[tuple[str, float]], resident: Any, registry: AdapterRegistry, tiny_ckpt: Path
+) -> None:
+    """PlanBuilder with the adapters' modulation deltas (whole, and row-sharded 2 ways) equals the resident model's
+    PEFT-wrapped modulation modules, bit for bit; the digest names the modulation-changing adapters only."""
+    from ditcore.adapter_plans import ModulationDeltas, modulation_digest
+    from ditcore.plans import PlanKey
+    from ditcore.rebuild import PlanBuilder, Shard
+
+    infos = [(registry.get(n), s) for n, s in uses]
+    builder = PlanBuilder(tiny_ckpt / "transformer")
+    deltas = ModulationDeltas.load(infos, "base", builder.projection_dtype, builder.time_dtype)
+    assert (
+        deltas.digest == modulation_digest(infos) != ""
+        and set(deltas.terms)
+        and not any(m.endswith(("to_q", "to_k", "to_v")) for m in deltas.terms)
+    )
+    for key in (PlanKey.from_timesteps(0.25), PlanKey.from_timesteps(0.0, 0.5, 0.75)):
+        want = resident_pages(resident, key, infos)
+        assert torch.equal(builder.build_one(key, deltas), want)
+        assert not torch.equal(builder.build_one(key), want)  # the adapter changed the plan
+        halves = torch.empty_like(want)
+        for index in range(2):
+            shard = PlanBuilder(tiny_ckpt / "transformer", shard=Shard(index, 2, "rows"))
+            shard.build([key], [halves], deltas)
+        assert torch.equal(halves, want)
+    assert modulation_digest([(registry.get("trunk"), 1.0)]) == ""  # trunk-only: the base plans
+
+
+@pytest.mark.parametrize("uses", [[("mod", 1.0)], [("time", 0.8), ("mod", 0.6)]], ids=["adaln+norm_out", "time+mod"])
+def test_cached_pages_built_with_a_modulation_adapter_equal_diffusers(
+    uses: list[tuple[str, float]], registry: AdapterRegistry, adapter_dir: Path, tiny_ckpt: Path
+) -> None:
+    """A cached model whose plans are built with the adapters' modulation deltas (no PEFT layer in the model:
+    these adapters touch no trunk module) computes diffusers + PEFT's output exactly."""
+    from ditcore.adapter_plans import ModulationDeltas
+
+    cached = load_model(tiny_ckpt, "cached")
+    infos = [(registry.get(n), s) for n, s in uses]
+    plans = BuiltPlans(tiny_ckpt)
+    deltas = ModulationDeltas.load(infos, "base", plans.builder.projection_dtype, plans.builder.time_dtype)
+    plans.deltas = deltas
+    result = generate(cached, REQUEST, plans)
+    ref_video, ref_audio = oracle(tiny_ckpt, REQUEST, [(adapter_dir / f"{n}.safetensors", s) for n, s in uses])
+    assert torch.equal(result.video, ref_video) and torch.equal(result.audio, ref_audio)
