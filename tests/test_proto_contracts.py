@@ -67,13 +67,15 @@ def test_generate_request_carries_every_generation_request_field() -> None:
     assert set(fields) == names | {"expected_generation"}
     # explicit presence on everything with a default: an unset field is GenerationRequest's default, not zero;
     # except where the zero value is the default (UNSPECIFIED enums, empty keyframe bytes = no keyframe, no
-    # references: a repeated field)
-    zero_is_default = {"request_id", "task", "prompt", "output_type", "first_frame", "last_frame", "references"}
+    # references, no adapters: repeated fields)
+    zero_is_default = {"request_id", "task", "prompt", "output_type", "first_frame", "last_frame", "references",
+                       "adapters"}  # fmt: skip
     for name in names - zero_is_default:
         assert fields[name].has_presence, name
-    assert fields["references"].is_repeated
+    assert fields["references"].is_repeated and fields["adapters"].is_repeated
     for name in zero_is_default - {"request_id", "prompt"}:
         assert not fields[name].has_presence, name
+    assert gen_pb.AdapterUse.DESCRIPTOR.fields_by_name["scale"].has_presence  # unset: 1.0, not 0
     # every served task has an enum value, and the client maps onto it
     assert {gen_pb.Task.Name(v).removeprefix("TASK_").lower() for v in gen_pb.Task.values()} - {"unspecified"} == set(
         TASKS
