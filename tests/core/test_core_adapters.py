@@ -333,3 +333,33 @@ def test_cached_pages_built_with_a_modulation_adapter_equal_diffusers(
     result = generate(cached, REQUEST, plans)
     ref_video, ref_audio = oracle(tiny_ckpt, REQUEST, [(adapter_dir / f"{n}.safetensors", s) for n, s in uses])
     assert torch.equal(result.video, ref_video) and torch.equal(result.audio, ref_audio)
+
+
+@pytest.mark.parametrize("alpha", [None, 3.0], ids=["alpha-less", "metadata-alpha"])
+def test_mixed_rank_adapter_plans_scale_each_module_as_diffusers_loads_it(
+    alpha: float | None, resident: Any, tiny_ckpt: Path, tmp_path: Path
+) -> None:
+    """Published H3 LoRAs mix ranks (64 on attention, 16 on the AdaLN projections): a file whose norm_out factors are
+    rank 4 and the rest rank 2, alpha-less or with a `__metadata__` alpha, builds the plans the resident model's
+    PEFT layers compute (diffusers pins alpha = each module's rank, or applies the one network alpha to all)."""
+    from safetensors.torch import load_file, save_file
+
+    from ditcore.adapter_plans import ModulationDeltas
+    from ditcore.plans import PlanKey
+    from ditcore.rebuild import PlanBuilder
+
+    two = write_adapter(tmp_path / "r2.safetensors", tiny_ckpt, "modulation", "diffusers", 2, alpha, seed=8)
+    four = write_adapter(tmp_path / "r4.safetensors", tiny_ckpt, "modulation", "diffusers", 4, alpha, seed=9)
+    tensors = load_file(str(two))
+    tensors.update({k: v for k, v in load_file(str(four)).items() if ".norm_out." in k})
+    metadata = {"format": "pt", **({"alpha": repr(alpha)} if alpha is not None else {})}
+    mixed = tmp_path / "mixed.safetensors"
+    save_file(tensors, str(mixed), metadata=metadata)
+    reg = AdapterRegistry(tmp_path)
+    info = reg.get("mixed")
+    assert info.rank == 4
+    uses = [(info, 0.9)]
+    builder = PlanBuilder(tiny_ckpt / "transformer")
+    deltas = ModulationDeltas.load(uses, "base", builder.projection_dtype, builder.time_dtype)
+    key = PlanKey.from_timesteps(0.0, 0.5)
+    assert torch.equal(builder.build_one(key, deltas), resident_pages(resident, key, uses))
