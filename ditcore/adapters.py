@@ -214,6 +214,9 @@ class ModelAdapters:
         """Where a request's adapter names are found (--adapter-dir); None: this model serves none."""
         self.max_loaded = max_loaded
         self._loaded: OrderedDict[str, AdapterInfo] = OrderedDict()
+        self.modulation_plans = False
+        """A cached model whose plan provider builds plans with adapters (the sidecar: plan keys carry their digest):
+        it then serves modulation-changing adapters too, their trunk part in PEFT layers, the rest in its plans."""
 
     def resolve(self, request: GenerationRequest) -> list[tuple[AdapterInfo, float]]:
         """The request's adapters as read now, each at its scale: AdapterNotFoundError for a name the directory
@@ -240,7 +243,8 @@ class ModelAdapters:
 
     def check_servable(self, info: AdapterInfo) -> None:
         """AdapterError unless this model can serve `info`: every targeted module exists with the factors' shapes (a
-        LoRA trained on a pruned checkpoint does not fit), and on a cached model no modulation targets."""
+        LoRA trained on a pruned checkpoint does not fit); on a cached model modulation targets only where its plans
+        are built with them (`modulation_plans`)."""
         transformer = self.model.transformers().get(info.partition)
         if transformer is not None:
             modules = dict(transformer.named_modules())
@@ -256,7 +260,7 @@ class ModelAdapters:
                         f"adapter {info.name}: {module} is {base.in_features} -> {base.out_features} in this model but "
                         f"its factors are {fan_in} -> {fan_out} (trained on other shapes, e.g. a pruned checkpoint)"
                     )
-        if info.changes_modulation and self.model.mode == "cached":
+        if info.changes_modulation and self.model.mode == "cached" and not self.modulation_plans:
             mods = ", ".join((*info.targets["modulation"], *info.targets["time"])[:4])
             raise AdapterError(
                 f"adapter {info.name} changes the modulation ({mods}, ...): cached mode serves it only on plans built "
@@ -289,16 +293,43 @@ class ModelAdapters:
         self.check_servable(info)
         while len(self._loaded) >= self.max_loaded:
             old, _ = self._loaded.popitem(last=False)
-            self.model.pipe.delete_adapters(old)
+            if any(old in getattr(t, "peft_config", {}) for t in self.model.transformers().values()):
+                self.model.pipe.delete_adapters(old)  # (a plan-only one never entered the model)
         try:
-            self.model.pipe.load_lora_weights(str(info.path), adapter_name=name,
-                                              load_into_transformer_ref=info.partition == "ref")  # fmt: skip
+            if self.model.mode == "cached" and info.changes_modulation:
+                self._load_trunk_part(info, name)
+            else:
+                self.model.pipe.load_lora_weights(str(info.path), adapter_name=name,
+                                                  load_into_transformer_ref=info.partition == "ref")  # fmt: skip
         except Exception as e:  # diffusers / PEFT refused it: nothing of it stays loaded
             with contextlib.suppress(Exception):
                 self.model.pipe.delete_adapters(name)
             raise AdapterError(f"adapter {info.name}: diffusers' loader refused it: {e}") from None
         self._loaded[name] = info
         return name
+
+    def _load_trunk_part(self, info: AdapterInfo, name: str) -> None:
+        """A cached model holds no adaln_proj, norm_out or (used) time embedder: only the adapter's trunk factors go
+        into PEFT layers (its plans carry the rest). Written as diffusers' own layout with the file's metadata (its
+        alpha), and loaded through diffusers' loader like any file."""
+        import tempfile
+
+        from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        trunk = set(info.targets["trunk"])
+        if not trunk:
+            return  # nothing of it runs in the model itself
+        state = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(info.path))
+        kept = {k: v.contiguous() for k, v in state.items() if k.split(".", 1)[1].rpartition(".lora_")[0] in trunk}
+        with safe_open(str(info.path), "pt") as f:
+            metadata = dict(f.metadata() or {})
+        with tempfile.TemporaryDirectory(prefix="ditserve-adapter-") as tmp:
+            part = Path(tmp) / f"{info.name}.safetensors"
+            save_file(kept, str(part), metadata={k: v for k, v in metadata.items() if k in ("alpha", "format")})
+            self.model.pipe.load_lora_weights(str(part), adapter_name=name,
+                                              load_into_transformer_ref=info.partition == "ref")  # fmt: skip
 
     @contextmanager
     def active(self, partition: str, uses: Sequence[tuple[AdapterInfo, float]]) -> Iterator[None]:
@@ -310,12 +341,13 @@ class ModelAdapters:
                 raise AdapterError(
                     f"adapter {info.name} targets the {info.partition} transformer; this request runs the {partition} one"
                 )
-        names = [self._ensure(info) for info, _ in uses]
+        loaded = [(self._ensure(info), scale) for info, scale in uses]
+        in_model = [(n, s) for n, s in loaded if n in getattr(transformer, "peft_config", {})]  # not plan-only ones
         has_peft = bool(getattr(transformer, "peft_config", None))
         try:
-            if names:
+            if in_model:
                 transformer.enable_lora()
-                transformer.set_adapters(names, [float(s) for _, s in uses])
+                transformer.set_adapters([n for n, _ in in_model], [float(s) for _, s in in_model])
             elif has_peft:
                 transformer.disable_lora()
             yield

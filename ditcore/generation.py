@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .adapter_plans import modulation_digest
 from .adapters import AdapterInfo
 from .decode import decode
 from .denoise import generate_latents
@@ -147,7 +148,7 @@ def generate(
     t_start = _clock(device)
     timings: dict[str, float] = {}
     backend = model.attention_backend
-    keys = model.plan_keys(request)
+    keys = model.plan_keys(request, modulation_digest(uses) if model.mode == "cached" else "")
     t0 = _clock(device)
     lease = plans.acquire(keys) if plans is not None else None
     timings["plans"] = _ms(t0, device)

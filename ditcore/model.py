@@ -64,6 +64,9 @@ class RunOptions:
     """Where a request's adapter names are read (--adapter-dir; ditcore.adapters); None: no adapters."""
     max_loaded_adapters: int = 8
     """Adapters one model holds loaded at most (the least recently used is deleted first)."""
+    adapter_plans: bool = False
+    """A cached model's plans are built with the request's modulation-changing adapters (the generator's sidecar
+    does: plan keys carry their digest); False: such adapters are refused on a cached model."""
 
     def __post_init__(self) -> None:
         check_name(self.attention_backend)
@@ -262,9 +265,11 @@ class H3Model:
         """The dtype the VAEs decode in ("bfloat16", "float16" or "float32"; as the decoder's video VAE is loaded)."""
         return vae_dtype(self.decoder)
 
-    def plan_keys(self, request: GenerationRequest) -> list[PlanKey]:
-        """Every step's plan key (cheap: the schedulers alone; safe while another request runs)."""
-        return self.schedule.keys(request)
+    def plan_keys(self, request: GenerationRequest, adapters: str = "") -> list[PlanKey]:
+        """Every step's plan key (cheap: the schedulers alone; safe while another request runs), its pages built with
+        the modulation-changing adapters of digest `adapters` ("": the base weights'; ditcore.adapter_plans)."""
+        keys = self.schedule.keys(request)
+        return [k.with_adapters(adapters) for k in keys] if adapters else keys
 
     def memory(self) -> ModelMemory:
         """Every loaded transformer's bytes against their checkpoint plan tensors (none held in cached mode)."""
@@ -345,6 +350,7 @@ def load_model(
         options.partitions_for(info),
     )  # fmt: skip
     model.adapter_set.registry, model.adapter_set.max_loaded = options.adapters, options.max_loaded_adapters
+    model.adapter_set.modulation_plans = options.adapter_plans
     for transformer in model.transformers().values():
         # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
         use_backend(transformer, options.attention_backend, context_parallel=parallel is not None)

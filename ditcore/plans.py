@@ -86,6 +86,13 @@ class PlanKey:
         """The same timesteps keyed for `partition`."""
         return PlanKey(self.bits, partition, self.adapters)
 
+    @property
+    def adapters_code(self) -> int:
+        """The adapters' digest as a slot-table row records it: its first 8 bytes as a signed int64 (0: none)."""
+        if not self.adapters:
+            return 0
+        return int.from_bytes(bytes.fromhex(self.adapters[:16]), "little", signed=True) or 1
+
     def with_adapters(self, digest: str) -> PlanKey:
         """The same timesteps and partition, pages built with the adapters of `digest` ("" : the base weights')."""
         return PlanKey(self.bits, self.partition, digest)

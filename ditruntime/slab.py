@@ -33,9 +33,10 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 log = logging.getLogger(__name__)
 
 # slot-table row layout (int64 words): state, generation, key width, write sequence, the key's partition
-# (ditcore.plans.PARTITION_CODES), then the key's timestep bits
-COL_STATE, COL_GENERATION, COL_LENGTH, COL_SEQ, COL_PARTITION = 0, 1, 2, 3, 4
-ROW_WORDS = 5
+# (ditcore.plans.PARTITION_CODES), the key's adapters (PlanKey.adapters_code: 0 for the base weights' plan), then the
+# key's timestep bits
+COL_STATE, COL_GENERATION, COL_LENGTH, COL_SEQ, COL_PARTITION, COL_ADAPTERS = 0, 1, 2, 3, 4, 5
+ROW_WORDS = 6
 EMPTY, FILLING, READY = 0, 1, 2
 STATE_NAMES = {EMPTY: "EMPTY", FILLING: "FILLING", READY: "READY"}
 

@@ -216,6 +216,7 @@ def child_configs(
         metrics_port=None if args.metrics_port is None else args.metrics_port + 1,
         metrics_host=gen.metrics_bind_host,  # both services' /metrics where serve's --metrics-host / --host says
         reflection=gen.reflection,
+        adapter_dir=gen.adapter_dir,  # the sidecar builds the plans of the generator's modulation adapters
         **tcp,
     )
     if side.state_dir is None:

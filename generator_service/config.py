@@ -476,7 +476,7 @@ class GeneratorConfig:
         """How every model this generator loads runs: its attention backend and decode dtype."""
         te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
         return RunOptions(self.attention_backend, self.decode_dtype, te, self.partitions, self.adapter_registry,
-                          self.max_loaded_adapters)  # fmt: skip
+                          self.max_loaded_adapters, adapter_plans=self.adaln_mode == "cached")  # fmt: skip
 
     @cached_property
     def adapter_registry(self) -> AdapterRegistry | None:

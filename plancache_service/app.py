@@ -10,11 +10,13 @@ from pathlib import Path
 import grpc
 import torch
 
+from ditcore.adapters import AdapterRegistry
 from ditcore.checkpoint_files import CheckpointError
 from ditruntime.paths import prepare_dir
 from ditruntime.slab import SLAB_PREFIX, TABLE_PREFIX
 from ditruntime.tls import mutual_tls_server_credentials
 
+from .adapters import AdapterPlans
 from .cache import PlanCache
 from .config import SidecarConfig
 from .device import check_ipc_allocator
@@ -48,13 +50,14 @@ def remove_stale_shm(manifest: Path) -> None:
 
 def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
     """The rebuild source and generation to serve: the state file's if there is one, else
-    `--checkpoint` as generation 1 (generation 0 means "none yet")."""
+    `--checkpoint` as generation 1 (generation 0 means "none yet"); plans with adapters from --adapter-dir."""
     devices = [torch.device(d) for d in cfg.cache.slab_devices]
     shard = cfg.cache.rebuild_shard
+    adapters = AdapterPlans(AdapterRegistry(cfg.adapter_dir) if cfg.adapter_dir is not None else None)
     state_dir = cfg.state_dir
     state = load_state(state_dir) if state_dir is not None else None
     if state_dir is None or state is None:
-        return RebuildSource(cfg.checkpoint, devices, shard_mode=shard), 1
+        return RebuildSource(cfg.checkpoint, devices, shard_mode=shard, adapter_plans=adapters), 1
     if Path(state.weights_path) != cfg.checkpoint:
         log.warning(
             "state file %s names %s (generation %d); it wins over --checkpoint %s",
@@ -62,7 +65,7 @@ def open_source(cfg: SidecarConfig) -> tuple[RebuildSource, int]:
         )  # fmt: skip
     try:
         return (
-            RebuildSource(state.weights_path, devices, committed_digests=state.digests, shard_mode=shard),
+            RebuildSource(state.weights_path, devices, state.digests, shard, adapters),
             state.generation,
         )
     except CheckpointError as e:

@@ -36,6 +36,7 @@ from ditcore.plans import PlanKey, distinct_keys
 from ditcore.report import CacheReport
 from ditruntime.errors import GenerationMismatchError
 from ditruntime.slab import (
+    COL_ADAPTERS,
     COL_GENERATION,
     COL_LENGTH,
     COL_PARTITION,
@@ -471,10 +472,12 @@ class PlanCache:
             row[ROW_WORDS + key.width :] = 0
             row[COL_LENGTH] = key.width
             row[COL_PARTITION] = key.partition_code
+            row[COL_ADAPTERS] = key.adapters_code
         else:
             row[ROW_WORDS:] = 0
             row[COL_LENGTH] = 0
             row[COL_PARTITION] = 0
+            row[COL_ADAPTERS] = 0
         row[COL_GENERATION] = self.generation
         row[COL_SEQ] += 1
         row[COL_STATE] = state

@@ -142,6 +142,12 @@ class SidecarConfig:
     """How many of a lease's step bounds (PreparePlansRequest.step_bound_s, the generator's bound on one denoise
     step) its slots stay pinned after its session vanished: the step in flight and one more that may already be
     queued on the device."""
+    adapter_dir: Path | None = flag(
+        None, "directory of adapters whose modulation plans are built here: the generator's --adapter-dir "
+        "(default: none; plans with adapters are refused)",
+    )  # fmt: skip
+    """The adapters (ditcore.adapters) a PreparePlans may name for its keys' adapters digest: read by name, each
+    must have the identity the generator read (the same files)."""
     state_dir: Path | None = flag(
         None, "persist the weight generation here (state file wins over --checkpoint; serve: default <run-dir>/state)"
     )

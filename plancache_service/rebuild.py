@@ -31,6 +31,7 @@ from ditcore.rebuild import PlanBuilder, Shard
 from ditcore.rebuild import shard_mode as ditcore_shard_mode
 from ditruntime.faults import crash_point
 
+from .adapters import AdapterPlans
 from .errors import CheckpointChangedError, PlanCacheError, RebuildError
 
 
@@ -79,7 +80,10 @@ class RebuildSource:
         device: torch.device | Sequence[torch.device],
         committed_digests: dict[str, str] | None = None,
         shard_mode: str = "auto",
+        adapter_plans: AdapterPlans | None = None,
     ) -> None:
+        self.adapter_plans = adapter_plans
+        """What keys with an adapters digest are built with (None: only the base weights' plans)."""
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else open_checkpoint(checkpoint)
         _require_adaln(info)
         self.info = info
@@ -117,7 +121,7 @@ class RebuildSource:
         self, checkpoint: str | Path | CheckpointInfo, committed_digests: dict[str, str] | None = None
     ) -> RebuildSource:
         """A source on another checkpoint, on the same devices and split the same way (a weight update's)."""
-        return RebuildSource(checkpoint, self.devices, committed_digests, self.shard_mode)
+        return RebuildSource(checkpoint, self.devices, committed_digests, self.shard_mode, self.adapter_plans)
 
     @property
     def bytes_read(self) -> list[int]:
@@ -228,11 +232,26 @@ class RebuildSource:
     def _build_partition(
         self, builders: list[PlanBuilder], keys: Sequence[PlanKey], outputs: Sequence[Sequence[torch.Tensor]]
     ) -> None:
-        """One partition's keys: each device's builder its shard, then the columns copied across devices."""
-        if len(builders) == 1:
-            builders[0].build(keys, outputs[0])
-            return
-        with ThreadPoolExecutor(len(builders), thread_name_prefix="rebuild") as pool:  # the devices at once
-            builds = [pool.submit(b.build, keys, outs) for b, outs in zip(builders, outputs, strict=True)]
-            for done in builds:
-                done.result()
+        """One partition's keys: each device's builder its shard, then the columns copied across devices; keys of each
+        adapters digest built with that digest's terms (AdapterPlans)."""
+        partition = keys[0].partition
+        for digest in sorted({k.adapters for k in keys}):
+            chosen = [i for i, k in enumerate(keys) if k.adapters == digest]
+            group = [keys[i] for i in chosen]
+            outs = [[o[i] for i in chosen] for o in outputs]
+            if digest and self.adapter_plans is None:
+                raise RebuildError("plans with adapters asked of a source that serves none (no --adapter-dir)")
+
+            def build(
+                b: PlanBuilder, out: list[torch.Tensor], group: list[PlanKey] = group, digest: str = digest
+            ) -> None:
+                deltas = self.adapter_plans.deltas(digest, partition, b) if digest and self.adapter_plans else None
+                b.build(group, out, deltas)
+
+            if len(builders) == 1:
+                build(builders[0], outs[0])
+                continue
+            with ThreadPoolExecutor(len(builders), thread_name_prefix="rebuild") as pool:  # the devices at once
+                builds = [pool.submit(build, b, o) for b, o in zip(builders, outs, strict=True)]
+                for done in builds:
+                    done.result()

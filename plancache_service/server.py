@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent import futures
@@ -22,6 +23,7 @@ from grpc_health.v1.health import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from ditcore.adapter_contract import AdapterError, AdapterNotFoundError
 from ditcore.checkpoint_files import CheckpointError
 from ditcore.plans import PARTITION_CODES, PlanKey
 from ditruntime.auth import LOOPBACK, check_bearer
@@ -39,6 +41,8 @@ from .cache import CacheStats, PartitionState
 from .errors import InvalidPlanRequestError
 from .sidecar import Sidecar
 
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+"""An adapters digest as plan keys carry it (ditcore.adapter_plans.modulation_digest)."""
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlanCache"].full_name
@@ -162,9 +166,10 @@ class PlanCacheServicer(pb_grpc.PlanCacheServicer):
         try:
             keys = plan_keys_from(request.plan_keys)
             lease = self.sidecar.prepare(
-                request.session_id, request.generation, keys, request.step_bound_s, request.request_id
-            )
-        except ServiceError as e:
+                request.session_id, request.generation, keys, request.step_bound_s, request.request_id,
+                request.adapters,
+            )  # fmt: skip
+        except (ServiceError, AdapterError, AdapterNotFoundError) as e:
             abort(context, e)
         log.debug(
             "request %s: lease %d (step bound %g s) %s",
@@ -346,7 +351,11 @@ def plan_keys_from(messages: Iterable[pb.PlanKey]) -> list[PlanKey]:
                 f"plan_keys[{i}].partition",
                 f"must be one of {', '.join(PARTITION_CODES)} (empty: base), got {k.partition!r}",
             )
-        keys.append(PlanKey(tuple(k.timestep_bits), partition))
+        if k.adapters and not _DIGEST.fullmatch(k.adapters):
+            raise InvalidPlanRequestError(
+                f"plan_keys[{i}].adapters", "must be empty or a sha256 digest (64 hex digits)"
+            )
+        keys.append(PlanKey(tuple(k.timestep_bits), partition, k.adapters))
     return keys
 
 

@@ -38,7 +38,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
+from ditcore.adapter_contract import AdapterError
 from ditcore.plans import PlanKey
 from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.slab import SlabDescriptor
@@ -271,8 +273,9 @@ class Sidecar:
         keys: Sequence[PlanKey],
         step_bound_s: float = 0.0,
         request_id: str = "",
+        adapters: Sequence[Any] = (),
     ) -> Lease:
-        """Lease the plans of `keys`. `step_bound_s` (0: unknown) is the generator's bound on one denoise step of the
+        """Lease the plans of `keys` (those with an adapters digest built with `adapters`: AdapterPlans). `step_bound_s` (0: unknown) is the generator's bound on one denoise step of the
         request: should the session vanish, the lease's slots stay pinned `session_grace_s(step_bound_s)`.
         `request_id` tags the lease so that `release_request` can end it should this answer be lost.
 
@@ -294,6 +297,11 @@ class Sidecar:
             # request's status does not depend on whether another prepare (e.g. the generator's
             # prefetch) saw the change first.
             raise CheckpointChangedError(f"not serving plans: {self._not_serving}")
+        plans = self.cache.source.adapter_plans
+        if plans is not None:
+            plans.register(adapters, keys)
+        elif any(k.adapters for k in keys):
+            raise AdapterError("the plan-cache sidecar serves no adapters (start it with --adapter-dir)")
         self._begin_prepare(session_id, request_id)
         lease: Lease | None = None
         try:

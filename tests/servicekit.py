@@ -450,6 +450,7 @@ class Pair:
         self.sidecar_config = SidecarConfig(
             checkpoint, cache, self.sidecar_target,
             heartbeat_s=heartbeat_s, state_dir=self.state_dir, metrics_port=sidecar_metrics_port,
+            adapter_dir=generator_options.get("adapter_dir"),  # the sidecar builds the adapters' plans
         )  # fmt: skip
         self.generator_config = GeneratorConfig(
             adaln_mode=mode, checkpoint=checkpoint if mode == "resident" else None,

@@ -268,3 +268,45 @@ def test_a_job_runs_its_adapters_and_shows_them(adapter_pair: Pair) -> None:
         with pytest.raises(grpc.RpcError) as refused:
             jobs.create({**request, "request_id": "bad", "adapters": ["nope"]})
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "adapter nope" in (refused.value.details() or "")
+
+
+@pytest.fixture(scope="module")
+def cached_adapters(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pair, Pair, Path]]:
+    """A cached pair (generator + sidecar, both reading the --adapter-dir) and a resident one on the same files."""
+    from ditcore.adapter_files import write_adapter
+
+    adir = tmp_path_factory.mktemp("cached-adapters")
+    write_adapter(adir / "trunk.safetensors", tiny_ckpt, "trunk", "diffusers", rank=2, alpha=None, seed=1)
+    write_adapter(adir / "mod.safetensors", tiny_ckpt, "modulation", "diffusers", rank=2, alpha=None, seed=2)
+    write_adapter(adir / "all.safetensors", tiny_ckpt, "all", "musubi", rank=2, alpha=3.0, seed=3)
+    with Pair(tiny_ckpt, mode="cached", adapter_dir=adir) as cached, Pair(tiny_ckpt, mode="resident",
+                                                                          adapter_dir=adir) as resident:  # fmt: skip
+        yield cached.start(), resident.start(), adir
+
+
+def test_cached_serves_modulation_adapters_on_their_own_plans_as_resident_does(
+    cached_adapters: tuple[Pair, Pair, Path],
+) -> None:
+    """Every adapter kind in cached mode (trunk on the base plans; adaln_proj / norm_out / time embedder on plans the
+    sidecar builds with them) equals resident mode, request after request alternating, never mixed; a repeat of an
+    adapter request hits its plans in the slab."""
+    from ditserve.client import GeneratorClient
+
+    cached, resident, _ = cached_adapters
+    base = {"prompt": "a red fox", "num_inference_steps": 3, "seed": 7}
+    combos: list[list[dict[str, Any]]] = [
+        [], [{"name": "mod"}], [{"name": "trunk", "scale": 0.8}], [{"name": "all", "scale": 0.7}],
+        [{"name": "mod", "scale": 1.2}, {"name": "trunk", "scale": 0.5}], [{"name": "mod"}],
+    ]  # fmt: skip
+    with GeneratorClient(cached.target) as c, GeneratorClient(resident.target) as r:
+        want = {}
+        for i, uses in enumerate(combos):
+            request = {**base, "request_id": f"r{i}", "adapters": uses}
+            key = repr(uses)
+            if key not in want:
+                want[key] = r.generate(request, timeout=120).sha256
+            got = c.generate(request, timeout=120)
+            assert got.sha256 == want[key], (i, uses)
+            if i == len(combos) - 1:  # the repeat of [mod]: its plans are in the slab
+                assert got.cache.built_plans == 0 and got.cache.gpu_hit_plans > 0, got.cache
+        assert len(set(want.values())) == len(want)  # every combination is its own output

@@ -313,7 +313,8 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
         ),
         # serve's --device / --devices are the generator's declarations (the same devices for both processes); the
         # sidecar's TLS and admin-token flags are not serve's: serve's --tls-* / --admin-token are the generator's, and
-        # a TCP sidecar (serve --sidecar-listen) gets the generator's --sidecar-tls-* pair and admin token.
+        # a TCP sidecar (serve --sidecar-listen) gets the generator's --sidecar-tls-* pair and admin token; serve's
+        # --adapter-dir is the generator's, handed to the sidecar too (it builds the adapters' plans).
         (
             plancache_cli.build_parser(),
             own
@@ -327,6 +328,7 @@ def test_serve_takes_each_child_flag_from_its_declaration() -> None:
                 "--admin-token-file",
                 "--metrics-host",
                 "--no-reflection",
+                "--adapter-dir",
             },
             {"--gpu-plans", "--plan-width", "--host-cache-gb"},
         ),

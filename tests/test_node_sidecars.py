@@ -95,7 +95,9 @@ class FakeNode(SidecarSession):
     def wait_attached(self, timeout_s: float) -> bool:
         return self.att is not None
 
-    def prepare(self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0) -> Lease:
+    def prepare(
+        self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0, adapters: Any = ()
+    ) -> Lease:
         self._call(f"prepare@{generation}")
         return Lease(self, generation, [self.node * 10, self.node * 10 + 1])
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ditcore import CheckpointInfo, GenerationRequest, H3Model, load_model, validate_checkpoint
+from ditcore.adapter_plans import modulation_digest, modulation_uses
 from ditcore.model import RunOptions
 from ditcore.placement import PlacementError
 from ditcore.plans import PlanKey, distinct_keys, dtype_name
@@ -28,7 +29,7 @@ from ..errors import CommitOutcomeUnknownError, PlanCapacityError, SidecarUnavai
 from .base import Backend, BackendStatus, MemoryReader, Rollback, ServedLease, StagedWeights, validate_compatible
 from .placement import StartPlacement
 from .replica_port import ReplicaPort
-from .sidecar_port import NOT_ATTACHED, Attachment, Committed, SidecarSession
+from .sidecar_port import NOT_ATTACHED, AdapterSpec, Attachment, Committed, SidecarSession
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,17 @@ class CachedBackend(Backend):
         return BackendStatus(True, True, self.link.target, att.weights_path, att.fingerprint, att.descriptor, nodes)
 
     # ---------------------------------------------------------------- plans
-    def _keys(self, request: GenerationRequest) -> list[PlanKey]:
-        return self.model().plan_keys(request)
+    def _keys(self, request: GenerationRequest) -> tuple[list[PlanKey], list[AdapterSpec]]:
+        """The request's plan keys (their adapters' digest included) and the modulation-changing adapters the
+        sidecar builds them with."""
+        model = self.model()
+        mods = modulation_uses(model.adapter_set.resolve(request))
+        keys = model.plan_keys(request, modulation_digest(mods))
+        return keys, [AdapterSpec(info.name, info.identity, scale) for info, scale in mods]
 
     def check_fits(self, request: GenerationRequest) -> None:
         d = self._attachment().descriptor
-        keys = self._keys(request)
+        keys, _ = self._keys(request)
         n, width = len(distinct_keys(keys)), max(k.width for k in keys)
         if width > d.width:
             raise PlanCapacityError(
@@ -169,7 +175,8 @@ class CachedBackend(Backend):
             )
 
     def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease:
-        return self.link.prepare(self._keys(request), self.generation(), request.request_id, step_bound_s)
+        keys, adapters = self._keys(request)
+        return self.link.prepare(keys, self.generation(), request.request_id, step_bound_s, adapters)
 
     def verify(self, lease: ServedLease) -> None:
         if not self.alive(lease):

@@ -39,6 +39,7 @@ from ditcore.plans import PlanKey
 from ..errors import NodeWeightsDifferError, SidecarUnavailableError
 from .sidecar_port import (
     NOT_ATTACHED,
+    AdapterSpec,
     AttachedState,
     Attachment,
     Committed,
@@ -238,14 +239,20 @@ class NodeSidecars(SidecarSession):
 
     # ---------------------------------------------------------------- leases
     def prepare(
-        self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0
+        self,
+        keys: Sequence[PlanKey],
+        generation: int,
+        request_id: str,
+        step_bound_s: float = 0.0,
+        adapters: Sequence[AdapterSpec] = (),
     ) -> NodeLeases:
         att = self._require()
         nodes = att.node_attachments
         gens = [generation, *(a.generation for a in nodes[1:])]  # node 0's is the replica's (checked by node 0)
         with ThreadPoolExecutor(len(self.nodes), thread_name_prefix="node-prepare") as pool:
             futures = [
-                pool.submit(s.prepare, keys, g, request_id, step_bound_s) for s, g in zip(self.nodes, gens, strict=True)
+                pool.submit(s.prepare, keys, g, request_id, step_bound_s, adapters)
+                for s, g in zip(self.nodes, gens, strict=True)
             ]
         leases, errors = [], []
         for future in futures:

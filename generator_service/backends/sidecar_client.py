@@ -40,7 +40,7 @@ from protos.ditserve.plancache.v1 import plancache_pb2 as pb
 from protos.ditserve.plancache.v1 import plancache_pb2_grpc as pb_grpc
 
 from ..errors import CommitOutcomeUnknownError, LeaseCheckError, SidecarError, SidecarUnavailableError
-from .sidecar_port import NOT_ATTACHED, AttachedState, Attachment, Committed, RemoteLease, SidecarSession
+from .sidecar_port import NOT_ATTACHED, AdapterSpec, AttachedState, Attachment, Committed, RemoteLease, SidecarSession
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,12 @@ class SidecarClient(SidecarSession):
 
     # ---------------------------------------------------------------- leases
     def prepare(
-        self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0
+        self,
+        keys: Sequence[PlanKey],
+        generation: int,
+        request_id: str,
+        step_bound_s: float = 0.0,
+        adapters: Sequence[AdapterSpec] = (),
     ) -> RemoteLease:
         att = self._att
         if att is None:
@@ -237,9 +242,12 @@ class SidecarClient(SidecarSession):
         req = pb.PreparePlansRequest(
             session_id=att.session_id,
             generation=generation,
-            plan_keys=[pb.PlanKey(timestep_bits=list(k.bits), partition=k.partition) for k in keys],
+            plan_keys=[
+                pb.PlanKey(timestep_bits=list(k.bits), partition=k.partition, adapters=k.adapters) for k in keys
+            ],
             request_id=tag,
             step_bound_s=step_bound_s,
+            adapters=[pb.AdapterSpec(name=a.name, identity=a.identity, scale=a.scale) for a in adapters],
         )
         try:
             resp = self._stub.PreparePlans(req, timeout=self.prepare_timeout_s)

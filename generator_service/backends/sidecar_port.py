@@ -25,6 +25,7 @@ import torch
 from ditcore.plans import PlanKey
 from ditcore.report import CacheReport
 from ditruntime.slab import (
+    COL_ADAPTERS,
     COL_GENERATION,
     COL_LENGTH,
     COL_PARTITION,
@@ -36,6 +37,15 @@ from ditruntime.slab import (
 )
 
 from ..errors import LeaseCheckError, SidecarUnavailableError
+
+
+class AdapterSpec(NamedTuple):
+    """A modulation-changing adapter a lease's plans are built with, as the sidecar is told it (it reads the file by
+    name from its own --adapter-dir and must find this identity)."""
+
+    name: str
+    identity: str
+    scale: float
 
 
 class Committed(NamedTuple):
@@ -108,6 +118,7 @@ def check_rows(table: torch.Tensor, keys: Sequence[PlanKey], slots: Sequence[int
             or row[COL_GENERATION] != generation
             or row[COL_LENGTH] != key.width
             or row[COL_PARTITION] != key.partition_code
+            or row[COL_ADAPTERS] != key.adapters_code
             or tuple(words) != key.bits
         ):
             raise LeaseCheckError(
@@ -251,12 +262,18 @@ class SidecarSession(ABC):
     # ---------------------------------------------------------------- leases
     @abstractmethod
     def prepare(
-        self, keys: Sequence[PlanKey], generation: int, request_id: str, step_bound_s: float = 0.0
+        self,
+        keys: Sequence[PlanKey],
+        generation: int,
+        request_id: str,
+        step_bound_s: float = 0.0,
+        adapters: Sequence[AdapterSpec] = (),
     ) -> SessionLease:
         """Lease one READY slot per step of `keys`, built for `generation`. `step_bound_s` bounds one denoise step of
         the request (0: unknown): should the session vanish, the sidecar keeps the slots pinned at least that long.
         `request_id` (the request's own) tags the call at the sidecar: a call whose answer is lost (its deadline passed,
-        the connection dropped) is released by that tag, so its lease is never left held."""
+        the connection dropped) is released by that tag, so its lease is never left held. `adapters`: the
+        modulation-changing adapters the keys with an adapters digest are built with."""
 
     @abstractmethod
     def release(self, lease: RemoteLease) -> None:

@@ -51,11 +51,11 @@ def request_from_work(msg: rpb.Request) -> GenerationRequest:
 
 
 def keys_from_work(msg: rpb.Run) -> list[PlanKey]:
-    return [PlanKey(tuple(int(b) for b in k.timestep_bits), k.partition or "base") for k in msg.plan_keys]
+    return [PlanKey(tuple(int(b) for b in k.timestep_bits), k.partition or "base", k.adapters) for k in msg.plan_keys]
 
 
 def key_to_work(key: PlanKey) -> rpb.PlanKey:
-    return rpb.PlanKey(timestep_bits=list(key.bits), partition=key.partition)
+    return rpb.PlanKey(timestep_bits=list(key.bits), partition=key.partition, adapters=key.adapters)
 
 
 # ---------------------------------------------------------------------------- what every rank answers

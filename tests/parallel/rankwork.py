@@ -208,11 +208,11 @@ def oracle_of(repo: Path, requests: list[dict[str, Any]], degree: int) -> dict[s
 
 
 def diffusers_with_adapters(
-    rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int, adapters: list[tuple[Path, float]]
+    rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int, sets: list[list[tuple[Path, float]]]
 ) -> None:
-    """diffusers' own Ulysses loop on `degree` ranks with these adapter files loaded (`load_lora_weights`, after
-    `enable_parallelism`, as a served model loads them) and set (`set_adapters(names, weights)`); rank 0 saves the
-    latents as adapters.safetensors."""
+    """diffusers' own Ulysses loop on `degree` ranks once per set of adapter files, each loaded
+    (`load_lora_weights`, after `enable_parallelism`, as a served model loads them), set (`set_adapters(names,
+    weights)`) and unloaded after; rank 0 saves set i's latents as adapters{i}.safetensors."""
     from diffusers import ContextParallelConfig
     from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
 
@@ -223,10 +223,12 @@ def diffusers_with_adapters(
     pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
     with mock.patch("torch.accelerator.device_count", return_value=1):
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))
-    names = [f"o{i}" for i in range(len(adapters))]
-    for name, (path, _) in zip(names, adapters, strict=True):
-        pipe.load_lora_weights(str(path), adapter_name=name)
-    pipe.set_adapters(names, [s for _, s in adapters])
-    video, audio = diffusers_request_latents(repo, request)
-    if rank == 0:
-        save_file({"video": video.contiguous(), "audio": audio.contiguous()}, str(out / "adapters.safetensors"))
+    for i, adapters in enumerate(sets):
+        names = [f"o{i}_{j}" for j in range(len(adapters))]
+        for name, (path, _) in zip(names, adapters, strict=True):
+            pipe.load_lora_weights(str(path), adapter_name=name)
+        pipe.set_adapters(names, [s for _, s in adapters])
+        video, audio = diffusers_request_latents(repo, request)
+        pipe.unload_lora_weights()
+        if rank == 0:
+            save_file({"video": video.contiguous(), "audio": audio.contiguous()}, str(out / f"adapters{i}.safetensors"))

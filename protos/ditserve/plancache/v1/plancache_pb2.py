@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/ditserve/plancache/v1/plancache.proto\x12\x15\x64itserve.plancache.v1\"$\n\rAttachRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"\xe2\x02\n\x0eSlabDescriptor\x12\x33\n\ttransport\x18\x01 \x01(\x0e\x32 .ditserve.plancache.v1.Transport\x12\x11\n\tslab_path\x18\x02 \x01(\t\x12\x12\n\ntable_path\x18\x03 \x01(\t\x12\x12\n\nslab_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btable_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\tnum_slots\x18\x07 \x01(\r\x12\r\n\x05width\x18\x08 \x01(\r\x12\x12\n\npage_numel\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x0b \x01(\t\x12\x17\n\x0ftable_row_words\x18\r \x01(\r\x12\x36\n\x08\x63uda_ipc\x18\x0e \x01(\x0b\x32$.ditserve.plancache.v1.CudaIpcHandleJ\x04\x08\x0c\x10\rR\nipc_handle\"\xc8\x01\n\rCudaIpcHandle\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"\xfd\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x04slab\x18\x02 \x01(\x0b\x32%.ditserve.plancache.v1.SlabDescriptor\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0cweights_path\x18\x04 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x34\n\x05slabs\x18\x06 \x03(\x0b\x32%.ditserve.plancache.v1.SlabDescriptor\x12\x34\n\npartitions\x18\x07 \x03(\x0b\x32 .ditserve.plancache.v1.Partition\"\x1f\n\tHeartbeat\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x83\x01\n\x0e\x41ttachResponse\x12\x31\n\x07session\x18\x01 \x01(\x0b\x32\x1e.ditserve.plancache.v1.SessionH\x00\x12\x35\n\theartbeat\x18\x02 \x01(\x0b\x32 .ditserve.plancache.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent\"3\n\x07PlanKey\x12\x15\n\rtimestep_bits\x18\x01 \x03(\x07\x12\x11\n\tpartition\x18\x02 \x01(\t\"j\n\tPartition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66older\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bslots_ready\x18\x04 \x01(\r\x12\x15\n\rslots_allowed\x18\x05 \x01(\r\"\x9a\x01\n\x13PreparePlansRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x31\n\tplan_keys\x18\x03 \x03(\x0b\x32\x1e.ditserve.plancache.v1.PlanKey\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0cstep_bound_s\x18\x05 \x01(\x01\"\x8c\x01\n\x0b\x43\x61\x63heReport\x12\x15\n\rgpu_hit_plans\x18\x01 \x01(\r\x12\x16\n\x0ehost_hit_plans\x18\x02 \x01(\r\x12\x13\n\x0b\x62uilt_plans\x18\x03 \x01(\r\x12\x11\n\trebuild_s\x18\x04 \x01(\x01\x12\x11\n\tswap_in_s\x18\x05 \x01(\x01\x12\x13\n\x0bhost_stored\x18\x06 \x01(\x08\"\x7f\n\x14PreparePlansResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\r\x12\x32\n\x06report\x18\x03 \x01(\x0b\x32\".ditserve.plancache.v1.CacheReport\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"O\n\x13ReleasePlansRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x16\n\x14ReleasePlansResponse\"\x11\n\x0fGetStateRequest\"\xea\x03\n\nCacheStats\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x12\n\nslot_width\x18\x02 \x01(\r\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bslots_ready\x18\x04 \x01(\r\x12\x14\n\x0cslots_leased\x18\x05 \x01(\r\x12\x1b\n\x13host_capacity_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fhost_used_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bhost_groups\x18\x08 \x01(\r\x12\x13\n\x0bhost_pinned\x18\t \x01(\x08\x12\x16\n\x0eslot_hit_plans\x18\n \x01(\x04\x12\x16\n\x0ehost_hit_plans\x18\x0b \x01(\x04\x12\x13\n\x0b\x62uilt_plans\x18\x0c \x01(\x04\x12\x16\n\x0erebuild_passes\x18\r \x01(\x04\x12\x11\n\trebuild_s\x18\x0e \x01(\x01\x12\x15\n\rswap_in_bytes\x18\x0f \x01(\x04\x12\x11\n\tswap_in_s\x18\x10 \x01(\x01\x12\x16\n\x0eslot_evictions\x18\x11 \x01(\x04\x12\x1c\n\x14host_group_evictions\x18\x12 \x01(\x04\x12\x1b\n\x13host_pressure_skips\x18\x13 \x01(\x04\x12\x10\n\x08prepares\x18\x14 \x01(\x04\x12\x17\n\x0f\x66\x61iled_prepares\x18\x15 \x01(\x04\"\xb3\x02\n\x10GetStateResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bleases_held\x18\x04 \x01(\r\x12\x18\n\x10session_attached\x18\x05 \x01(\x08\x12\x30\n\x05stats\x18\x06 \x01(\x0b\x32!.ditserve.plancache.v1.CacheStats\x12\x0f\n\x07serving\x18\x07 \x01(\x08\x12\x1a\n\x12not_serving_reason\x18\x08 \x01(\t\x12\x1c\n\x14pending_weights_path\x18\t \x01(\t\x12\x34\n\npartitions\x18\n \x03(\x0b\x32 .ditserve.plancache.v1.Partition\"K\n\x1aPrepareWeightUpdateRequest\x12\x17\n\x0f\x66rom_generation\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x02 \x01(\t\"2\n\x1bPrepareWeightUpdateResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"J\n\x19\x43ommitWeightUpdateRequest\x12\x17\n\x0f\x66rom_generation\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x02 \x01(\t\"^\n\x1a\x43ommitWeightUpdateResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x17\n\x0fkept_partitions\x18\x03 \x03(\t\"0\n\x18\x41\x62ortWeightUpdateRequest\x12\x14\n\x0cweights_path\x18\x01 \x01(\t\"\x1b\n\x19\x41\x62ortWeightUpdateResponse*Q\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x32\x84\x06\n\tPlanCache\x12W\n\x06\x41ttach\x12$.ditserve.plancache.v1.AttachRequest\x1a%.ditserve.plancache.v1.AttachResponse0\x01\x12g\n\x0cPreparePlans\x12*.ditserve.plancache.v1.PreparePlansRequest\x1a+.ditserve.plancache.v1.PreparePlansResponse\x12g\n\x0cReleasePlans\x12*.ditserve.plancache.v1.ReleasePlansRequest\x1a+.ditserve.plancache.v1.ReleasePlansResponse\x12[\n\x08GetState\x12&.ditserve.plancache.v1.GetStateRequest\x1a\'.ditserve.plancache.v1.GetStateResponse\x12|\n\x13PrepareWeightUpdate\x12\x31.ditserve.plancache.v1.PrepareWeightUpdateRequest\x1a\x32.ditserve.plancache.v1.PrepareWeightUpdateResponse\x12y\n\x12\x43ommitWeightUpdate\x12\x30.ditserve.plancache.v1.CommitWeightUpdateRequest\x1a\x31.ditserve.plancache.v1.CommitWeightUpdateResponse\x12v\n\x11\x41\x62ortWeightUpdate\x12/.ditserve.plancache.v1.AbortWeightUpdateRequest\x1a\x30.ditserve.plancache.v1.AbortWeightUpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,protos/ditserve/plancache/v1/plancache.proto\x12\x15\x64itserve.plancache.v1\"$\n\rAttachRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"\xe2\x02\n\x0eSlabDescriptor\x12\x33\n\ttransport\x18\x01 \x01(\x0e\x32 .ditserve.plancache.v1.Transport\x12\x11\n\tslab_path\x18\x02 \x01(\t\x12\x12\n\ntable_path\x18\x03 \x01(\t\x12\x12\n\nslab_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btable_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\tnum_slots\x18\x07 \x01(\r\x12\r\n\x05width\x18\x08 \x01(\r\x12\x12\n\npage_numel\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x0b \x01(\t\x12\x17\n\x0ftable_row_words\x18\r \x01(\r\x12\x36\n\x08\x63uda_ipc\x18\x0e \x01(\x0b\x32$.ditserve.plancache.v1.CudaIpcHandleJ\x04\x08\x0c\x10\rR\nipc_handle\"\xc8\x01\n\rCudaIpcHandle\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"\xfd\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x04slab\x18\x02 \x01(\x0b\x32%.ditserve.plancache.v1.SlabDescriptor\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0cweights_path\x18\x04 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x34\n\x05slabs\x18\x06 \x03(\x0b\x32%.ditserve.plancache.v1.SlabDescriptor\x12\x34\n\npartitions\x18\x07 \x03(\x0b\x32 .ditserve.plancache.v1.Partition\"\x1f\n\tHeartbeat\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x83\x01\n\x0e\x41ttachResponse\x12\x31\n\x07session\x18\x01 \x01(\x0b\x32\x1e.ditserve.plancache.v1.SessionH\x00\x12\x35\n\theartbeat\x18\x02 \x01(\x0b\x32 .ditserve.plancache.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent\"E\n\x07PlanKey\x12\x15\n\rtimestep_bits\x18\x01 \x03(\x07\x12\x11\n\tpartition\x18\x02 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x03 \x01(\t\"<\n\x0b\x41\x64\x61pterSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\r\n\x05scale\x18\x03 \x01(\x01\"j\n\tPartition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66older\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bslots_ready\x18\x04 \x01(\r\x12\x15\n\rslots_allowed\x18\x05 \x01(\r\"\xd0\x01\n\x13PreparePlansRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x31\n\tplan_keys\x18\x03 \x03(\x0b\x32\x1e.ditserve.plancache.v1.PlanKey\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0cstep_bound_s\x18\x05 \x01(\x01\x12\x34\n\x08\x61\x64\x61pters\x18\x06 \x03(\x0b\x32\".ditserve.plancache.v1.AdapterSpec\"\x8c\x01\n\x0b\x43\x61\x63heReport\x12\x15\n\rgpu_hit_plans\x18\x01 \x01(\r\x12\x16\n\x0ehost_hit_plans\x18\x02 \x01(\r\x12\x13\n\x0b\x62uilt_plans\x18\x03 \x01(\r\x12\x11\n\trebuild_s\x18\x04 \x01(\x01\x12\x11\n\tswap_in_s\x18\x05 \x01(\x01\x12\x13\n\x0bhost_stored\x18\x06 \x01(\x08\"\x7f\n\x14PreparePlansResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\r\x12\x32\n\x06report\x18\x03 \x01(\x0b\x32\".ditserve.plancache.v1.CacheReport\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"O\n\x13ReleasePlansRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x16\n\x14ReleasePlansResponse\"\x11\n\x0fGetStateRequest\"\xea\x03\n\nCacheStats\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x12\n\nslot_width\x18\x02 \x01(\r\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bslots_ready\x18\x04 \x01(\r\x12\x14\n\x0cslots_leased\x18\x05 \x01(\r\x12\x1b\n\x13host_capacity_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fhost_used_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bhost_groups\x18\x08 \x01(\r\x12\x13\n\x0bhost_pinned\x18\t \x01(\x08\x12\x16\n\x0eslot_hit_plans\x18\n \x01(\x04\x12\x16\n\x0ehost_hit_plans\x18\x0b \x01(\x04\x12\x13\n\x0b\x62uilt_plans\x18\x0c \x01(\x04\x12\x16\n\x0erebuild_passes\x18\r \x01(\x04\x12\x11\n\trebuild_s\x18\x0e \x01(\x01\x12\x15\n\rswap_in_bytes\x18\x0f \x01(\x04\x12\x11\n\tswap_in_s\x18\x10 \x01(\x01\x12\x16\n\x0eslot_evictions\x18\x11 \x01(\x04\x12\x1c\n\x14host_group_evictions\x18\x12 \x01(\x04\x12\x1b\n\x13host_pressure_skips\x18\x13 \x01(\x04\x12\x10\n\x08prepares\x18\x14 \x01(\x04\x12\x17\n\x0f\x66\x61iled_prepares\x18\x15 \x01(\x04\"\xb3\x02\n\x10GetStateResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bleases_held\x18\x04 \x01(\r\x12\x18\n\x10session_attached\x18\x05 \x01(\x08\x12\x30\n\x05stats\x18\x06 \x01(\x0b\x32!.ditserve.plancache.v1.CacheStats\x12\x0f\n\x07serving\x18\x07 \x01(\x08\x12\x1a\n\x12not_serving_reason\x18\x08 \x01(\t\x12\x1c\n\x14pending_weights_path\x18\t \x01(\t\x12\x34\n\npartitions\x18\n \x03(\x0b\x32 .ditserve.plancache.v1.Partition\"K\n\x1aPrepareWeightUpdateRequest\x12\x17\n\x0f\x66rom_generation\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x02 \x01(\t\"2\n\x1bPrepareWeightUpdateResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"J\n\x19\x43ommitWeightUpdateRequest\x12\x17\n\x0f\x66rom_generation\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x02 \x01(\t\"^\n\x1a\x43ommitWeightUpdateResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x17\n\x0fkept_partitions\x18\x03 \x03(\t\"0\n\x18\x41\x62ortWeightUpdateRequest\x12\x14\n\x0cweights_path\x18\x01 \x01(\t\"\x1b\n\x19\x41\x62ortWeightUpdateResponse*Q\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x32\x84\x06\n\tPlanCache\x12W\n\x06\x41ttach\x12$.ditserve.plancache.v1.AttachRequest\x1a%.ditserve.plancache.v1.AttachResponse0\x01\x12g\n\x0cPreparePlans\x12*.ditserve.plancache.v1.PreparePlansRequest\x1a+.ditserve.plancache.v1.PreparePlansResponse\x12g\n\x0cReleasePlans\x12*.ditserve.plancache.v1.ReleasePlansRequest\x1a+.ditserve.plancache.v1.ReleasePlansResponse\x12[\n\x08GetState\x12&.ditserve.plancache.v1.GetStateRequest\x1a\'.ditserve.plancache.v1.GetStateResponse\x12|\n\x13PrepareWeightUpdate\x12\x31.ditserve.plancache.v1.PrepareWeightUpdateRequest\x1a\x32.ditserve.plancache.v1.PrepareWeightUpdateResponse\x12y\n\x12\x43ommitWeightUpdate\x12\x30.ditserve.plancache.v1.CommitWeightUpdateRequest\x1a\x31.ditserve.plancache.v1.CommitWeightUpdateResponse\x12v\n\x11\x41\x62ortWeightUpdate\x12/.ditserve.plancache.v1.AbortWeightUpdateRequest\x1a\x30.ditserve.plancache.v1.AbortWeightUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.ditserve.plancache.v1.plancache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=2989
-  _globals['_TRANSPORT']._serialized_end=3070
+  _globals['_TRANSPORT']._serialized_start=3123
+  _globals['_TRANSPORT']._serialized_end=3204
   _globals['_ATTACHREQUEST']._serialized_start=71
   _globals['_ATTACHREQUEST']._serialized_end=107
   _globals['_SLABDESCRIPTOR']._serialized_start=110
@@ -46,37 +46,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHRESPONSE']._serialized_start=959
   _globals['_ATTACHRESPONSE']._serialized_end=1090
   _globals['_PLANKEY']._serialized_start=1092
-  _globals['_PLANKEY']._serialized_end=1143
-  _globals['_PARTITION']._serialized_start=1145
-  _globals['_PARTITION']._serialized_end=1251
-  _globals['_PREPAREPLANSREQUEST']._serialized_start=1254
-  _globals['_PREPAREPLANSREQUEST']._serialized_end=1408
-  _globals['_CACHEREPORT']._serialized_start=1411
-  _globals['_CACHEREPORT']._serialized_end=1551
-  _globals['_PREPAREPLANSRESPONSE']._serialized_start=1553
-  _globals['_PREPAREPLANSRESPONSE']._serialized_end=1680
-  _globals['_RELEASEPLANSREQUEST']._serialized_start=1682
-  _globals['_RELEASEPLANSREQUEST']._serialized_end=1761
-  _globals['_RELEASEPLANSRESPONSE']._serialized_start=1763
-  _globals['_RELEASEPLANSRESPONSE']._serialized_end=1785
-  _globals['_GETSTATEREQUEST']._serialized_start=1787
-  _globals['_GETSTATEREQUEST']._serialized_end=1804
-  _globals['_CACHESTATS']._serialized_start=1807
-  _globals['_CACHESTATS']._serialized_end=2297
-  _globals['_GETSTATERESPONSE']._serialized_start=2300
-  _globals['_GETSTATERESPONSE']._serialized_end=2607
-  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_start=2609
-  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_end=2684
-  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_start=2686
-  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_end=2736
-  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_start=2738
-  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_end=2812
-  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_start=2814
-  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_end=2908
-  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_start=2910
-  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_end=2958
-  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_start=2960
-  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_end=2987
-  _globals['_PLANCACHE']._serialized_start=3073
-  _globals['_PLANCACHE']._serialized_end=3845
+  _globals['_PLANKEY']._serialized_end=1161
+  _globals['_ADAPTERSPEC']._serialized_start=1163
+  _globals['_ADAPTERSPEC']._serialized_end=1223
+  _globals['_PARTITION']._serialized_start=1225
+  _globals['_PARTITION']._serialized_end=1331
+  _globals['_PREPAREPLANSREQUEST']._serialized_start=1334
+  _globals['_PREPAREPLANSREQUEST']._serialized_end=1542
+  _globals['_CACHEREPORT']._serialized_start=1545
+  _globals['_CACHEREPORT']._serialized_end=1685
+  _globals['_PREPAREPLANSRESPONSE']._serialized_start=1687
+  _globals['_PREPAREPLANSRESPONSE']._serialized_end=1814
+  _globals['_RELEASEPLANSREQUEST']._serialized_start=1816
+  _globals['_RELEASEPLANSREQUEST']._serialized_end=1895
+  _globals['_RELEASEPLANSRESPONSE']._serialized_start=1897
+  _globals['_RELEASEPLANSRESPONSE']._serialized_end=1919
+  _globals['_GETSTATEREQUEST']._serialized_start=1921
+  _globals['_GETSTATEREQUEST']._serialized_end=1938
+  _globals['_CACHESTATS']._serialized_start=1941
+  _globals['_CACHESTATS']._serialized_end=2431
+  _globals['_GETSTATERESPONSE']._serialized_start=2434
+  _globals['_GETSTATERESPONSE']._serialized_end=2741
+  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_start=2743
+  _globals['_PREPAREWEIGHTUPDATEREQUEST']._serialized_end=2818
+  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_start=2820
+  _globals['_PREPAREWEIGHTUPDATERESPONSE']._serialized_end=2870
+  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_start=2872
+  _globals['_COMMITWEIGHTUPDATEREQUEST']._serialized_end=2946
+  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_start=2948
+  _globals['_COMMITWEIGHTUPDATERESPONSE']._serialized_end=3042
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_start=3044
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_end=3092
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_start=3094
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_end=3121
+  _globals['_PLANCACHE']._serialized_start=3207
+  _globals['_PLANCACHE']._serialized_end=3979
 # @@protoc_insertion_point(module_scope)

@@ -103,12 +103,24 @@ class AttachResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class PlanKey(_message.Message):
-    __slots__ = ("timestep_bits", "partition")
+    __slots__ = ("timestep_bits", "partition", "adapters")
     TIMESTEP_BITS_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     timestep_bits: _containers.RepeatedScalarFieldContainer[int]
     partition: str
-    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ...) -> None: ...
+    adapters: str
+    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ..., adapters: _Optional[str] = ...) -> None: ...
+
+class AdapterSpec(_message.Message):
+    __slots__ = ("name", "identity", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    identity: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class Partition(_message.Message):
     __slots__ = ("name", "folder", "fingerprint", "slots_ready", "slots_allowed")
@@ -125,18 +137,20 @@ class Partition(_message.Message):
     def __init__(self, name: _Optional[str] = ..., folder: _Optional[str] = ..., fingerprint: _Optional[str] = ..., slots_ready: _Optional[int] = ..., slots_allowed: _Optional[int] = ...) -> None: ...
 
 class PreparePlansRequest(_message.Message):
-    __slots__ = ("session_id", "generation", "plan_keys", "request_id", "step_bound_s")
+    __slots__ = ("session_id", "generation", "plan_keys", "request_id", "step_bound_s", "adapters")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_KEYS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_BOUND_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generation: int
     plan_keys: _containers.RepeatedCompositeFieldContainer[PlanKey]
     request_id: str
     step_bound_s: float
-    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., request_id: _Optional[str] = ..., step_bound_s: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterSpec]
+    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., request_id: _Optional[str] = ..., step_bound_s: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterSpec, _Mapping]]] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored")

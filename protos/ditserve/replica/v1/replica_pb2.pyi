@@ -175,12 +175,14 @@ class RankPlace(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., sidecar: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class PlanKey(_message.Message):
-    __slots__ = ("timestep_bits", "partition")
+    __slots__ = ("timestep_bits", "partition", "adapters")
     TIMESTEP_BITS_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     timestep_bits: _containers.RepeatedScalarFieldContainer[int]
     partition: str
-    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ...) -> None: ...
+    adapters: str
+    def __init__(self, timestep_bits: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ..., adapters: _Optional[str] = ...) -> None: ...
 
 class Stage(_message.Message):
     __slots__ = ("weights_path", "fingerprint")
