@@ -11,9 +11,11 @@ contract (ditcore.adapter_contract) comes from `NAME.json` beside it, else from 
 under its name is read again (size, mtime or inode moved) and gets a new identity; what was loaded under the old one
 is never served for it again (loaded adapters are keyed by identity).
 
-A cached model (ditcore.plans: `adaln_proj` and `norm_out` read plans) serves trunk-only adapters on the base plans;
-an adapter that changes the modulation (`adaln_proj`, `norm_out` or the time embedder) needs plans built with it and
-is refused there (`AdapterError`, naming the adapter and its modulation targets).
+A cached model (ditcore.plans: `adaln_proj` and `norm_out` read plans) serves trunk-only adapters on the base plans,
+and an adapter that changes the modulation (`adaln_proj`, `norm_out` or the time embedder) only where its plans are
+built with it (`RunOptions.adapter_plans`: the generator's sidecar builds them, ditcore.adapter_plans): its trunk
+part then goes into PEFT layers, the rest is in its plans. Without that it is refused (`AdapterError`, naming the
+adapter and its modulation targets), never served on base plans.
 """
 
 from __future__ import annotations
