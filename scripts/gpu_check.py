@@ -20,6 +20,9 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
   ref2va           request A as ref2va with two image references (a PNG and a JPEG made with Pillow; video and
                    audio references need PyAV, which the offline device lacks), on the cached serve after A, B, A, B
                    and on the resident one: sha256 equal, and not t2va A's (transformer_ref/ and the references used)
+  adapters         request A with a LoRA on every target group (`ditserve make-adapter --targets all`, musubi layout,
+                   rank 4) at scale 0.8, on the cached serve (trunk in PEFT layers, modulation in plans its sidecar
+                   builds) and on the resident one (PEFT everywhere): sha256 equal, and not A's
   multi-device     with 2+ GPUs visible: `ditserve serve --nproc D` (D = 4 with 4+ GPUs, else 2; Ulysses D,
                    --ulysses-anything on NCCL) cached and resident on request A: sha256 equal, and the per-step time
                    against cached-abab's one device; skipped with one line otherwise
@@ -27,7 +30,7 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
 `--out DIR` keeps what the checks measure there: the gpu tests' JUnit XML (gpu-tests.xml) and, when a service check
 failed, the tails of the serve logs (serve-logs.txt). DITSERVE_GPU_CHECK_SERVICES (default
 cached,kill,resident,replica) picks the service checks: cached-abab and swap-in always run (the others compare with
-their sha256); leaving out kill, resident or replica skips sidecar-kill, resident-abab with fl2va and ref2va, or
+their sha256); leaving out kill, resident or replica skips sidecar-kill, resident-abab with fl2va, ref2va and adapters, or
 multi-device.
 Every service runs as `python -m ditserve` (no console scripts), so the offline layout (scripts/gpu_check.sh --offline:
 the repository root and the carried wheels on PYTHONPATH, no venv) runs them as the venv does.
@@ -61,7 +64,7 @@ from gpu_check_services import services
 from gpu_check_tests import NAMED_TESTS, gpu_tests
 
 CHECKS = ("gpu-tests", *NAMED_TESTS, "cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va",
-          "multi-device")  # fmt: skip
+          "adapters", "multi-device")  # fmt: skip
 
 
 # ------------------------------------------------------------------ is there a GPU?

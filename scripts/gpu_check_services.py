@@ -34,6 +34,9 @@ from gpu_check_serve import Serve, device_memory_mib, generate, shm_slabs, sidec
 CLOSED_LINE = re.compile(r"closed the slab mapping of session (\S+): its storage is freed")
 STILL_REFERENCED = "is still referenced after close"
 
+ADAPTER = "lora"
+"""The adapter the check writes (ditserve make-adapter) and names."""
+
 
 @dataclass(frozen=True)
 class CachedRun:
@@ -58,8 +61,14 @@ def services(work: Path, device: str) -> None:
     subprocess.run([*DITSERVE, "make-checkpoint", "--preset", PRESET, "--dtype", "mixed", "--out", str(ckpt)],
                    cwd=ROOT, check=True, capture_output=True, timeout=left(300))  # fmt: skip
     base_port = 50000 + os.getpid() % 4000
-    tasks = {"fl2va": fl2va_request(work), "ref2va": ref2va_request(work)}
-    run = _cached_abab(work, ckpt, device, base_port, tasks)
+    adapters = work / "adapters"  # one adapter on every target group: its trunk in PEFT, its modulation in plans
+    adapters.mkdir(exist_ok=True)
+    subprocess.run([*DITSERVE, "make-adapter", "--checkpoint", str(ckpt), "--targets", "all", "--layout", "musubi",
+                    "--rank", "4", "--alpha", "4", "--seed", "5", "--out", str(adapters / f"{ADAPTER}.safetensors")],
+                   cwd=ROOT, check=True, capture_output=True, timeout=left(120))  # fmt: skip
+    with_adapters = ("--adapter-dir", str(adapters))
+    tasks = {"fl2va": fl2va_request(work), "ref2va": ref2va_request(work), "adapters": adapter_request()}
+    run = _cached_abab(work, ckpt, device, base_port, tasks, with_adapters)
     out, page_bytes, width = run.out, run.page_bytes, run.width
     skipped = f"not selected (DITSERVE_GPU_CHECK_SERVICES={','.join(SELECTED)})"
     if "kill" not in SELECTED:
@@ -77,7 +86,7 @@ def services(work: Path, device: str) -> None:
         for task in tasks:
             line("SKIP", task, skipped)
     else:
-        resident = Serve(work, ckpt, "resident", "resident", device, base_port + 2, STEPS)
+        resident = Serve(work, ckpt, "resident", "resident", device, base_port + 2, STEPS, with_adapters)
         try:
             resident.wait_serving()
             rc, res_out, err = generate(resident.target, REQUESTS, work)
@@ -137,30 +146,42 @@ def _generate_one(target: str, request: dict[str, Any], work: Path) -> tuple[dic
     return out[0], ""
 
 
+def adapter_request() -> dict[str, Any]:
+    """Request A with the check's adapter (every target group) at scale 0.8."""
+    return {**REQUESTS[0], "request_id": "L1", "adapters": [{"name": ADAPTER, "scale": 0.8}]}
+
+
 def _task_check(task: str, cached: CachedRun, resident: tuple[dict[str, Any] | None, str], sha_a: str) -> None:
-    """fl2va / ref2va: request A with keyframes / image references gives the same sha256 cached and resident, and
-    another than t2va A's (the keyframes, or the references and transformer_ref/, were used)."""
+    """fl2va / ref2va / adapters: request A with keyframes / image references / an adapter on every target group gives
+    the same sha256 cached and resident, and another than t2va A's (the keyframes, the references and
+    transformer_ref/, or the adapter's trunk and modulation plans, were used)."""
     (got, err), (res, res_err) = cached.tasks[task], resident
-    files = KEYFRAMES if task == "fl2va" else REF_IMAGES
-    what = f"{'keyframes' if task == 'fl2va' else 'references'} " + ", ".join(
-        f"{fmt} {w}x{h}" for fmt, w, h in files.values()
-    )
+    if task == "adapters":
+        what = f"adapter {ADAPTER} (trunk, adaln_proj, norm_out, time embedder; musubi, rank 4) at 0.8"
+    else:
+        files = KEYFRAMES if task == "fl2va" else REF_IMAGES
+        what = f"{'keyframes' if task == 'fl2va' else 'references'} " + ", ".join(
+            f"{fmt} {w}x{h}" for fmt, w, h in files.values()
+        )
     if got is None or res is None:
         line("FAIL", task, f"{what}: cached {err or 'ok'}; resident {res_err or 'ok'}")
         return
     sha_c, sha_r = got["sha256"], res["sha256"]
     tasks = {got.get("task"), res.get("task")}
+    task_name = "t2va" if task == "adapters" else task
     built = got.get("cache", {}).get("built_plans")
-    check(task, sha_c == sha_r and tasks == {task} and sha_c != sha_a,
+    check(task, sha_c == sha_r and tasks == {task_name} and sha_c != sha_a,
           f"{what}: cached sha256 {sha_c}, resident {sha_r} ({'equal' if sha_c == sha_r else 'DIFFERENT'}); "
           f"task {'/'.join(sorted(map(str, tasks)))}; {'differs from' if sha_c != sha_a else 'SAME as'} t2va A; "
           f"cached built {built} plans")  # fmt: skip
 
 
-def _cached_abab(work: Path, ckpt: Path, device: str, port: int, tasks: dict[str, dict[str, Any]]) -> CachedRun:
-    """cached-abab and swap-in, then the fl2va and ref2va requests on the same serve (their checks compare them with
-    resident's)."""
-    cached = Serve(work, ckpt, "cached", "cached", device, port, STEPS)
+def _cached_abab(
+    work: Path, ckpt: Path, device: str, port: int, tasks: dict[str, dict[str, Any]], extra: tuple[str, ...] = ()
+) -> CachedRun:
+    """cached-abab and swap-in, then the fl2va, ref2va and adapter requests on the same serve (their checks compare
+    them with resident's)."""
+    cached = Serve(work, ckpt, "cached", "cached", device, port, STEPS, extra)
     try:
         st = cached.wait_serving()
         page_bytes, width = st.slab.page_bytes, st.slab.width

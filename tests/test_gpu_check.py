@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
 CHECKS = ("gpu-tests", "syncs-per-step", "pinned-bytes", "cached-abab", "swap-in", "sidecar-kill", "resident-abab",
-          "fl2va", "ref2va", "multi-device")  # fmt: skip
+          "fl2va", "ref2va", "adapters", "multi-device")  # fmt: skip
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the script runs every check (scripts/gpu_check.sh)"
@@ -208,7 +208,9 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     assert "smoke: every module imports" in log and "REFUSED" not in log and "MISSING" not in log
     assert re.search(r"protos/ generated code imports: protobuf 7\.\d+\.\d+ .*grpcio 1\.\d+", log), log
     status = {ln.split()[1]: ln.split()[0] for ln in log.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}
-    assert {status[n] for n in ("cached-abab", "swap-in", "resident-abab", "fl2va", "ref2va")} == {"PASS"}, log
+    assert {status[n] for n in ("cached-abab", "swap-in", "resident-abab", "fl2va", "ref2va", "adapters")} == {
+        "PASS"
+    }, log
     assert status["sidecar-kill"] == status["multi-device"] == "SKIP"
     assert_task_lines(log)
     records = [json.loads(ln) for ln in (out / "probe.jsonl").read_text().splitlines()]
@@ -282,9 +284,8 @@ def test_service_checks_pass_on_the_cpu_in_the_offline_layout(
     log = res.stdout + res.stderr
     assert res.returncode == 0, log
     status = {ln.split()[1]: ln.split()[0] for ln in log.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}
-    assert {status[n] for n in ("cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va")} == {
-        "PASS"
-    }, log
+    checks = ("cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va", "adapters")
+    assert {status[n] for n in checks} == {"PASS"}, log
     assert_task_lines(log)
     kill = next(ln for ln in log.splitlines() if ln.split()[1:2] == ["sidecar-kill"])
     assert "closed the old slab mapping (storage freed): True" in kill, kill
