@@ -62,8 +62,7 @@ class LoraTerm:
     """scale x lora_alpha / r (PEFT's set_scale)."""
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """lora_B(lora_A(x)) * scaling, x cast to the factors' dtype first (PEFT's _cast_input_dtype)."""
-        x = x if x.dtype == self.down.dtype else x.to(self.down.dtype)
+        """lora_B(lora_A(x)) * scaling, x already in the factors' dtype (lora_linear casts it)."""
         return F.linear(F.linear(x, self.down), self.up) * self.scaling
 
 
@@ -73,9 +72,9 @@ def lora_linear(result: torch.Tensor, x: torch.Tensor, terms: Sequence[LoraTerm]
     term in order, back at the base output's dtype."""
     dtype = result.dtype
     for term in terms:
+        x = x if x.dtype == term.down.dtype else x.to(term.down.dtype)  # PEFT's _cast_input_dtype, kept for the next
         delta = term.delta(x)
         result = result + (delta if rows is None else delta[:, rows[0] : rows[1]])
-        x = x if x.dtype == term.down.dtype else x.to(term.down.dtype)
     return result.to(dtype)
 
 

@@ -216,6 +216,8 @@ class ModelAdapters:
         """Where a request's adapter names are found (--adapter-dir); None: this model serves none."""
         self.max_loaded = max_loaded
         self._loaded: OrderedDict[str, AdapterInfo] = OrderedDict()
+        self._fits: set[str] = set()
+        """Identities whose factors were found to fit this model's modules (check_servable)."""
         self.modulation_plans = False
         """A cached model whose plan provider builds plans with adapters (the sidecar: plan keys carry their digest):
         it then serves modulation-changing adapters too, their trunk part in PEFT layers, the rest in its plans."""
@@ -248,7 +250,7 @@ class ModelAdapters:
         LoRA trained on a pruned checkpoint does not fit); on a cached model modulation targets only where its plans
         are built with them (`modulation_plans`)."""
         transformer = self.model.transformers().get(info.partition)
-        if transformer is not None:
+        if transformer is not None and info.identity not in self._fits:
             modules = dict(transformer.named_modules())
             for module, (fan_in, fan_out) in sorted(info.shapes.items()):
                 base = modules.get(module)
@@ -262,6 +264,7 @@ class ModelAdapters:
                         f"adapter {info.name}: {module} is {base.in_features} -> {base.out_features} in this model but "
                         f"its factors are {fan_in} -> {fan_out} (trained on other shapes, e.g. a pruned checkpoint)"
                     )
+            self._fits.add(info.identity)  # a model's shapes never change: checked once per identity
         if info.changes_modulation and self.model.mode == "cached" and not self.modulation_plans:
             mods = ", ".join((*info.targets["modulation"], *info.targets["time"])[:4])
             raise AdapterError(

@@ -29,6 +29,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,10 +254,7 @@ class PlanBuilder:
         projection's term on its whole output, sliced to this shard's rows.
         """
         timesteps = self._check(keys, outputs)
-        if deltas is not None:
-            with deltas.on_time_embedder(self.time_embedder):
-                acts = [self.activations(t) for t in timesteps]
-        else:
+        with deltas.on_time_embedder(self.time_embedder) if deltas is not None else nullcontext():
             acts = [self.activations(t) for t in timesteps]  # (T_k, E) each
         whole = self.shard.count == 1
         for prefix, offset, first, end in self.shard.spans(self.layout):

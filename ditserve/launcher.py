@@ -122,9 +122,7 @@ def check_nodes(args: argparse.Namespace) -> None:
             f"--rdzv-endpoint HOST:PORT is required with --nnodes {nnodes} (at least 2): where node 0 hosts the "
             "replica's rendezvous, the same on every node"
         )
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"--rdzv-endpoint must be HOST:PORT with PORT in [1, 65535], got {endpoint!r}")
+    _host_port(endpoint, "--rdzv-endpoint")
     if rank > 0 and args.openai_port is not None:
         raise ValueError(
             f"--openai-port is served by node 0 alone (--node-rank 0), got it with --node-rank {rank}: a node "

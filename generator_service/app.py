@@ -131,16 +131,16 @@ def sidecar_session(
     """Rank 0's session with its sidecar, or, on a replica across nodes, with every node's (NodeSidecars: node 0's
     maps its slab, the others' are leased and updated only)."""
 
+    credentials = {t: sidecar_credentials(cfg, t) for t in targets}  # a TCP node without mutual TLS: refused now
+
     def client(node: int, target: str, on_attach: Callable[[Attachment], None], state: AttachedState) -> SidecarClient:
         return SidecarClient(
-            target, cfg.reconnect_s, on_attach=on_attach, state=state, credentials=sidecar_credentials(cfg, target),
+            target, cfg.reconnect_s, on_attach=on_attach, state=state, credentials=credentials[target],
             admin_token=cfg.admin_secret, device=device if node == 0 else None, map_slab=node == 0,
         )  # fmt: skip
 
     if len(targets) == 1:
         return client(0, targets[0], weights.on_attach, state)
-    for target in targets:
-        sidecar_credentials(cfg, target)  # a TCP node without mutual TLS is refused at start
     log.info("a replica across %d nodes: sidecars %s", len(targets), ", ".join(targets))
     return NodeSidecars(targets, client, weights.on_attach, state)
 

@@ -82,8 +82,8 @@ class RebuildSource:
         shard_mode: str = "auto",
         adapter_plans: AdapterPlans | None = None,
     ) -> None:
-        self.adapter_plans = adapter_plans
-        """What keys with an adapters digest are built with (None: only the base weights' plans)."""
+        self.adapter_plans = adapter_plans if adapter_plans is not None else AdapterPlans(None)
+        """What keys with an adapters digest are built with (without --adapter-dir: none, such keys refused)."""
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else open_checkpoint(checkpoint)
         _require_adaln(info)
         self.info = info
@@ -239,14 +239,11 @@ class RebuildSource:
             chosen = [i for i, k in enumerate(keys) if k.adapters == digest]
             group = [keys[i] for i in chosen]
             outs = [[o[i] for i in chosen] for o in outputs]
-            if digest and self.adapter_plans is None:
-                raise RebuildError("plans with adapters asked of a source that serves none (no --adapter-dir)")
 
             def build(
                 b: PlanBuilder, out: list[torch.Tensor], group: list[PlanKey] = group, digest: str = digest
             ) -> None:
-                deltas = self.adapter_plans.deltas(digest, partition, b) if digest and self.adapter_plans else None
-                b.build(group, out, deltas)
+                b.build(group, out, self.adapter_plans.deltas(digest, partition, b))
 
             if len(builders) == 1:
                 build(builders[0], outs[0])

@@ -40,7 +40,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ditcore.adapter_contract import AdapterError
 from ditcore.plans import PlanKey
 from ditcore.sizing import MAX_STEP_BOUND_S
 from ditruntime.slab import SlabDescriptor
@@ -297,11 +296,7 @@ class Sidecar:
             # request's status does not depend on whether another prepare (e.g. the generator's
             # prefetch) saw the change first.
             raise CheckpointChangedError(f"not serving plans: {self._not_serving}")
-        plans = self.cache.source.adapter_plans
-        if plans is not None:
-            plans.register(adapters, keys)
-        elif any(k.adapters for k in keys):
-            raise AdapterError("the plan-cache sidecar serves no adapters (start it with --adapter-dir)")
+        self.cache.source.adapter_plans.register(adapters, keys)
         self._begin_prepare(session_id, request_id)
         lease: Lease | None = None
         try:

@@ -98,7 +98,7 @@ class Follower:
             self.replica.gather_status(status)
 
     def _attach(self, msg: rpb.Attach) -> None:
-        sessions = list(msg.node_sessions) or [msg.session]
+        sessions = list(msg.node_sessions)
         if len(sessions) != self.replica.nnodes:
             raise ValueError(f"{len(sessions)} sidecar session(s) for a replica of {self.replica.nnodes} node(s)")
         session = cpb.Session.FromString(sessions[self.replica.node_rank])  # this node's sidecar
@@ -149,11 +149,8 @@ class Follower:
             return model, None, uses
         if self.mapping is None or msg.epoch != self.epoch:
             raise LeaseCheckError(f"the lease is of session epoch {msg.epoch}, this rank mapped {self.epoch}")
-        generation, slots = msg.generation, list(msg.slots)
-        if msg.nodes:  # a replica across nodes: this node's own lease on its own sidecar
-            mine = msg.nodes[self.replica.node_rank]
-            generation, slots = mine.generation, list(mine.slots)
-        lease = RankLease(self.mapping, keys_from_work(msg), slots, generation)
+        mine = msg.nodes[self.replica.node_rank]  # this node's own lease on its own sidecar
+        lease = RankLease(self.mapping, keys_from_work(msg), list(mine.slots), mine.generation)
         lease.check_rows()
         return model, lease, uses
 

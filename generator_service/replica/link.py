@@ -173,7 +173,7 @@ class ReplicaLink:
             ).SerializeToString()
             for node in nodes
         ]  # fmt: skip
-        work = rpb.Attach(epoch=att.epoch, session=sessions[0], node_sessions=sessions, weights_path=att.weights_path,
+        work = rpb.Attach(epoch=att.epoch, node_sessions=sessions, weights_path=att.weights_path,
                           fingerprint=att.fingerprint)  # fmt: skip
         self.call(rpb.RankWork(attach=work), local)
 
@@ -240,9 +240,7 @@ class ReplicaLink:
                        fingerprint=model.info.fingerprint)  # fmt: skip
         if lease is not None:
             work.epoch = lease.epoch
-            work.generation = lease.generation
             work.plan_keys.extend(key_to_work(k) for k in lease.keys)
-            work.slots.extend(lease.slots)
             work.nodes.extend(rpb.NodeLease(generation=g, slots=s) for g, s in lease.node_leases)
         provider = Fixed(HeldLease(lease)) if lease is not None else None
         try:

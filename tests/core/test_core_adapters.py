@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
+from plankit import BuiltPages
 from refmedia import image_bytes
 
 from ditcore import GenerationRequest, generate, load_model
@@ -114,38 +115,11 @@ def test_ref2va_adapter_on_transformer_ref(resident: Any, registry: AdapterRegis
         run(resident, REQUEST, registry, [("refmod", 1.0)])
 
 
-class BuiltPlans:
-    """Plans built here by the sidecar's own PlanBuilder (no sidecar process)."""
-
-    def __init__(self, repo: Path) -> None:
-        from ditcore.rebuild import PlanBuilder
-
-        self.builder = PlanBuilder(repo / "transformer", torch.device("cpu"))
-        self.deltas: Any = None
-        """ModulationDeltas every page is built with (None: the base weights')."""
-
-    def acquire(self, keys: Any) -> Any:
-        from ditcore.report import CacheReport
-
-        pages = [self.builder.build_one(k, self.deltas) for k in keys]
-
-        class Lease:
-            report = CacheReport(built_plans=len(keys))
-
-            def pages(self, step: int) -> torch.Tensor:
-                return pages[step]
-
-            def release(self) -> None:
-                pass
-
-        return Lease()
-
-
 def test_cached_serves_a_trunk_adapter_on_the_base_plans_and_refuses_a_modulation_one(
     registry: AdapterRegistry, adapter_dir: Path, tiny_ckpt: Path
 ) -> None:
     cached = load_model(tiny_ckpt, "cached")
-    plans = BuiltPlans(tiny_ckpt)
+    plans = BuiltPages(tiny_ckpt)
     video, audio = run(cached, REQUEST, registry, [("trunk", 1.0)], plans)
     ref_video, ref_audio = oracle(tiny_ckpt, REQUEST, [(adapter_dir / "trunk.safetensors", 1.0)])
     assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
@@ -327,9 +301,9 @@ def test_cached_pages_built_with_a_modulation_adapter_equal_diffusers(
 
     cached = load_model(tiny_ckpt, "cached")
     infos = [(registry.get(n), s) for n, s in uses]
-    plans = BuiltPlans(tiny_ckpt)
-    deltas = ModulationDeltas.load(infos, "base", plans.builder.projection_dtype, plans.builder.time_dtype)
-    plans.deltas = deltas
+    plans = BuiltPages(tiny_ckpt)
+    builder = plans.builder("base")
+    plans.deltas = ModulationDeltas.load(infos, "base", builder.projection_dtype, builder.time_dtype)
     result = generate(cached, REQUEST, plans)
     ref_video, ref_audio = oracle(tiny_ckpt, REQUEST, [(adapter_dir / f"{n}.safetensors", s) for n, s in uses])
     assert torch.equal(result.video, ref_video) and torch.equal(result.audio, ref_audio)

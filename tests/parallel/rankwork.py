@@ -16,6 +16,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from plankit import BuiltPages
 from safetensors.torch import save_file
 
 
@@ -55,39 +56,6 @@ def diffusers_cp(
         transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, ulysses_anything=anything))
     with mock.patch("diffusers.hooks.context_parallel._all_gather_anything", gather_by_broadcast):
         return diffusers_request_latents(repo, request)
-
-
-class BuiltPages:
-    """A PlanProvider whose lease holds pages built here by the sidecar's PlanBuilder (no sidecar process), from the
-    checkpoint folder of each key's partition."""
-
-    def __init__(self, repo: Path, device: torch.device | None = None) -> None:
-        self.repo, self.device = repo, device if device is not None else torch.device("cpu")
-        self.builders: dict[str, Any] = {}
-
-    def builder(self, partition: str) -> Any:
-        from ditcore.checkpoint_files import PARTITIONS
-        from ditcore.rebuild import PlanBuilder
-
-        if partition not in self.builders:
-            self.builders[partition] = PlanBuilder(self.repo / PARTITIONS[partition], self.device)
-        return self.builders[partition]
-
-    def acquire(self, keys: Any) -> Any:
-        from ditcore.report import CacheReport
-
-        pages = [self.builder(k.partition).build_one(k) for k in keys]
-
-        class Lease:
-            report = CacheReport(built_plans=len(keys))
-
-            def pages(self, step: int) -> torch.Tensor:
-                return pages[step]
-
-            def release(self) -> None:
-                pass
-
-        return Lease()
 
 
 def ditserve_cp(repo: Path, request: dict[str, Any], degree: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,18 +71,16 @@ class Component(_message.Message):
     def __init__(self, name: _Optional[str] = ..., device: _Optional[str] = ..., placement: _Optional[str] = ..., dtype: _Optional[str] = ..., bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
 
 class Attach(_message.Message):
-    __slots__ = ("epoch", "session", "weights_path", "fingerprint", "node_sessions")
+    __slots__ = ("epoch", "weights_path", "fingerprint", "node_sessions")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    SESSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NODE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    session: bytes
     weights_path: str
     fingerprint: str
     node_sessions: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, epoch: _Optional[int] = ..., session: _Optional[bytes] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., node_sessions: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., node_sessions: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Request(_message.Message):
     __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "height", "width", "num_frames", "first_frame", "last_frame", "references", "adapters")
@@ -135,22 +133,18 @@ class Reference(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("request", "epoch", "generation", "plan_keys", "slots", "fingerprint", "nodes")
+    __slots__ = ("request", "epoch", "plan_keys", "fingerprint", "nodes")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_KEYS_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     request: Request
     epoch: int
-    generation: int
     plan_keys: _containers.RepeatedCompositeFieldContainer[PlanKey]
-    slots: _containers.RepeatedScalarFieldContainer[int]
     fingerprint: str
     nodes: _containers.RepeatedCompositeFieldContainer[NodeLease]
-    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeLease, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., epoch: _Optional[int] = ..., plan_keys: _Optional[_Iterable[_Union[PlanKey, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeLease, _Mapping]]] = ...) -> None: ...
 
 class NodeLease(_message.Message):
     __slots__ = ("generation", "slots")
