@@ -58,7 +58,7 @@ class FakeJobs(pb_grpc.JobsServicer):
         self.hang.clear()
         self.fail.clear()
         self.trickle = False
-        self.ended.clear()
+        self.ended = threading.Event()  # a new one: an earlier test's call may still end (and set its own) later
 
     @contextmanager
     def call(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
@@ -108,7 +108,7 @@ class FakeJobs(pb_grpc.JobsServicer):
     def GetJobContent(
         self, request: pb.GetJobContentRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GetJobContentResponse]:
-        context.add_callback(self.ended.set)  # when the call ends, for whatever reason
+        context.add_callback(self.ended.set)  # when this call ends, for whatever reason (this test's event)
         with self.call("GetJobContent", context):
             content = pb.JobContent(content_type="video/mp4", total_bytes=len(CONTENT), filename="v.mp4")
             yield pb.GetJobContentResponse(header=pb.ContentHeader(content=content))
