@@ -290,6 +290,22 @@ class ModelAdapters:
                         out[identity] += param.numel() * param.element_size()
         return out
 
+    def load(self, info: AdapterInfo) -> str:
+        """Load `info` now (as a request's first use would: checked, least recently used evicted past `max_loaded`):
+        its PEFT name. AdapterError when it cannot be served; nothing of it stays loaded then."""
+        return self._ensure(info)
+
+    def unload(self, name: str) -> AdapterInfo | None:
+        """Delete the loaded adapter named `name` (the file's stem) from the model: what was loaded, None when no
+        adapter of that name is loaded. Call it between requests (a running request holds its adapters active)."""
+        peft_name = next((k for k, v in self._loaded.items() if v.name == name), None)
+        if peft_name is None:
+            return None
+        info = self._loaded.pop(peft_name)
+        if any(peft_name in getattr(t, "peft_config", {}) for t in self.model.transformers().values()):
+            self.model.pipe.delete_adapters(peft_name)
+        return info
+
     def _ensure(self, info: AdapterInfo) -> str:
         name = self.peft_name(info)
         if name in self._loaded:
