@@ -41,6 +41,13 @@ What each layout cannot carry (refused with `AdapterError`, naming the layout an
   QKV with a fixed `head_dim = 128` (every released partition's). The `tiny` / `small` / `bench` presets have 32-wide
   heads, so a diffsynth adapter for them carries `modulation` only.
 
+Full-parameter deltas (`deltas=GROUP`, as FastH3 ships for its time embedder): each module of that group gets a
+`.diff` (the weight's delta, (out, in)) and a `.diff_b` (the bias's) beside whatever LoRA factors `targets` writes
+(`targets="none"`: deltas only). Diffusers' converter does not read them: ditcore.adapters splits them off
+(`delta_modules` maps their names) and applies them as their producers define them (parameter + scale x delta).
+Written in the original checkpoint's names (`diffusion_model.time_embedder.proj_in.diff`, ai-toolkit; unprefixed,
+kohya) or diffusers' (`transformer.time_embedder.linear_1.diff`, diffusers); musubi and diffsynth carry none.
+
 Every layout encodes the same factors: for a given seed, each module's `lora_A` / `lora_B` (in diffusers' terms,
 once converted) are the same whatever the layout and whatever else is targeted, each module seeded from `seed` and
 its own name. `lora_A` ~ N(0, 1/in_features), `lora_B` ~ N(0, 0.02²): `lora_B` is not zero, so the adapter changes
@@ -54,6 +61,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +74,12 @@ from .presets import H3Preset, get_preset
 LAYOUTS: tuple[str, ...] = ("diffusers", "ai-toolkit", "musubi", "kohya", "diffsynth")
 GROUPS: tuple[str, ...] = ("trunk", "modulation", "time")
 TARGETS: tuple[str, ...] = (*GROUPS, "all")
+TARGET_CHOICES: tuple[str, ...] = (*TARGETS, "none")
+"""What `targets` / `deltas` may say: "none" writes no LoRA factors (a deltas-only file) or no deltas."""
+DELTA_SUFFIXES = {".diff": "weight", ".diff_b": "bias"}
+"""A full-parameter delta's key suffix and the parameter it changes."""
+DELTA_LAYOUTS = frozenset({"diffusers", "ai-toolkit", "kohya"})
+DELTA_STD = 0.01
 PARTITIONS: tuple[str, ...] = ("base", "ref")
 PARTITION_PREFIX = {"base": "transformer", "ref": "transformer_ref"}
 """The component prefix diffusers' H3 mixin routes a diffusers-layout file by."""
@@ -104,13 +118,55 @@ class AdapterModule:
     in_features: int
     out_features: int
     """rows of the (fused) lora_B."""
+    has_bias: bool = True
+    """Every target linear has a bias (a bias delta is written only then)."""
 
 
-def groups_of(targets: str) -> tuple[str, ...]:
-    """The groups `targets` ("trunk" | "modulation" | "time" | "all") selects."""
-    if targets not in TARGETS:
-        raise AdapterError(f"unknown targets {targets!r}; choose one of {', '.join(TARGETS)}", ("targets",))
-    return GROUPS if targets == "all" else (targets,)
+def groups_of(targets: str, param: str = "targets") -> tuple[str, ...]:
+    """The groups `targets` ("trunk" | "modulation" | "time" | "all" | "none") selects."""
+    if targets not in TARGET_CHOICES:
+        raise AdapterError(f"unknown {param} {targets!r}; choose one of {', '.join(TARGET_CHOICES)}", (param,))
+    return GROUPS if targets == "all" else () if targets == "none" else (targets,)
+
+
+_ORIGINAL_BLOCK = re.compile(
+    r"(?P<stack>blocks|token_refiner\.blocks)\.(?P<i>\d+)\.(?P<tail>attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2|"
+    r"adaln_proj\.linear)"
+)
+_ORIGINAL_STACK = {"blocks": "transformer_blocks", "token_refiner.blocks": "token_refiner.refiner_blocks"}
+_ORIGINAL_TAIL = {"attn.qkv_proj": ("attn.to_q", "attn.to_k", "attn.to_v"), "attn.out_proj": ("attn.to_out.0",),
+                  "mlp.fc1": ("ff.net.0.proj",), "mlp.fc2": ("ff.net.2",), "adaln_proj.linear": ("adaln_proj.linear",)}  # fmt: skip
+_ORIGINAL_STANDALONE = {"final_layer.adaln_proj.linear": "norm_out.linear",
+                        "time_embedder.proj_in": "time_embedder.linear_1",
+                        "time_embedder.proj_out": "time_embedder.linear_2"}  # fmt: skip
+
+
+def delta_modules(name: str, delta: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """A full-parameter delta of module `name` (diffusers' name, or the original checkpoint's as every non-diffusers
+    trainer writes it) as deltas of diffusers' modules: the fused QKV's rows split in [q; k; v] thirds, the fused
+    SwiGLU's [gate; value] halves swapped to diffusers' [value; gate]. None when `name` is no module a target group
+    holds (or a fused delta's rows do not split)."""
+    if group_of(name) is not None:
+        return {name: delta}
+    if name in _ORIGINAL_STANDALONE:
+        return {_ORIGINAL_STANDALONE[name]: delta}
+    match = _ORIGINAL_BLOCK.fullmatch(name)
+    if match is None:
+        return None
+    stack, index, tail = _ORIGINAL_STACK[match["stack"]], match["i"], match["tail"]
+    if tail == "adaln_proj.linear" and stack != "transformer_blocks":
+        return None  # a refiner block has no AdaLN projection
+    parts: tuple[torch.Tensor, ...] = (delta,)
+    if tail == "attn.qkv_proj":
+        if delta.shape[0] % 3:
+            return None
+        parts = tuple(delta.chunk(3, dim=0))
+    elif tail == "mlp.fc1":
+        if delta.shape[0] % 2:
+            return None
+        gate, value = delta.chunk(2, dim=0)
+        parts = (torch.cat([value, gate], dim=0),)
+    return {f"{stack}.{index}.{m}": p.contiguous() for m, p in zip(_ORIGINAL_TAIL[tail], parts, strict=True)}
 
 
 def group_of(diffusers_module: str) -> str | None:
@@ -163,7 +219,8 @@ def adapter_modules(config: Mapping[str, Any], groups: tuple[str, ...] = GROUPS)
     def unit(group: str, source: str, targets: tuple[str, ...], kind: str) -> AdapterModule:
         first = linear(targets[0])
         out = sum(linear(t).out_features for t in targets)
-        return AdapterModule(group, source, targets, kind, first.in_features, out)
+        has_bias = all(linear(t).bias is not None for t in targets)
+        return AdapterModule(group, source, targets, kind, first.in_features, out, has_bias)
 
     units: list[AdapterModule] = []
     if "trunk" in groups:
@@ -193,12 +250,21 @@ def adapter_modules(config: Mapping[str, Any], groups: tuple[str, ...] = GROUPS)
 
 
 def check_adapter(
-    config: Mapping[str, Any], targets: str, layout: str, rank: int, alpha: float | None, partition: str
-) -> tuple[str, ...]:
+    config: Mapping[str, Any], targets: str, layout: str, rank: int, alpha: float | None, partition: str,
+    deltas: str = "none",
+) -> tuple[str, ...]:  # fmt: skip
     """Refuse what `layout` cannot carry (see the module docstring); the groups `targets` selects."""
     if layout not in LAYOUTS:
         raise AdapterError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}", ("layout",))
     groups = groups_of(targets)
+    delta_groups = groups_of(deltas, "deltas")
+    if not groups and not delta_groups:
+        raise AdapterError("targets 'none' without deltas writes nothing; name a group", ("targets", "deltas"))
+    if delta_groups and layout not in DELTA_LAYOUTS:
+        raise AdapterError(
+            f"layout {layout!r} carries no full-parameter deltas; use {', '.join(sorted(DELTA_LAYOUTS))}",
+            ("layout", "deltas"),
+        )
     if partition not in PARTITIONS:
         raise AdapterError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}", ("partition",))
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -212,6 +278,8 @@ def check_adapter(
             "load_into_transformer_ref=True",
             ("layout", "partition"),
         )
+    if not groups:  # a deltas-only file: diffusers' converter never sees it
+        return groups
     if layout in _UNPREFIXED_LAYOUTS and not _UNPREFIXED_NEEDS & set(groups):
         raise AdapterError(
             f"layout {layout!r} cannot carry group {targets!r} alone: its keys are unprefixed, and diffusers "
@@ -282,6 +350,38 @@ def encode(
     return {f"{base}.{a}": down, f"{base}.{b}": up}
 
 
+def random_delta(unit: AdapterModule, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight delta (out, in), bias delta (out,)) of `unit` in diffusers' row order, float32, ~ N(0, DELTA_STD²);
+    depends only on (`seed`, `unit.source`) and the shapes."""
+    g = torch.Generator().manual_seed(_module_seed(seed, f"{unit.source}.diff"))
+    weight = torch.randn(unit.out_features, unit.in_features, generator=g) * DELTA_STD
+    bias = torch.randn(unit.out_features, generator=g) * DELTA_STD
+    return weight, bias
+
+
+def encode_delta(
+    unit: AdapterModule, weight: torch.Tensor, bias: torch.Tensor, layout: str, partition: str
+) -> dict[str, torch.Tensor]:
+    """`unit`'s full-parameter deltas (diffusers' row order) as `layout`'s `.diff` / `.diff_b` keys (no `.diff_b`
+    for a linear without a bias)."""
+    out: dict[str, torch.Tensor] = {}
+    if layout == "diffusers":
+        prefix = PARTITION_PREFIX[partition]
+        count = 3 if unit.kind == "qkv" else 1
+        for target, w, b in zip(unit.targets, weight.chunk(count), bias.chunk(count), strict=True):
+            out[f"{prefix}.{target}.diff"] = w.contiguous()
+            if unit.has_bias:
+                out[f"{prefix}.{target}.diff_b"] = b.contiguous()
+        return out
+    if unit.kind == "fc1":  # diffusers [value; gate] -> the original [gate; value]
+        weight, bias = (torch.cat(t.chunk(2)[::-1]) for t in (weight, bias))
+    base = f"diffusion_model.{unit.source}" if layout == "ai-toolkit" else unit.source
+    out[f"{base}.diff"] = weight.contiguous()
+    if unit.has_bias:
+        out[f"{base}.diff_b"] = bias.contiguous()
+    return out
+
+
 def alpha_key(unit: AdapterModule, layout: str) -> str:
     """The per-module `.alpha` key of a musubi / kohya file."""
     base = "lora_unet_" + unit.source.replace(".", "_") if layout == "musubi" else unit.source
@@ -297,10 +397,11 @@ def build_adapter(
     seed: int,
     partition: str = "base",
     dtype: torch.dtype = torch.float32,
+    deltas: str = "none",
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and `__metadata__` `write_adapter` writes (see it)."""
     config = transformer_config(shapes_source)
-    groups = check_adapter(config, targets, layout, rank, alpha, partition)
+    groups = check_adapter(config, targets, layout, rank, alpha, partition, deltas)
     head_dim = int(config["attention_head_dim"])
     tensors: dict[str, torch.Tensor] = {}
     for unit in adapter_modules(config, groups):
@@ -309,10 +410,22 @@ def build_adapter(
             tensors[key] = value.to(dtype).contiguous()
         if alpha is not None and layout in _ALPHA_TENSOR_LAYOUTS:
             tensors[alpha_key(unit, layout)] = torch.tensor(float(alpha), dtype=torch.float32)
+    for unit in adapter_modules(config, groups_of(deltas, "deltas")):
+        weight, bias = random_delta(unit, seed)
+        for key, value in encode_delta(unit, weight, bias, layout, partition).items():
+            tensors[key] = value.to(dtype).contiguous()
     metadata = {
         "format": "pt",
         "ditserve_adapter": json.dumps(
-            {"layout": layout, "targets": targets, "rank": rank, "alpha": alpha, "seed": seed, "partition": partition}
+            {
+                "layout": layout,
+                "targets": targets,
+                "rank": rank,
+                "alpha": alpha,
+                "seed": seed,
+                "partition": partition,
+                "deltas": deltas,
+            }
         ),
     }
     if alpha is not None and layout not in _ALPHA_TENSOR_LAYOUTS:
@@ -330,18 +443,20 @@ def write_adapter(
     seed: int,
     partition: str = "base",
     dtype: torch.dtype = torch.float32,
+    deltas: str = "none",
 ) -> Path:
     """Write a random LoRA adapter for the transformer `shapes_source` describes (a preset name or `H3Preset`, a
     repository directory, or a transformer config mapping) to the safetensors file `out`, and return `out`.
 
-    `targets`: trunk | modulation | time | all; `layout`: diffusers | ai-toolkit | musubi | kohya | diffsynth;
+    `targets`: trunk | modulation | time | all | none; `deltas`: the groups given full-parameter deltas too
+    (`.diff` / `.diff_b`; none, the default); `layout`: diffusers | ai-toolkit | musubi | kohya | diffsynth;
     `rank` >= 1; `alpha` > 0 or None (no alpha written: diffusers loads it at scale 1.0); `partition`: base | ref
     (ref: `transformer_ref`, diffusers layout only). Deterministic for the arguments. `AdapterError` (a ValueError,
     nothing written) for a bad argument or a layout that cannot carry the request (the module docstring lists them).
     """
     from safetensors.torch import save_file
 
-    tensors, metadata = build_adapter(shapes_source, targets, layout, rank, alpha, seed, partition, dtype)
+    tensors, metadata = build_adapter(shapes_source, targets, layout, rank, alpha, seed, partition, dtype, deltas)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata=metadata)

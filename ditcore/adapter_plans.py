@@ -14,6 +14,11 @@ PEFT's `lora.Linear.forward` (peft 0.21), vanilla LoRA, for every active adapter
 base layer's: the projections' dtype, float32 for the time embedder), with PEFT's scaling. `PlanBuilder.build` adds
 them: the time embedder's first (hooks on its two linears, so `temb` is the adapted one), then each projection's
 term, computed on its whole output (lora_B over every row, as PEFT does) and sliced to the rows a shard writes.
+
+Full-parameter deltas (`.diff` / `.diff_b`) on these modules change the parameters themselves, before any LoRA term,
+as a resident model applies them (ditcore.adapters.with_delta, in the request's order): the time embedder's
+parameters are swapped for the changed ones meanwhile, and each projection's weight and bias rows get the same rows
+of their deltas (an elementwise sum, so a shard's rows equal the whole's).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .adapters import MODULATION_GROUPS, AdapterInfo
+from .adapter_files import group_of
+from .adapters import MODULATION_GROUPS, AdapterInfo, lora_state, read_deltas, with_delta
 
 _PREFIXES = {"base": "transformer.", "ref": "transformer_ref."}
 
@@ -84,22 +90,31 @@ class ModulationDeltas:
 
     digest: str
     terms: dict[str, list[LoraTerm]] = field(default_factory=dict)
+    diffs: dict[str, list[tuple[dict[str, torch.Tensor], float]]] = field(default_factory=dict)
+    """module -> each adapter's full-parameter deltas on it ({"weight" | "bias": delta} at the module's dtype) and
+    its scale, in the request's order."""
 
     @classmethod
     def load(cls, uses: Sequence[tuple[AdapterInfo, float]], partition: str, projection_dtype: torch.dtype,
              time_dtype: torch.dtype, device: torch.device | str = "cpu") -> ModulationDeltas:  # fmt: skip
         """Read each modulation-changing adapter's modulation and time factors (diffusers' conversion), as PEFT
         would hold them in `partition`'s transformer."""
-        from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
-
         mods = modulation_uses(uses)
         out = cls(modulation_digest(uses))
         prefix = _PREFIXES[partition]
         for info, scale in mods:
-            state, metadata = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(info.path), return_lora_metadata=True)
+            if info.deltas:
+                for module, params in read_deltas(info.path)[0].items():
+                    if group_of(module) in MODULATION_GROUPS:
+                        dtype = time_dtype if module.startswith("time_embedder.") else projection_dtype
+                        moved = {p: d.to(device=device, dtype=dtype) for p, d in params.items()}
+                        out.diffs.setdefault(module, []).append((moved, float(scale)))
+            state, metadata = lora_state(info.path)
             alpha = _network_alpha(metadata, prefix)
             wanted = {m for g in MODULATION_GROUPS for m in info.targets.get(g, ())}
             for module in sorted(wanted):
+                if f"{prefix}{module}.lora_A.weight" not in state:
+                    continue  # a module it changes by deltas only
                 down = state[f"{prefix}{module}.lora_A.weight"]
                 up = state[f"{prefix}{module}.lora_B.weight"]
                 rank = int(down.shape[0])
@@ -113,9 +128,29 @@ class ModulationDeltas:
     def of(self, module: str) -> list[LoraTerm]:
         return self.terms.get(module, [])
 
+    def changed(
+        self, module: str, param: str, value: torch.Tensor, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """`module`'s parameter `param` (or its rows [first, end)) with every full-parameter delta on it added."""
+        for deltas, scale in self.diffs.get(module, []):
+            delta = deltas.get(param)
+            if delta is not None:
+                value = with_delta(value, delta if rows is None else delta[rows[0] : rows[1]], scale)
+        return value
+
     @contextmanager
     def on_time_embedder(self, time_embedder: nn.Module) -> Iterator[None]:
-        """The time embedder's linears compute PEFT's LoRA forward meanwhile (forward hooks adding each term)."""
+        """The time embedder's linears compute the adapted forward meanwhile: their parameters changed by the
+        full-parameter deltas, then PEFT's LoRA terms added by forward hooks."""
+        saved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for name in ("linear_1", "linear_2"):
+            linear = getattr(time_embedder, name)
+            for param in ("weight", "bias"):
+                tensor = getattr(linear, param)
+                new = self.changed(f"time_embedder.{name}", param, tensor.data)
+                if new is not tensor.data:
+                    saved.append((tensor, tensor.data))
+                    tensor.data = new
         handles = []
         for name in ("linear_1", "linear_2"):
             terms = self.of(f"time_embedder.{name}")
@@ -130,6 +165,8 @@ class ModulationDeltas:
         finally:
             for h in handles:
                 h.remove()
+            for tensor, data in saved:
+                tensor.data = data
 
 
 def _network_alpha(metadata: Any, prefix: str) -> float | None:

@@ -41,7 +41,7 @@ from .adapter_contract import (
     AdapterNotFoundError,
     ManifestError,
 )
-from .adapter_files import group_of
+from .adapter_files import DELTA_SUFFIXES, adapter_modules, delta_modules, group_of
 from .request import GenerationRequest, RequestError
 
 GROUPS = ("trunk", "modulation", "time")
@@ -67,7 +67,11 @@ class AdapterInfo:
     """Its modules (diffusers' names) by group: "trunk", "modulation", "time"."""
     contract: AdapterContract
     shapes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
-    """Each module's (in_features, out_features) as its factors say (lora_A's columns, lora_B's rows)."""
+    """Each module's (in_features, out_features) as its factors and deltas say (lora_A's columns, lora_B's rows, a
+    weight delta's shape; in_features 0 when only a bias delta says anything)."""
+    deltas: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
+    """The modules it changes by full-parameter deltas (`.diff` / `.diff_b`) and which of their parameters
+    ("weight", "bias")."""
     stat: tuple[Any, ...] = field(default=(), compare=False)
     """The file's and its manifest's (size, mtime_ns, inode) when read: an adapter whose stat moved is read again."""
 
@@ -94,10 +98,81 @@ def _stat(path: Path) -> tuple[Any, ...]:
     return (st.st_size, st.st_mtime_ns, st.st_ino, mine)
 
 
+_DELTA_PREFIXES = {"transformer.": "base", "transformer_ref.": "ref", "diffusion_model.": "base"}
+
+
+def read_deltas(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], set[str], list[str]]:
+    """The full-parameter deltas of an adapter file, as diffusers' modules' (module -> {"weight" | "bias": delta},
+    as stored), the partitions they name, and the delta keys that name no module ditserve serves."""
+    from safetensors import safe_open
+
+    deltas: dict[str, dict[str, torch.Tensor]] = {}
+    partitions, stray = set(), []
+    with safe_open(str(path), "pt") as f:
+        for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+            suffix = next((x for x in DELTA_SUFFIXES if key.endswith(x)), None)
+            if suffix is None:
+                continue
+            name = key.removesuffix(suffix)
+            prefix = next((p for p in _DELTA_PREFIXES if name.startswith(p)), "")
+            converted = delta_modules(name.removeprefix(prefix), f.get_tensor(key))
+            if converted is None:
+                stray.append(key)
+                continue
+            partitions.add(_DELTA_PREFIXES.get(prefix, "base"))
+            for module, delta in converted.items():
+                deltas.setdefault(module, {})[DELTA_SUFFIXES[suffix]] = delta
+    return deltas, partitions, stray
+
+
+def has_deltas(path: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return any(k.endswith(tuple(DELTA_SUFFIXES)) for k in f.keys())  # noqa: SIM118
+
+
+@contextmanager
+def lora_file(path: Path) -> Iterator[Path | None]:
+    """The adapter's LoRA part as a file diffusers' loader reads: the file itself when it holds no full-parameter
+    deltas, else a temporary copy without them (its `alpha` / `format` metadata kept, so diffusers scales it the
+    same); None when it holds no LoRA factors at all."""
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if not has_deltas(path):
+        yield path
+        return
+    with safe_open(str(path), "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(tuple(DELTA_SUFFIXES))}  # noqa: SIM118
+        metadata = dict(f.metadata() or {})
+    if not kept:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="ditserve-adapter-") as tmp:
+        part = Path(tmp) / path.name
+        save_file(kept, str(part), metadata={k: v for k, v in metadata.items() if k in ("alpha", "format")})
+        yield part
+
+
+def lora_state(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """The adapter's LoRA factors as diffusers' H3 loader converts them (diffusers' names, `transformer.` /
+    `transformer_ref.` prefixed) and the LoRA metadata it derives (its alpha): empty for a deltas-only file."""
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+
+    with lora_file(path) as part:
+        if part is None:
+            return {}, None
+        state, metadata = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(part), return_lora_metadata=True)
+    return state, metadata
+
+
 def read_adapter(path: Path) -> AdapterInfo:
     """Read one adapter file (and its manifest): AdapterError naming the file when it is not one diffusers' H3 loader
-    converts, carries non-finite factors, keys that name no LoRA module, or a broken manifest."""
-    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+    converts, carries non-finite factors or deltas, keys that name no LoRA factor or delta of a module ditserve
+    serves, or a broken manifest."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -121,11 +196,12 @@ def read_adapter(path: Path) -> AdapterInfo:
     except ManifestError as e:
         raise AdapterError(str(e)) from None
     try:
-        state = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(path))
+        deltas, partitions, stray = read_deltas(path)
+        state, _ = lora_state(path)
     except Exception as e:  # diffusers' converter: a layout it does not know, a key it cannot map
         raise AdapterError(f"{path.name}: diffusers' MiniMax-H3 LoRA loader refuses it: {e}") from None
     targets: dict[str, set[str]] = {g: set() for g in GROUPS}
-    partitions, ranks, stray = set(), [], []
+    ranks: list[int] = []
     ins: dict[str, int] = {}
     outs: dict[str, int] = {}
     for key, tensor in state.items():
@@ -147,13 +223,32 @@ def read_adapter(path: Path) -> AdapterInfo:
             ins[module] = int(tensor.shape[-1])
         else:
             outs[module] = int(tensor.shape[0])
+    for module, params in deltas.items():
+        group = group_of(module)
+        assert group is not None  # delta_modules maps onto grouped modules only
+        targets[group].add(module)
+        for param, delta in params.items():
+            if not torch.isfinite(delta).all():
+                raise AdapterError(f"{path.name}: the {param} delta of {module} holds NaN or Inf")
+        weight, bias = params.get("weight"), params.get("bias")
+        if (weight is not None and weight.ndim != 2) or (bias is not None and bias.ndim != 1):
+            raise AdapterError(f"{path.name}: {module}'s deltas are not a (out, in) weight and an (out,) bias")
+        fan_in = int(weight.shape[1]) if weight is not None else 0
+        fan_out = int(weight.shape[0]) if weight is not None else int(bias.shape[0]) if bias is not None else 0
+        if weight is not None and bias is not None and bias.shape[0] != fan_out:
+            raise AdapterError(f"{path.name}: {module}'s weight delta has {fan_out} rows but its bias delta "
+                               f"{bias.shape[0]}")  # fmt: skip
+        if module in outs and (outs[module] != fan_out or (fan_in and ins.get(module, fan_in) != fan_in)):
+            raise AdapterError(f"{path.name}: {module}'s LoRA factors and full-parameter deltas disagree on its shape")
+        ins[module] = ins.get(module) or fan_in
+        outs[module] = fan_out
     if stray:
         raise AdapterError(
-            f"{path.name}: {len(stray)} key(s) name no LoRA factor of a MiniMax-H3 module ditserve serves (e.g. "
-            f"{', '.join(sorted(stray)[:3])}): full-parameter deltas and other modules are refused, nothing is loaded"
+            f"{path.name}: {len(stray)} key(s) name no LoRA factor or full-parameter delta of a MiniMax-H3 module "
+            f"ditserve serves (e.g. {', '.join(sorted(stray)[:3])}): nothing is loaded"
         )
-    if not ranks:
-        raise AdapterError(f"{path.name}: no LoRA factors")
+    if not ranks and not deltas:
+        raise AdapterError(f"{path.name}: no LoRA factors or full-parameter deltas")
     partition = contract.partition or (partitions.pop() if len(partitions) == 1 else "")
     if len(partitions) > 1 or not partition:
         raise AdapterError(f"{path.name}: targets both transformer partitions; an adapter targets one")
@@ -163,8 +258,9 @@ def read_adapter(path: Path) -> AdapterInfo:
             h.update(block)
     h.update(b"\0" + contract.canonical().encode())
     shapes = {m: (ins.get(m, 0), outs.get(m, 0)) for m in set(ins) | set(outs)}
-    return AdapterInfo(name, path, h.hexdigest(), stat[0], max(ranks), partition,
-                       {g: tuple(sorted(m)) for g, m in targets.items()}, contract, shapes, stat)  # fmt: skip
+    return AdapterInfo(name, path, h.hexdigest(), stat[0], max(ranks, default=0), partition,
+                       {g: tuple(sorted(m)) for g, m in targets.items()}, contract, shapes,
+                       deltas={m: tuple(sorted(p)) for m, p in deltas.items()}, stat=stat)  # fmt: skip
 
 
 class AdapterRegistry:
@@ -206,6 +302,12 @@ class AdapterRegistry:
         return found, errors
 
 
+def with_delta(param: torch.Tensor, delta: torch.Tensor, scale: float) -> torch.Tensor:
+    """A full-parameter delta applied as its producers define it: the parameter plus `scale` x the delta, the delta
+    cast to the parameter's dtype and device first (as ComfyUI applies `.diff` / `.diff_b` at a strength)."""
+    return param + delta.to(device=param.device, dtype=param.dtype) * scale
+
+
 class ModelAdapters:
     """The adapters loaded into one model's transformers, keyed by identity (diffusers' `load_lora_weights` into PEFT
     layers), at most `max_loaded` (the least recently used is deleted first)."""
@@ -218,6 +320,10 @@ class ModelAdapters:
         self._loaded: OrderedDict[str, AdapterInfo] = OrderedDict()
         self._fits: set[str] = set()
         """Identities whose factors were found to fit this model's modules (check_servable)."""
+        self._deltas: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        """PEFT name -> its full-parameter deltas this model applies itself (module -> parameter -> delta), on the
+        module's device: all of them resident, the trunk's in cached mode (the rest is in its plans)."""
+        self._modulation_shapes: dict[str, dict[str, tuple[int, int]]] = {}
         self.modulation_plans = False
         """A cached model whose plan provider builds plans with adapters (the sidecar: plan keys carry their digest):
         it then serves modulation-changing adapters too, their trunk part in PEFT layers, the rest in its plans."""
@@ -252,17 +358,22 @@ class ModelAdapters:
         transformer = self.model.transformers().get(info.partition)
         if transformer is not None and info.identity not in self._fits:
             modules = dict(transformer.named_modules())
+            planned = self._planned_shapes(info.partition, transformer) if self.model.mode == "cached" else {}
             for module, (fan_in, fan_out) in sorted(info.shapes.items()):
                 base = modules.get(module)
                 base = getattr(base, "base_layer", base)  # a module PEFT already wraps
-                if self.model.mode == "cached" and module in (*info.targets["modulation"], *info.targets["time"]):
-                    continue  # not in a cached transformer at all; refused below
-                if not isinstance(base, torch.nn.Linear):
+                if module in planned:  # not in a cached transformer: its plans hold it, shaped as the config says
+                    have_in, have_out = planned[module]
+                elif isinstance(base, torch.nn.Linear):
+                    have_in, have_out = base.in_features, base.out_features
+                    if "bias" in info.deltas.get(module, ()) and base.bias is None:
+                        raise AdapterError(f"adapter {info.name}: {module} has no bias for its bias delta")
+                else:
                     raise AdapterError(f"adapter {info.name}: {module} is not a linear layer of this model")
-                if (base.in_features, base.out_features) != (fan_in, fan_out):
+                if (have_in if fan_in else 0, have_out) != (fan_in, fan_out):
                     raise AdapterError(
-                        f"adapter {info.name}: {module} is {base.in_features} -> {base.out_features} in this model but "
-                        f"its factors are {fan_in} -> {fan_out} (trained on other shapes, e.g. a pruned checkpoint)"
+                        f"adapter {info.name}: {module} is {have_in} -> {have_out} in this model but its factors are "
+                        f"{fan_in or '?'} -> {fan_out} (trained on other shapes, e.g. a pruned checkpoint)"
                     )
             self._fits.add(info.identity)  # a model's shapes never change: checked once per identity
         if info.changes_modulation and self.model.mode == "cached" and not self.modulation_plans:
@@ -271,6 +382,14 @@ class ModelAdapters:
                 f"adapter {info.name} changes the modulation ({mods}, ...): cached mode serves it only on plans built "
                 "with it; serve it in resident mode"
             )
+
+    def _planned_shapes(self, partition: str, transformer: Any) -> dict[str, tuple[int, int]]:
+        """A cached transformer's modulation and time-embedder linears as its config shapes them (module ->
+        (in, out)): they are not in the model, but their plans are built from them."""
+        if partition not in self._modulation_shapes:
+            units = adapter_modules(dict(transformer.config), MODULATION_GROUPS)
+            self._modulation_shapes[partition] = {t: (u.in_features, u.out_features) for u in units for t in u.targets}
+        return self._modulation_shapes[partition]
 
     @staticmethod
     def peft_name(info: AdapterInfo) -> str:
@@ -288,6 +407,9 @@ class ModelAdapters:
                 for name, identity in by_name.items():
                     if f".{name}." in pname:
                         out[identity] += param.numel() * param.element_size()
+        for name, modules in self._deltas.items():
+            if name in by_name:
+                out[by_name[name]] += sum(d.numel() * d.element_size() for p in modules.values() for d in p.values())
         return out
 
     def load(self, info: AdapterInfo) -> str:
@@ -299,12 +421,7 @@ class ModelAdapters:
         """Delete the loaded adapter named `name` (the file's stem) from the model: what was loaded, None when no
         adapter of that name is loaded. Call it between requests (a running request holds its adapters active)."""
         peft_name = next((k for k, v in self._loaded.items() if v.name == name), None)
-        if peft_name is None:
-            return None
-        info = self._loaded.pop(peft_name)
-        if any(peft_name in getattr(t, "peft_config", {}) for t in self.model.transformers().values()):
-            self.model.pipe.delete_adapters(peft_name)
-        return info
+        return None if peft_name is None else self._drop(peft_name)
 
     def _ensure(self, info: AdapterInfo) -> str:
         name = self.peft_name(info)
@@ -313,21 +430,47 @@ class ModelAdapters:
             return name
         self.check_servable(info)
         while len(self._loaded) >= self.max_loaded:
-            old, _ = self._loaded.popitem(last=False)
-            if any(old in getattr(t, "peft_config", {}) for t in self.model.transformers().values()):
-                self.model.pipe.delete_adapters(old)  # (a plan-only one never entered the model)
+            self._drop(next(iter(self._loaded)))
         try:
             if self.model.mode == "cached" and info.changes_modulation:
                 self._load_trunk_part(info, name)
-            else:
-                self.model.pipe.load_lora_weights(str(info.path), adapter_name=name,
-                                                  load_into_transformer_ref=info.partition == "ref")  # fmt: skip
+            elif info.rank:  # it has LoRA factors (a deltas-only file has none)
+                with lora_file(info.path) as part:
+                    self.model.pipe.load_lora_weights(str(part), adapter_name=name,
+                                                      load_into_transformer_ref=info.partition == "ref")  # fmt: skip
+            self._deltas[name] = self._load_deltas(info)
         except Exception as e:  # diffusers / PEFT refused it: nothing of it stays loaded
             with contextlib.suppress(Exception):
                 self.model.pipe.delete_adapters(name)
+            self._deltas.pop(name, None)
             raise AdapterError(f"adapter {info.name}: diffusers' loader refused it: {e}") from None
         self._loaded[name] = info
         return name
+
+    def _drop(self, name: str) -> AdapterInfo:
+        """Forget the loaded adapter `name` (PEFT name): its PEFT layers (a plan-only one never entered the model)
+        and its deltas."""
+        info = self._loaded.pop(name)
+        self._deltas.pop(name, None)
+        if any(name in getattr(t, "peft_config", {}) for t in self.model.transformers().values()):
+            self.model.pipe.delete_adapters(name)
+        return info
+
+    def _load_deltas(self, info: AdapterInfo) -> dict[str, dict[str, torch.Tensor]]:
+        """The full-parameter deltas this model applies itself, each on its module's device (a cached model: only
+        the trunk's; the sidecar builds the rest into plans)."""
+        if not info.deltas:
+            return {}
+        transformer = self.model.transformer_of(info.partition)
+        deltas, _, _ = read_deltas(info.path)
+        out = {}
+        for module, params in deltas.items():
+            if self.model.mode == "cached" and group_of(module) in MODULATION_GROUPS:
+                continue
+            layer = transformer.get_submodule(module)
+            device = getattr(layer, "base_layer", layer).weight.device
+            out[module] = {p: d.to(device) for p, d in params.items()}
+        return out
 
     def _load_trunk_part(self, info: AdapterInfo, name: str) -> None:
         """A cached model holds no adaln_proj, norm_out or (used) time embedder: only the adapter's trunk factors go
@@ -335,15 +478,14 @@ class ModelAdapters:
         alpha), and loaded through diffusers' loader like any file."""
         import tempfile
 
-        from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
         from safetensors import safe_open
         from safetensors.torch import save_file
 
         trunk = set(info.targets["trunk"])
-        if not trunk:
-            return  # nothing of it runs in the model itself
-        state = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(info.path))
+        state, _ = lora_state(info.path)
         kept = {k: v.contiguous() for k, v in state.items() if k.split(".", 1)[1].rpartition(".lora_")[0] in trunk}
+        if not kept:
+            return  # nothing of its LoRA runs in the model itself
         with safe_open(str(info.path), "pt") as f:
             metadata = dict(f.metadata() or {})
         with tempfile.TemporaryDirectory(prefix="ditserve-adapter-") as tmp:
@@ -371,7 +513,28 @@ class ModelAdapters:
                 transformer.set_adapters([n for n, _ in in_model], [float(s) for _, s in in_model])
             elif has_peft:
                 transformer.disable_lora()
-            yield
+            with self._deltas_applied(transformer, loaded):
+                yield
         finally:
             if getattr(transformer, "peft_config", None):
                 transformer.disable_lora()
+
+    @contextmanager
+    def _deltas_applied(self, transformer: Any, loaded: Sequence[tuple[str, float]]) -> Iterator[None]:
+        """Each adapter's full-parameter deltas added to its modules' parameters meanwhile, in the request's order
+        (`with_delta`); the very tensors they held before put back after."""
+        saved: dict[tuple[str, str], torch.Tensor] = {}
+        layers: dict[str, Any] = {}
+        try:
+            for name, scale in loaded:
+                for module, params in self._deltas.get(name, {}).items():
+                    layer = layers.setdefault(module, getattr(transformer.get_submodule(module), "base_layer", None)
+                                              or transformer.get_submodule(module))  # fmt: skip
+                    for pname, delta in params.items():
+                        param = getattr(layer, pname)
+                        saved.setdefault((module, pname), param.data)
+                        param.data = with_delta(param.data, delta, float(scale))
+            yield
+        finally:
+            for (module, pname), data in saved.items():
+                getattr(layers[module], pname).data = data

@@ -266,6 +266,9 @@ class PlanBuilder:
                     f"{prefix}: weight {tuple(weight.shape)} / bias {tuple(bias.shape)} (rows {first}:{end}), "
                     f"expected {(end - first, self.layout.time_embed_dim)} / {(end - first,)}"
                 )
+            if deltas is not None:
+                weight = deltas.changed(prefix, "weight", weight, rows)
+                bias = deltas.changed(prefix, "bias", bias, rows)
             terms = deltas.of(prefix) if deltas is not None else []
             for act, out in zip(acts, outputs, strict=True):
                 rows_out = F.linear(act, weight, bias)  # (T_k, end - first)

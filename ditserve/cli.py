@@ -72,7 +72,7 @@ def _make_checkpoint_flags(mk: argparse.ArgumentParser) -> None:
 
 
 def _make_adapter_flags(ma: argparse.ArgumentParser) -> None:
-    from ditcore.adapter_files import LAYOUTS, PARTITIONS, TARGETS
+    from ditcore.adapter_files import LAYOUTS, PARTITIONS, TARGET_CHOICES
 
     from .commands import cmd_make_adapter
 
@@ -80,9 +80,17 @@ def _make_adapter_flags(ma: argparse.ArgumentParser) -> None:
     ma.add_argument("--checkpoint", default=None, help="or: the shapes of this repository's transformer")
     ma.add_argument(
         "--targets",
-        choices=TARGETS,
+        choices=TARGET_CHOICES,
         required=True,
-        help="trunk: attention and feed-forward linears; modulation: adaln_proj and norm_out; time: time_embedder",
+        help="LoRA factors on trunk: attention and feed-forward linears; modulation: adaln_proj and norm_out; time: "
+        "time_embedder; all; none (with --deltas)",
+    )
+    ma.add_argument(
+        "--deltas",
+        choices=TARGET_CHOICES,
+        default="none",
+        help="full-parameter deltas (.diff / .diff_b, as FastH3 ships) on this group's modules too; layouts "
+        "diffusers, ai-toolkit, kohya (default %(default)s)",
     )
     ma.add_argument("--layout", choices=LAYOUTS, required=True, help="the key layout (ditcore/adapter_files.py)")
     ma.add_argument("--rank", type=int, required=True, help="LoRA rank, >= 1")

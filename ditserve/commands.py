@@ -148,9 +148,11 @@ def cmd_make_adapter(args: argparse.Namespace) -> int:
                 f"--checkpoint {args.checkpoint} has the shapes of preset {preset_of(shapes)!r}, not --preset "
                 f"{args.preset}; drop --preset to shape the adapter for the repository"
             )
-    values = dict(layout=args.layout, targets=args.targets, rank=args.rank, alpha=args.alpha, partition=args.partition)
+    values = dict(layout=args.layout, targets=args.targets, rank=args.rank, alpha=args.alpha, partition=args.partition,
+                  deltas=args.deltas)  # fmt: skip
     try:  # what the layout cannot carry is refused before anything is written
-        check_adapter(transformer_config(shapes), args.targets, args.layout, args.rank, args.alpha, args.partition)
+        check_adapter(transformer_config(shapes), args.targets, args.layout, args.rank, args.alpha, args.partition,
+                      args.deltas)  # fmt: skip
     except AdapterError as e:
         flags = " ".join(f"--{p} {values[p]}" for p in e.params if p in values)
         raise UsageError(f"{flags}: {e}" if flags else str(e)) from None
@@ -164,7 +166,15 @@ def cmd_make_adapter(args: argparse.Namespace) -> int:
     write_atomically(
         out,
         lambda tmp: write_adapter(
-            tmp, shapes, args.targets, args.layout, args.rank, args.alpha, args.seed, partition=args.partition
+            tmp,
+            shapes,
+            args.targets,
+            args.layout,
+            args.rank,
+            args.alpha,
+            args.seed,
+            partition=args.partition,
+            deltas=args.deltas,
         ),
     )
     from safetensors import safe_open

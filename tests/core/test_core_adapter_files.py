@@ -293,8 +293,23 @@ def test_make_adapter_writes_a_loadable_file(
         (["--layout", "lycoris", "--targets", "all", "--rank", "2"], ["--layout", "invalid choice"]),
         (["--layout", "musubi", "--targets", "adaln", "--rank", "2"], ["--targets", "invalid choice"]),
         (["--layout", "musubi", "--targets", "all", "--rank", "2", "--alpha", "0"], ["--alpha"]),
+        (
+            ["--layout", "musubi", "--targets", "trunk", "--deltas", "time", "--rank", "2"],
+            ["--layout musubi --deltas time", "carries no full-parameter deltas"],
+        ),
+        (["--layout", "diffusers", "--targets", "none", "--rank", "2"], ["--targets none --deltas none", "nothing"]),
     ],
-    ids=["rank-0", "kohya-time", "diffsynth-trunk", "musubi-ref", "unknown-layout", "unknown-targets", "alpha-0"],
+    ids=[
+        "rank-0",
+        "kohya-time",
+        "diffsynth-trunk",
+        "musubi-ref",
+        "unknown-layout",
+        "unknown-targets",
+        "alpha-0",
+        "musubi-deltas",
+        "nothing",
+    ],
 )
 def test_make_adapter_refusals_name_the_flag(
     run_cli: CliRunner, tmp_path: Path, flags: list[str], named: list[str]
@@ -305,6 +320,23 @@ def test_make_adapter_refusals_name_the_flag(
     for text in named:
         assert text in result.err
     assert not out.parent.exists()
+
+
+def test_make_adapter_writes_fasth3_style_deltas(run_cli: CliRunner, tiny_ckpt: Path, tmp_path: Path) -> None:
+    """`--targets trunk --deltas time` (FastH3's shape): LoRA factors on the trunk, `.diff` / `.diff_b` on the time
+    embedder's two linears in the original names."""
+    from safetensors import safe_open
+
+    out = tmp_path / "fast.safetensors"
+    argv = ["make-adapter", "--checkpoint", tiny_ckpt, "--targets", "trunk", "--deltas", "time", "--layout"]
+    result = run_cli([*argv, "ai-toolkit", "--rank", 2, "--out", out])
+    assert result.code == 0, result.err
+    assert result.json_lines()[0]["deltas"] == "time"
+    with safe_open(str(out), "pt") as f:
+        keys = set(f.keys())
+    assert {k for k in keys if ".diff" in k} == {f"diffusion_model.time_embedder.{p}.{s}" for p in ("proj_in", "proj_out")
+                                                 for s in ("diff", "diff_b")}  # fmt: skip
+    assert len(keys) == 4 + 2 * 16  # the 16 trunk modules' down and up
 
 
 def test_make_adapter_refuses_a_preset_that_is_not_the_checkpoint_s(

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
-from plankit import BuiltPages
+from plankit import BuiltPages, resident_pages
 from refmedia import image_bytes
 
 from ditcore import GenerationRequest, generate, load_model
@@ -171,10 +171,8 @@ def test_bad_files_are_refused_naming_the_file(tmp_path: Path, tiny_ckpt: Path) 
     with pytest.raises(AdapterError, match="holds NaN or Inf"):
         read_adapter(good)
     tensors = load_file(str(write_adapter(tmp_path / "x.safetensors", tiny_ckpt, "trunk", "diffusers", 2, None, 1)))
-    save_file(
-        {**tensors, "transformer.transformer_blocks.0.attn.to_q.diff": torch.zeros(4)}, str(tmp_path / "x.safetensors")
-    )
-    with pytest.raises(AdapterError):
+    save_file({**tensors, "transformer.proj_out.diff": torch.zeros(4, 4)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(AdapterError, match=r"1 key\(s\) name no LoRA factor or full-parameter delta .*proj_out\.diff"):
         read_adapter(tmp_path / "x.safetensors")
     reg = AdapterRegistry(tmp_path)
     found, errors = reg.scan()
@@ -234,30 +232,6 @@ def test_a_lora_of_other_shapes_is_refused_before_anything_loads(resident: Any, 
 
 
 # ---------------------------------------------------------------------------- plans built with adapters
-def resident_pages(model: Any, key: Any, uses: list[tuple[Any, float]]) -> torch.Tensor:
-    """A key's pages as the resident model computes them with `uses` active through PEFT: its own time embedder,
-    adaln_proj and norm_out modules (PEFT-wrapped), called on the key's timesteps."""
-    import torch.nn.functional as F
-
-    from ditcore.plans import PageLayout, plan_inputs
-
-    transformer = model.transformer_of("base")
-    layout = PageLayout.from_config(transformer.config)
-    with torch.no_grad(), model.adapter_set.active("base", uses):
-        modules = dict(transformer.named_modules())  # PEFT's wrappers, once the adapters are loaded
-        temb = plan_inputs(transformer.time_proj, transformer.time_embedder, key.timesteps())
-        pages = None
-        for prefix, offset, numel in layout.projections():
-            module = modules[prefix]
-            act = F.silu(temb).to(module.weight.dtype)
-            rows = module(act)
-            if pages is None:
-                pages = torch.empty(temb.shape[0], layout.page_numel, dtype=rows.dtype)
-            pages[:, offset : offset + numel] = rows
-    assert pages is not None
-    return pages
-
-
 @pytest.mark.parametrize(
     "uses", [[("mod", 1.0)], [("time", 0.8)], [("mod", 1.3), ("time", 0.7), ("trunk", 0.5)]],
     ids=["adaln+norm_out", "time-embedder", "composed"],
