@@ -207,3 +207,20 @@ def _use(name: str) -> Any:
     from ditcore.adapter_contract import AdapterUse
 
     return AdapterUse(name)
+
+
+def test_a_cached_model_checks_modulation_shapes_at_admission(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A cached model holds no adaln_proj, norm_out or time embedder, yet a modulation LoRA or delta of other shapes
+    (a pruned checkpoint's) is refused when the request is read, naming the module and both shapes, not when the
+    sidecar builds its plans."""
+    cached = load_model(tiny_ckpt, "cached")
+    cached.adapter_set.modulation_plans = True
+    write_adapter(tmp_path / "lora.safetensors", "small", "modulation", "diffusers", 2, None, 4)
+    write_adapter(tmp_path / "delta.safetensors", "small", "none", "diffusers", 2, None, 4, deltas="time")
+    cached.adapter_set.registry = AdapterRegistry(tmp_path)
+    for name, module in (("lora", r"(transformer_blocks\.\d+\.adaln_proj|norm_out)\.linear"),
+                         ("delta", r"time_embedder\.linear_\d")):  # fmt: skip
+        request = GenerationRequest(**{**vars(REQUEST), "adapters": (_use(name),)})
+        with pytest.raises(AdapterError, match=rf"adapter {name}: {module} is \d+ -> \d+ in this model but its"):
+            cached.adapter_set.resolve(request)
+    assert not cached.adapter_set.loaded()
