@@ -279,6 +279,8 @@ def cached_adapters(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -
     write_adapter(adir / "trunk.safetensors", tiny_ckpt, "trunk", "diffusers", rank=2, alpha=None, seed=1)
     write_adapter(adir / "mod.safetensors", tiny_ckpt, "modulation", "diffusers", rank=2, alpha=None, seed=2)
     write_adapter(adir / "all.safetensors", tiny_ckpt, "all", "musubi", rank=2, alpha=3.0, seed=3)
+    write_adapter(adir / "fast.safetensors", tiny_ckpt, "trunk", "ai-toolkit", rank=2, alpha=None, seed=4,
+                  deltas="time")  # fmt: skip
     with Pair(tiny_ckpt, mode="cached", adapter_dir=adir) as cached, Pair(tiny_ckpt, mode="resident",
                                                                           adapter_dir=adir) as resident:  # fmt: skip
         yield cached.start(), resident.start(), adir
@@ -288,7 +290,8 @@ def test_cached_serves_modulation_adapters_on_their_own_plans_as_resident_does(
     cached_adapters: tuple[Pair, Pair, Path],
 ) -> None:
     """Every adapter kind in cached mode (trunk on the base plans; adaln_proj / norm_out / time embedder on plans the
-    sidecar builds with them) equals resident mode, request after request alternating, never mixed; a repeat of an
+    sidecar builds with them; FastH3's shape, LoRA on the trunk and full-parameter deltas on the time embedder)
+    equals resident mode, request after request alternating, never mixed; a repeat of an
     adapter request hits its plans in the slab."""
     from ditserve.client import GeneratorClient
 
@@ -296,7 +299,8 @@ def test_cached_serves_modulation_adapters_on_their_own_plans_as_resident_does(
     base = {"prompt": "a red fox", "num_inference_steps": 3, "seed": 7}
     combos: list[list[dict[str, Any]]] = [
         [], [{"name": "mod"}], [{"name": "trunk", "scale": 0.8}], [{"name": "all", "scale": 0.7}],
-        [{"name": "mod", "scale": 1.2}, {"name": "trunk", "scale": 0.5}], [{"name": "mod"}],
+        [{"name": "mod", "scale": 1.2}, {"name": "trunk", "scale": 0.5}], [{"name": "fast", "scale": 0.9}],
+        [{"name": "mod"}],
     ]  # fmt: skip
     with GeneratorClient(cached.target) as c, GeneratorClient(resident.target) as r:
         want = {}
