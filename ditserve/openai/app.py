@@ -42,8 +42,10 @@ from .guards import BodyLimit, HostGuard, KeyGuard
 from .mapping import (
     CREATE_FIELDS,
     FILE_PARTS,
+    LORA_FORM_ENTRIES,
     ApiError,
     create_body,
+    form_lora,
     from_rpc_error,
     parse_json_object,
     reference_image,
@@ -183,12 +185,17 @@ async def _create_fields(request: Request, max_bytes: int) -> tuple[dict[str, An
 
 async def _form_fields(request: Request, max_bytes: int) -> tuple[dict[str, Any], dict[str, bytes]]:
     """A multipart body's text fields and its file parts (only the keyframes; each name once)."""
-    form = await request.form(max_files=len(FILE_PARTS), max_fields=len(CREATE_FIELDS), max_part_size=max_bytes)
+    fields_limit = len(CREATE_FIELDS) + 2 * LORA_FORM_ENTRIES  # `lora` as bracket parts: a name and a scale each
+    form = await request.form(max_files=len(FILE_PARTS), max_fields=fields_limit, max_part_size=max_bytes)
     fields: dict[str, Any] = {}
     files: dict[str, bytes] = {}
+    lora_parts: list[tuple[str, str]] = []
     for name, value in form.multi_items():
         base, _, sub = name.partition("[")
-        if base in fields or base in files:
+        if base == "lora" and sub and isinstance(value, str) and "lora" not in fields:
+            lora_parts.append((sub, value))  # the openai client's form of a nested `lora`: lora[name], lora[][scale]
+            continue
+        if base in fields or base in files or (base == "lora" and lora_parts):
             raise ApiError(400, f"the part {base!r} is given more than once", base)
         if isinstance(value, str):
             fields[base] = {sub.rstrip("]"): value} if sub else value
@@ -197,6 +204,8 @@ async def _form_fields(request: Request, max_bytes: int) -> tuple[dict[str, Any]
                            "unknown_parameter")  # fmt: skip
         else:
             files[base] = await value.read()
+    if lora_parts:
+        fields["lora"] = form_lora(lora_parts)
     return fields, files
 
 

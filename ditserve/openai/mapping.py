@@ -253,6 +253,55 @@ def lora_adapters(value: Any) -> list[pb.AdapterUse]:
     return out
 
 
+LORA_FORM_ENTRIES = 64
+"""The most `lora[][KEY]` entries a multipart form may carry (--max-adapters-per-request's upper bound): the
+server refuses more than its own limit, naming it."""
+_LORA_PART = re.compile(r"(?:(\d{0,2})\]\[)?([A-Za-z_]{1,32})\]")
+"""A multipart part name's rest after `lora[`: `name]` (one object) or `][name]` / `0][name]` (a list's)."""
+
+
+def form_lora(parts: list[tuple[str, str]]) -> dict[str, Any] | list[dict[str, Any]]:
+    """`lora` as the openai client sends `extra_body={"lora": ...}` in a multipart body (its bracket form): one
+    object as `lora[name]`, `lora[scale]`; a list as `lora[0][name]`, ... or as the openai client's
+    `lora[][name]`, `lora[][scale]`, ... (it sends each key's values together, all names then all scales: the i-th of
+    each key is the i-th entry's, so every entry must give the same keys). `parts`: (the part name after `lora[`, its
+    text). A scale's text becomes its number; ApiError naming `lora` for anything else (lora_adapters checks the
+    rest)."""
+    single: dict[str, Any] = {}
+    listed: list[dict[str, Any]] = []
+    for sub, text in parts:
+        m = _LORA_PART.fullmatch(sub)
+        if m is None:
+            raise ApiError(400, f"unknown part 'lora[{sub:.100}': give lora as JSON text, lora[KEY] or lora[][KEY]",
+                           "lora")  # fmt: skip
+        index, key = m.group(1), m.group(2)
+        value: Any = text
+        if key == "scale":
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value):
+                raise ApiError(400, f"lora scale must be a finite number, got {text!r:.100}", "lora")
+        if index is None:
+            if listed or key in single:
+                raise ApiError(400, f"the part 'lora[{key}]' is given more than once", "lora")
+            single[key] = value
+            continue
+        if single:
+            raise ApiError(400, "give lora as one object (lora[KEY]) or a list (lora[][KEY]), not both", "lora")
+        i = sum(key in e for e in listed) if index == "" else int(index)  # lora[][KEY]: its i-th occurrence
+        while len(listed) <= i:
+            listed.append({})
+        if key in listed[i]:
+            raise ApiError(400, f"the part 'lora[{index}][{key}]' is given more than once", "lora")
+        listed[i][key] = value
+    if any(set(e) != set(listed[0]) for e in listed):
+        raise ApiError(400, "in a multipart form every lora[][KEY] entry must give the same keys (which entry a "
+                       "part belongs to is its order); or send lora as JSON text", "lora")  # fmt: skip
+    return listed if listed else single
+
+
 def create_body(fields: dict[str, Any], first_frame: bytes = b"", last_frame: bytes = b"") -> CreateBody:
     unknown = sorted(set(fields) - CREATE_FIELDS)
     if unknown:
