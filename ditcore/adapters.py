@@ -72,6 +72,8 @@ class AdapterInfo:
     deltas: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
     """The modules it changes by full-parameter deltas (`.diff` / `.diff_b`) and which of their parameters
     ("weight", "bias")."""
+    numel: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+    """Per group: (LoRA factor elements, full-parameter delta bytes as stored): what loading it holds."""
     stat: tuple[Any, ...] = field(default=(), compare=False)
     """The file's and its manifest's (size, mtime_ns, inode) when read: an adapter whose stat moved is read again."""
 
@@ -201,6 +203,7 @@ def read_adapter(path: Path) -> AdapterInfo:
     except Exception as e:  # diffusers' converter: a layout it does not know, a key it cannot map
         raise AdapterError(f"{path.name}: diffusers' MiniMax-H3 LoRA loader refuses it: {e}") from None
     targets: dict[str, set[str]] = {g: set() for g in GROUPS}
+    numel = {g: [0, 0] for g in GROUPS}
     ranks: list[int] = []
     ins: dict[str, int] = {}
     outs: dict[str, int] = {}
@@ -218,6 +221,7 @@ def read_adapter(path: Path) -> AdapterInfo:
             raise AdapterError(f"{path.name}: {key} holds NaN or Inf")
         partitions.add(_PREFIXES[prefix])
         targets[group].add(module)
+        numel[group][0] += tensor.numel()
         if kind == "A.weight":
             ranks.append(int(tensor.shape[0]))
             ins[module] = int(tensor.shape[-1])
@@ -227,6 +231,7 @@ def read_adapter(path: Path) -> AdapterInfo:
         group = group_of(module)
         assert group is not None  # delta_modules maps onto grouped modules only
         targets[group].add(module)
+        numel[group][1] += sum(d.numel() * d.element_size() for d in params.values())
         for param, delta in params.items():
             if not torch.isfinite(delta).all():
                 raise AdapterError(f"{path.name}: the {param} delta of {module} holds NaN or Inf")
@@ -260,7 +265,8 @@ def read_adapter(path: Path) -> AdapterInfo:
     shapes = {m: (ins.get(m, 0), outs.get(m, 0)) for m in set(ins) | set(outs)}
     return AdapterInfo(name, path, h.hexdigest(), stat[0], max(ranks, default=0), partition,
                        {g: tuple(sorted(m)) for g, m in targets.items()}, contract, shapes,
-                       deltas={m: tuple(sorted(p)) for m, p in deltas.items()}, stat=stat)  # fmt: skip
+                       deltas={m: tuple(sorted(p)) for m, p in deltas.items()},
+                       numel={g: (a, b) for g, (a, b) in numel.items()}, stat=stat)  # fmt: skip
 
 
 class AdapterRegistry:
@@ -310,13 +316,23 @@ def with_delta(param: torch.Tensor, delta: torch.Tensor, scale: float) -> torch.
 
 class ModelAdapters:
     """The adapters loaded into one model's transformers, keyed by identity (diffusers' `load_lora_weights` into PEFT
-    layers), at most `max_loaded` (the least recently used is deleted first)."""
+    layers), at most `max_loaded` of them holding at most `max_loaded_bytes` (the least recently used is deleted
+    first)."""
 
-    def __init__(self, model: Any, registry: AdapterRegistry | None = None, max_loaded: int = 8) -> None:
+    def __init__(self, model: Any, registry: AdapterRegistry | None = None, max_loaded: int = 8,
+                 max_loaded_bytes: int = 8 << 30) -> None:  # fmt: skip
         self.model = model
         self.registry = registry
         """Where a request's adapter names are found (--adapter-dir); None: this model serves none."""
         self.max_loaded = max_loaded
+        self.max_loaded_bytes = max_loaded_bytes
+        """What the loaded adapters may hold on the model's device together (`held_bytes`); the least recently used
+        are deleted until a new one fits, and one that alone exceeds it is refused."""
+        self._held: dict[str, int] = {}
+        """PEFT name -> the bytes it holds (measured when it was loaded)."""
+        self._lock = threading.Lock()
+        """Guards the loaded set for readers on other threads (GetStatus, ListAdapters, admission); the model's one
+        executor is its only writer."""
         self._loaded: OrderedDict[str, AdapterInfo] = OrderedDict()
         self._fits: set[str] = set()
         """Identities whose factors were found to fit this model's modules (check_servable)."""
@@ -376,6 +392,12 @@ class ModelAdapters:
                         f"{fan_in or '?'} -> {fan_out} (trained on other shapes, e.g. a pruned checkpoint)"
                     )
             self._fits.add(info.identity)  # a model's shapes never change: checked once per identity
+        need = self.load_bytes(info)
+        if need > self.max_loaded_bytes:
+            raise AdapterError(
+                f"adapter {info.name}: loading it holds {need:,} bytes, more than the {self.max_loaded_bytes:,} all "
+                "loaded adapters may hold (--max-loaded-adapter-mb)"
+            )
         if info.changes_modulation and self.model.mode == "cached" and not self.modulation_plans:
             mods = ", ".join((*info.targets["modulation"], *info.targets["time"])[:4])
             raise AdapterError(
@@ -391,26 +413,50 @@ class ModelAdapters:
             self._modulation_shapes[partition] = {t: (u.in_features, u.out_features) for u in units for t in u.targets}
         return self._modulation_shapes[partition]
 
+    def load_bytes(self, info: AdapterInfo) -> int:
+        """What loading `info` holds on the model's device (0 once loaded): its LoRA factors at the transformer's
+        dtype (PEFT makes them its base layers'), its deltas as stored; a cached model holds only the trunk's (its
+        plans hold the rest)."""
+        if self.peft_name(info) in self._loaded:
+            return 0
+        transformer = self.model.transformers().get(info.partition)
+        total = 0
+        for group in ("trunk",) if self.model.mode == "cached" else GROUPS:
+            factors, deltas = info.numel.get(group, (0, 0))
+            size = 2
+            if factors and transformer is not None:  # the dtype of the group's layers (the time embedder's: float32)
+                layer = transformer.get_submodule(info.targets[group][0])
+                size = getattr(layer, "base_layer", layer).weight.element_size()
+            total += factors * size + deltas
+        return total
+
+    def pending_bytes(self, uses: Sequence[tuple[AdapterInfo, float]]) -> int:
+        """What loading a request's adapters would add (those not loaded yet), for the memory admission."""
+        return sum(self.load_bytes(info) for info in {i.identity: i for i, _ in uses}.values())
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(self._held.values())
+
     @staticmethod
     def peft_name(info: AdapterInfo) -> str:
         return f"a{info.identity[:24]}"
 
     def loaded(self) -> list[AdapterInfo]:
-        return list(self._loaded.values())
+        with self._lock:
+            return list(self._loaded.values())
 
     def loaded_bytes(self) -> dict[str, int]:
-        """identity -> bytes of its PEFT factors held by the model's transformers."""
-        out = dict.fromkeys((i.identity for i in self._loaded.values()), 0)
-        by_name = {name: info.identity for name, info in self._loaded.items()}
-        for transformer in self.model.transformers().values():
-            for pname, param in transformer.named_parameters():
-                for name, identity in by_name.items():
-                    if f".{name}." in pname:
-                        out[identity] += param.numel() * param.element_size()
-        for name, modules in self._deltas.items():
-            if name in by_name:
-                out[by_name[name]] += sum(d.numel() * d.element_size() for p in modules.values() for d in p.values())
-        return out
+        """identity -> bytes it holds in the model (its PEFT factors and its deltas, measured when it was loaded)."""
+        with self._lock:
+            return {info.identity: self._held.get(name, 0) for name, info in self._loaded.items()}
+
+    def _measure(self, name: str) -> int:
+        """The bytes the loaded adapter `name` holds: its PEFT parameters in every transformer, and its deltas."""
+        held = sum(param.numel() * param.element_size() for transformer in self.model.transformers().values()
+                   for pname, param in transformer.named_parameters() if f".{name}." in pname)  # fmt: skip
+        deltas = self._deltas.get(name, {})
+        return held + sum(d.numel() * d.element_size() for p in deltas.values() for d in p.values())
 
     def load(self, info: AdapterInfo) -> str:
         """Load `info` now (as a request's first use would: checked, least recently used evicted past `max_loaded`):
@@ -420,16 +466,21 @@ class ModelAdapters:
     def unload(self, name: str) -> AdapterInfo | None:
         """Delete the loaded adapter named `name` (the file's stem) from the model: what was loaded, None when no
         adapter of that name is loaded. Call it between requests (a running request holds its adapters active)."""
-        peft_name = next((k for k, v in self._loaded.items() if v.name == name), None)
+        with self._lock:
+            peft_name = next((k for k, v in self._loaded.items() if v.name == name), None)
         return None if peft_name is None else self._drop(peft_name)
 
     def _ensure(self, info: AdapterInfo) -> str:
         name = self.peft_name(info)
         if name in self._loaded:
-            self._loaded.move_to_end(name)
+            with self._lock:
+                self._loaded.move_to_end(name)
             return name
         self.check_servable(info)
-        while len(self._loaded) >= self.max_loaded:
+        need = self.load_bytes(info)
+        while self._loaded and (
+            len(self._loaded) >= self.max_loaded or self.held_bytes() + need > self.max_loaded_bytes
+        ):
             self._drop(next(iter(self._loaded)))
         try:
             if self.model.mode == "cached" and info.changes_modulation:
@@ -438,20 +489,32 @@ class ModelAdapters:
                 with lora_file(info.path) as part:
                     self.model.pipe.load_lora_weights(str(part), adapter_name=name,
                                                       load_into_transformer_ref=info.partition == "ref")  # fmt: skip
-            self._deltas[name] = self._load_deltas(info)
+            deltas = self._load_deltas(info)
         except Exception as e:  # diffusers / PEFT refused it: nothing of it stays loaded
             with contextlib.suppress(Exception):
                 self.model.pipe.delete_adapters(name)
-            self._deltas.pop(name, None)
             raise AdapterError(f"adapter {info.name}: diffusers' loader refused it: {e}") from None
-        self._loaded[name] = info
+        try:
+            moved = _stat(info.path) != info.stat
+        except OSError:
+            moved = True
+        if moved:  # replaced while it loaded: what was read may not be the file its identity names
+            with contextlib.suppress(Exception):
+                self.model.pipe.delete_adapters(name)
+            raise AdapterError(f"adapter {info.name}: its file changed while it was loading; send the request again")
+        with self._lock:
+            self._deltas[name] = deltas
+            self._loaded[name] = info
+            self._held[name] = self._measure(name)
         return name
 
     def _drop(self, name: str) -> AdapterInfo:
         """Forget the loaded adapter `name` (PEFT name): its PEFT layers (a plan-only one never entered the model)
         and its deltas."""
-        info = self._loaded.pop(name)
-        self._deltas.pop(name, None)
+        with self._lock:
+            info = self._loaded.pop(name)
+            self._deltas.pop(name, None)
+            self._held.pop(name, None)
         if any(name in getattr(t, "peft_config", {}) for t in self.model.transformers().values()):
             self.model.pipe.delete_adapters(name)
         return info

@@ -64,6 +64,8 @@ class RunOptions:
     """Where a request's adapter names are read (--adapter-dir; ditcore.adapters); None: no adapters."""
     max_loaded_adapters: int = 8
     """Adapters one model holds loaded at most (the least recently used is deleted first)."""
+    max_loaded_adapter_bytes: int = 8 << 30
+    """What the loaded adapters hold on the model's device together, at most (ditcore.adapters.ModelAdapters)."""
     adapter_plans: bool = False
     """A cached model's plans are built with the request's modulation-changing adapters (the generator's sidecar
     does: plan keys carry their digest); False: such adapters are refused on a cached model."""
@@ -350,6 +352,7 @@ def load_model(
         options.partitions_for(info),
     )  # fmt: skip
     model.adapter_set.registry, model.adapter_set.max_loaded = options.adapters, options.max_loaded_adapters
+    model.adapter_set.max_loaded_bytes = options.max_loaded_adapter_bytes
     model.adapter_set.modulation_plans = options.adapter_plans
     for transformer in model.transformers().values():
         # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)

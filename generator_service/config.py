@@ -379,6 +379,13 @@ class GeneratorConfig:
     """More in one request is INVALID_ARGUMENT naming the flag."""
     max_loaded_adapters: int = flag(8, "adapters the model holds loaded at once (default %(default)s)", low=1, high=256)
     """The least recently used is deleted from the model (PEFT layers) first; a request loads its own on first use."""
+    max_loaded_adapter_bytes: int = flag(
+        8 * 1024 * MIB, "what the loaded adapters may hold on the device together, in MiB (default %(default)s)",
+        name="--max-loaded-adapter-mb", scale=MIB, low=1 * MIB, high=1024 * 1024 * MIB,
+    )  # fmt: skip
+    """LoRA factors at the transformer's dtype and full-parameter deltas as stored (a cached model: the trunk's only).
+    The least recently used are deleted until a new one fits; one that alone exceeds it is FAILED_PRECONDITION. The
+    memory-aware admission counts what a request's not-yet-loaded adapters will hold."""
     max_upload_bytes: int = flag(
         1024 * MIB, "UploadReference: bytes held for uploads at once, in MiB; 0 turns uploads off (default "
         "%(default)s)", name="--max-upload-mb", scale=MIB, low=0, high=64 * 1024 * MIB,
@@ -476,7 +483,8 @@ class GeneratorConfig:
         """How every model this generator loads runs: its attention backend and decode dtype."""
         te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
         return RunOptions(self.attention_backend, self.decode_dtype, te, self.partitions, self.adapter_registry,
-                          self.max_loaded_adapters, adapter_plans=self.adaln_mode == "cached")  # fmt: skip
+                          self.max_loaded_adapters, self.max_loaded_adapter_bytes,
+                          adapter_plans=self.adaln_mode == "cached")  # fmt: skip
 
     @cached_property
     def adapter_registry(self) -> AdapterRegistry | None:

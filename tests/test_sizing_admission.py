@@ -75,6 +75,35 @@ def test_the_running_requests_peak_counts_as_free(svc_ckpt: Path) -> None:
     backend.check_memory(big)
 
 
+def test_the_adapters_a_request_would_load_count_against_free_memory(svc_ckpt: Path, tmp_path: Path) -> None:
+    """What a request's not-yet-loaded adapters will hold (their factors at the transformer's dtype) counts beside
+    its activations; once loaded, they count no more."""
+    from ditcore.adapter_contract import AdapterUse
+    from ditcore.adapter_files import write_adapter
+    from ditcore.adapters import AdapterRegistry
+    from ditcore.model import RunOptions
+
+    write_adapter(tmp_path / "style.safetensors", svc_ckpt, "trunk", "diffusers", rank=4, alpha=None, seed=1)
+    budget = MemoryBudget(0, "")
+    options = RunOptions(adapters=AdapterRegistry(tmp_path))
+    backend = ResidentBackend(svc_ckpt, backend_mod.torch.device("cpu"), free_memory=lambda: budget, options=options)
+    sizer, model = backend.sizer(), backend.loaded()
+    assert sizer is not None and model is not None
+    request = GenerationRequest.from_dict({**REQ_FOX, "request_id": "a"})
+    styled = GenerationRequest(**{**vars(request), "adapters": (AdapterUse("style"),)})
+    need = sizer.activations(request).peak
+    info = model.adapter_set.registry.get("style")
+    pending = model.adapter_set.pending_bytes([(info, 1.0)])
+    assert pending == info.numel["trunk"][0] * 2 > 0  # its factors at the transformer's bfloat16
+    budget = MemoryBudget(need + pending - 1, "one byte short")
+    backend.check_memory(request)  # the same canvas without the adapter fits
+    with pytest.raises(backend_mod.RequestTooLargeForDeviceError, match=f"{pending:,} for its adapters not loaded"):
+        backend.check_memory(styled)
+    model.adapter_set.load(info)
+    assert model.adapter_set.loaded_bytes()[info.identity] == pending  # the model holds what was modeled
+    backend.check_memory(styled)  # loaded: nothing more to hold
+
+
 # ----------------------------------------------------------------------------- the step bound
 def test_every_prepare_carries_the_step_bound_modeled_then_observed(
     svc_ckpt: Path, monkeypatch: pytest.MonkeyPatch

@@ -250,18 +250,31 @@ class Backend(ABC):
         need = sizer.activations(request)
         reclaim = sizer.activations(running).peak if running is not None else 0
         free = budget.bytes + reclaim
-        if need.peak + reserve_bytes <= free:
+        adapters = self._adapter_load_bytes(request)
+        if need.peak + reserve_bytes + adapters <= free:
             return
         tokens = sizer.tokens(request).total
         canvas = f"{request.height} x {request.width} x {request.num_frames} frames ({tokens:,} tokens)"
         running_note = f", counting the running request's modeled {reclaim:,} as free" if reclaim else ""
+        adapter_note = f" + {adapters:,} for its adapters not loaded yet" if adapters else ""
         raise RequestTooLargeForDeviceError(
             f"request {request.request_id}: canvas {canvas} needs a modeled {need.peak:,} bytes of activations "
-            f"({need.phase}) + {reserve_bytes:,} reserve (--memory-reserve-gb), but {self.device} has {free:,} bytes "
-            f"free ({budget.source}{running_note}); ask for a smaller canvas or fewer frames",
+            f"({need.phase}) + {reserve_bytes:,} reserve (--memory-reserve-gb){adapter_note}, but {self.device} has "
+            f"{free:,} bytes free ({budget.source}{running_note}); ask for a smaller canvas or fewer frames",
             {"height": str(request.height), "width": str(request.width), "num_frames": str(request.num_frames),
              "tokens": str(tokens), "modeled_bytes": str(need.peak), "free_bytes": str(free), "phase": need.phase},
         )  # fmt: skip
+
+    def _adapter_load_bytes(self, request: GenerationRequest) -> int:
+        """What the request's adapters that are not loaded yet will hold on the device once loaded (0 when it names
+        none, or when they cannot be read: check_adapters refuses those)."""
+        model = self.loaded()
+        if model is None or not request.adapters:
+            return 0
+        try:
+            return int(model.adapter_set.pending_bytes(model.adapter_set.resolve(request)))
+        except Exception:  # refused by check_adapters, with the reason
+            return 0
 
     # ---------------------------------------------------------------- prompt tokens
     def prompt_tokens(self, prompt: str) -> int | None:

@@ -231,6 +231,26 @@ def test_a_lora_of_other_shapes_is_refused_before_anything_loads(resident: Any, 
     assert len(resident.adapter_set.loaded()) == before
 
 
+def test_loaded_adapters_are_bounded_by_bytes_least_recently_used_first(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """`max_loaded_bytes`: a new adapter deletes the least recently used until it fits; one that alone exceeds the
+    bound is refused when the request is read, naming the flag, nothing loaded."""
+    for seed, name in enumerate(("a", "b", "c")):
+        write_adapter(tmp_path / f"{name}.safetensors", tiny_ckpt, "trunk", "diffusers", 2, None, seed=seed)
+    write_adapter(tmp_path / "big.safetensors", tiny_ckpt, "trunk", "diffusers", 8, None, seed=9)
+    model = load_model(tiny_ckpt, "resident")
+    adapters = model.adapter_set
+    adapters.registry = reg = AdapterRegistry(tmp_path)
+    one = adapters.load_bytes(reg.get("a"))
+    adapters.max_loaded_bytes = 2 * one  # room for two rank-2 adapters
+    for name in ("a", "b", "a", "c"):  # "a" used again: "b" is the least recently used when "c" comes
+        adapters.load(reg.get(name))
+    assert [i.name for i in adapters.loaded()] == ["a", "c"] and adapters.held_bytes() == 2 * one
+    with pytest.raises(AdapterError, match=r"adapter big: loading it holds [\d,]+ bytes, more than the [\d,]+ .*"
+                                           r"--max-loaded-adapter-mb"):  # fmt: skip
+        adapters.resolve(GenerationRequest(**{**vars(REQUEST), "adapters": (AdapterUse("big"),)}))
+    assert [i.name for i in adapters.loaded()] == ["a", "c"]
+
+
 # ---------------------------------------------------------------------------- plans built with adapters
 @pytest.mark.parametrize(
     "uses", [[("mod", 1.0)], [("time", 0.8)], [("mod", 1.3), ("time", 0.7), ("trunk", 0.5)]],
