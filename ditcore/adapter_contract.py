@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .request import ADAPTER_NAME, TASKS, AdapterUse, RequestError, check_uses
+from .request import ADAPTER_NAME, DEFAULTED, TASKS, AdapterUse, RequestError, check_uses
 
-__all__ = ["AdapterContract", "AdapterError", "AdapterNotFoundError", "AdapterUse", "ManifestError", "check_uses"]
+__all__ = ["DEFAULTED", "AdapterContract", "AdapterError", "AdapterNotFoundError", "AdapterUse", "ManifestError",
+           "check_uses", "contract_defaults"]  # fmt: skip
 
 NAME = ADAPTER_NAME
 DEFAULT_SCALE_RANGE = (0.0, 4.0)
@@ -166,3 +168,26 @@ def _optional_float(data: dict[str, Any], key: str, source: str) -> float | None
     if v is not None and not (_finite(v) and v > 0):
         raise ManifestError(f"{source}: {key} must be a positive finite number")
     return float(v) if v is not None else None
+
+
+def contract_defaults(contracts: Sequence[tuple[str, AdapterContract]], unset: Collection[str]) -> dict[str, Any]:
+    """The values a request's adapters give the fields in `unset` (request field names of DEFAULTED) that it left
+    unset: `contracts` are its adapters' (name, contract), in the request's order; the first adapter declaring a
+    default for a field gives it. Another adapter declaring a different default for the same unset field is a
+    RequestError naming the field and both adapters (the request must then set the field itself)."""
+    out: dict[str, Any] = {}
+    given_by: dict[str, str] = {}
+    for name, contract in contracts:
+        for request_field, key in DEFAULTED:
+            value = getattr(contract, key)
+            if request_field not in unset or value is None:
+                continue
+            if request_field not in out:
+                out[request_field], given_by[request_field] = value, name
+            elif value != out[request_field]:
+                raise RequestError(
+                    request_field,
+                    f"is unset and the adapters' contracts default it differently: {given_by[request_field]} "
+                    f"{key} {out[request_field]:g}, {name} {key} {value:g}; set {request_field} in the request",
+                )
+    return out

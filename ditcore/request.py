@@ -88,6 +88,10 @@ class RequestError(ValueError):
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """An adapter's name: its file's stem; no path, no separator."""
+DEFAULTED = (("num_inference_steps", "default_steps"), ("flow_shift", "default_flow_shift"),
+             ("audio_flow_shift", "default_audio_flow_shift"))  # fmt: skip
+"""The request fields an adapter's contract may give a default (request field, contract key): used where a request
+leaves the field unset (ditcore.adapter_contract.contract_defaults)."""
 MAX_ADAPTERS = 4
 """Adapters one request may compose, by default (--max-adapters-per-request)."""
 

@@ -8,6 +8,7 @@
     ditserve generate --target 127.0.0.1:50051 --prompt "a red fox" --first-frame fox.png --out fox.mp4  # fl2va
     ditserve generate --target 127.0.0.1:50051 --prompt "a red fox" --adapter style=0.8   # an --adapter-dir LoRA
     ditserve adapters --target 127.0.0.1:50051          # the generator's adapters (ListAdapters)
+    ditserve adapters load style --target 127.0.0.1:50051   # load it now (LoadAdapter; the admin token)
 
 User errors (bad flags, bad request fields, corrupt repositories) exit with code 2 and a message naming the flag,
 field or file and the rule; nothing is written.
@@ -165,17 +166,22 @@ def _openai_api_flags(p: argparse.ArgumentParser) -> None:
     add_openai_api_flags(p)
 
 
+def _admin_token_flags(p: argparse.ArgumentParser) -> None:
+    """The admin token's flags (update-weights, adapters load / unload)."""
+    p.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN); visible in ps")
+    p.add_argument("--token-file", default=None, help="read the admin token from this file (not readable by others)")
+    p.add_argument(
+        "--allow-plaintext-admin", action="store_true",
+        help="send the token without TLS to a target that is not loopback (it then crosses the network in cleartext)",
+    )  # fmt: skip
+
+
 def _update_weights_flags(uw: argparse.ArgumentParser) -> None:
     from .remote import add_client_flags, cmd_update_weights
 
     uw.add_argument("--target", required=True, help="generator address HOST:PORT")
     uw.add_argument("--path", required=True, help="repository directory inside the server's --weights-root")
-    uw.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN); visible in ps")
-    uw.add_argument("--token-file", default=None, help="read the admin token from this file (not readable by others)")
-    uw.add_argument(
-        "--allow-plaintext-admin", action="store_true",
-        help="send the token without TLS to a target that is not loopback (it then crosses the network in cleartext)",
-    )  # fmt: skip
+    _admin_token_flags(uw)
     uw.add_argument("--expected-generation", type=int, default=None, help="refuse unless this generation serves")
     uw.add_argument("--request-id", default=None)
     uw.add_argument("--timeout-s", type=float, default=600.0)
@@ -195,9 +201,23 @@ def _status_flags(st: argparse.ArgumentParser) -> None:
 def _adapters_flags(ad: argparse.ArgumentParser) -> None:
     from .remote import add_client_flags, cmd_adapters
 
+    ad.add_argument(
+        "action", nargs="?", choices=("list", "load", "unload"), default="list",
+        help="list the adapters (ListAdapters, the default); load NAME into the served model now (LoadAdapter); "
+        "unload NAME from it (UnloadAdapter); load and unload need the admin token",
+    )  # fmt: skip
+    ad.add_argument("name", nargs="?", default=None, help="the adapter to load or unload (its file's stem)")
     ad.add_argument("--target", required=True, help="generator address HOST:PORT")
-    ad.add_argument("--json", action="store_true", help="print the ListAdapters response as one JSON object")
-    ad.add_argument("--timeout-s", type=float, default=10.0, help="the call's deadline (default %(default)s)")
+    ad.add_argument("--json", action="store_true", help="list: print the ListAdapters response as one JSON object")
+    ad.add_argument(
+        "--identity", default=None,
+        help="load: refuse unless the adapter's file reads this identity (64 hex digits, as the listing shows it)",
+    )  # fmt: skip
+    ad.add_argument(
+        "--timeout-s", type=float, default=None,
+        help="the call's deadline (default: 10 for list; 600 for load and unload, which wait for the running request)",
+    )  # fmt: skip
+    _admin_token_flags(ad)
     add_client_flags(ad)
     ad.set_defaults(func=cmd_adapters)
 
@@ -240,7 +260,8 @@ COMMANDS: dict[str, Command] = {
         "a generator's GetStatus as one JSON object (serving, weights, queue, slab, placement)", _status_flags
     ),
     "adapters": Command(
-        "a generator's adapters (ListAdapters): name, partition, rank, targets, loaded, contract; refused files",
+        "a generator's adapters (ListAdapters): name, partition, rank, targets, loaded, contract; refused files; "
+        "load NAME / unload NAME (admin token required)",
         _adapters_flags,
     ),
     "update-weights": Command("swap the served repository (admin token required)", _update_weights_flags),

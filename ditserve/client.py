@@ -30,13 +30,14 @@ affinity key) is `client_requests`, the result side (results, their assembly and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import grpc
 
 from ditcore.report import CacheReport
 from ditcore.request import GenerationRequest, RequestError
+from ditruntime.auth import bearer_metadata
 from ditruntime.convert import from_proto
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 from protos.ditserve.generator.v1 import generator_pb2_grpc as pb_grpc
@@ -50,6 +51,7 @@ from .client_requests import (
     new_request_id,
     request_to_proto,
     schedule_affinity_key,
+    unset_fields,
 )
 from .client_results import (
     MEDIA_CHUNK,
@@ -150,16 +152,18 @@ class GeneratorClient:
         timeout: float | None = None,
         metadata: list[tuple[str, str]] | None = None,
         media_path: str | os.PathLike[str] | None = None,
+        unset: Collection[str] = (),
     ) -> ClientResult:
         """Run one request over GenerateStream; raises grpc.RpcError with the server's status, IntegrityError when
         what arrived does not check out. `media_path`: a media result (mp4, frames_and_wav) is written there as it
         arrives instead of being held (through a temporary file beside it, renamed into place once its size and
         sha256 check out; nothing is left there otherwise); its ClientMedia then has `path` set and no `data`. A
-        latents result ignores it."""
+        latents result ignores it. `unset` (and, for a mapping, the keys it lacks): num_inference_steps, flow_shift
+        and audio_flow_shift left for the server to default from the request's adapters' contracts."""
         media_file = MediaFile(media_path) if media_path is not None else None
         try:
             result = self._generate_stream(as_request(request), expected_generation, progress, timeout, metadata,
-                                           media_file)  # fmt: skip
+                                           media_file, unset_fields(request, unset))  # fmt: skip
             if media_file is not None and result.media is not None:
                 media_file.commit()
             return result
@@ -175,8 +179,9 @@ class GeneratorClient:
         timeout: float | None,
         metadata: list[tuple[str, str]] | None,
         media_file: MediaFile | None,
+        unset: frozenset[str] = frozenset(),
     ) -> ClientResult:
-        msg = pb.GenerateStreamRequest(request=self._fit(request_to_proto(req, expected_generation), timeout))
+        msg = pb.GenerateStreamRequest(request=self._fit(request_to_proto(req, expected_generation, unset), timeout))
         metadata = [*(metadata or []), (SCHEDULE_HEADER, schedule_affinity_key(req))]
         assembly: ResultAssembly | None = None
         events: list[tuple[str, Any]] = []
@@ -218,12 +223,12 @@ class GeneratorClient:
         request: GenerationRequest | Mapping[str, Any],
         expected_generation: int | None = None,
         timeout: float | None = None,
+        unset: Collection[str] = (),
     ) -> ClientResult:
         req = as_request(request)
         md = [(SCHEDULE_HEADER, schedule_affinity_key(req))]
-        resp = self.stub.Generate(
-            self._fit(request_to_proto(req, expected_generation), timeout), timeout=timeout, metadata=md
-        )
+        msg = request_to_proto(req, expected_generation, unset_fields(request, unset))
+        resp = self.stub.Generate(self._fit(msg, timeout), timeout=timeout, metadata=md)
         return result_from_response(check_output_type(resp, req.output_type))
 
     def status(self, timeout: float = 10.0) -> pb.GetStatusResponse:
@@ -234,3 +239,26 @@ class GeneratorClient:
         partition, contract and whether it is loaded, and the files it refuses with why."""
         response: pb.ListAdaptersResponse = self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=timeout)
         return response
+
+    def load_adapter(
+        self, name: str, identity: str = "", token: str = "", timeout: float | None = 600.0
+    ) -> pb.LoadAdapterResponse:
+        """Load adapter `name` of the generator's --adapter-dir into its model now (LoadAdapter, admin: `token` is the
+        server's --admin-token): its ListAdapters entry. With `identity`, refused (FAILED_PRECONDITION) unless the
+        file reads that identity now. It waits for the running request (the call's `timeout` bounds the wait)."""
+        response: pb.LoadAdapterResponse = self.stub.LoadAdapter(
+            pb.LoadAdapterRequest(name=name, identity=identity), metadata=_admin_metadata(token), timeout=timeout
+        )
+        return response
+
+    def unload_adapter(self, name: str, token: str = "", timeout: float | None = 600.0) -> pb.UnloadAdapterResponse:
+        """Delete adapter `name` from the generator's model (UnloadAdapter, admin; its file stays): `was_loaded` and
+        the identities deleted. A later request naming it loads it again at its first use."""
+        response: pb.UnloadAdapterResponse = self.stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(name=name), metadata=_admin_metadata(token), timeout=timeout
+        )
+        return response
+
+
+def _admin_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return bearer_metadata(token) if token else ()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
-from ditcore.request import AdapterUse, GenerationRequest, RequestError
+from ditcore.request import DEFAULTED, AdapterUse, GenerationRequest, RequestError
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 _TASKS = {"t2va": pb.TASK_T2VA, "fl2va": pb.TASK_FL2VA, "ref2va": pb.TASK_REF2VA}
@@ -48,11 +48,21 @@ def as_request(request: GenerationRequest | Mapping[str, Any]) -> GenerationRequ
     return req.with_task_inferred()
 
 
+def unset_fields(request: GenerationRequest | Mapping[str, Any], unset: Collection[str] = ()) -> frozenset[str]:
+    """`unset`, and for a mapping the contract-defaultable fields it does not give."""
+    absent = (f for f, _ in DEFAULTED if f not in request) if isinstance(request, Mapping) else ()
+    return frozenset((*unset, *absent))
+
+
 def request_to_proto(
-    request: GenerationRequest | Mapping[str, Any], expected_generation: int | None = None
-) -> pb.GenerateRequest:
-    """Proto of a request, every optional field set (the server validates; a task or output type with no proto
-    value raises RequestError here, since no message could carry it)."""
+    request: GenerationRequest | Mapping[str, Any], expected_generation: int | None = None,
+    unset: Collection[str] = (),
+) -> pb.GenerateRequest:  # fmt: skip
+    """Proto of a request, every optional field set but, on a request naming adapters, the contract-defaultable
+    fields (num_inference_steps, flow_shift, audio_flow_shift) in `unset` or, for a mapping, absent from it: those
+    are sent unset, so the server applies the adapters' contract defaults (else H3's). The server validates; a task
+    or output type with no proto value raises RequestError here, since no message could carry it."""
+    unset = unset_fields(request, unset)
     req = as_request(request)
     if req.task not in _TASKS:
         raise RequestError("task", f"unknown task {req.task!r}; the protocol carries {', '.join(_TASKS)}")
@@ -77,6 +87,10 @@ def request_to_proto(
             setattr(msg, f.name, value)
         except (TypeError, ValueError) as e:  # out of the field's integer range, or the wrong type
             raise RequestError(f.name, f"{value!r} does not fit the GenerateRequest field ({e})") from e
+    if req.adapters:
+        for name, _ in DEFAULTED:
+            if name in unset:
+                msg.ClearField(name)
     if expected_generation is not None:
         msg.expected_generation = expected_generation
     return msg

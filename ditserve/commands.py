@@ -4,6 +4,7 @@ generate-local (whose results go where `outputs.py` says, with a progress bar fr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -306,14 +307,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- generate-local
 def cmd_generate_local(args: argparse.Namespace) -> int:
-    requests, target = prepare_run(args)
+    requests, target, unset = prepare_run(args)
+    registry = _adapter_registry(args, requests)
+    requests = [_with_contract_defaults(r, u, registry) for r, u in zip(requests, unset, strict=True)]
     validate_all(requests)
     quiet_model_libraries()
     info = validate_checkpoint(args.checkpoint, require_adaln=True)
     text_encoder = TextEncoderPlacement(args.text_encoder_device, args.text_encoder_offload)
     text_encoder.check(torch.device("cpu"))  # generate-local runs on the CPU: refused before anything loads
     options = RunOptions(attention_backend=args.attention_backend, decode_dtype=args.decode_dtype,
-                         text_encoder=text_encoder, adapters=_adapter_registry(args, requests),
+                         text_encoder=text_encoder, adapters=registry,
                          max_loaded_adapters=args.max_loaded_adapters)  # fmt: skip
     if args.adaln_mode == "resident":
         model = load_model(info, "resident", options=options)
@@ -351,6 +354,25 @@ def _adapter_registry(args: argparse.Namespace, requests: list[GenerationRequest
     if not path.is_dir():
         raise UsageError(f"--adapter-dir {path}: not a directory")
     return AdapterRegistry(path)
+
+
+def _with_contract_defaults(
+    request: GenerationRequest, unset: frozenset[str], registry: AdapterRegistry | None
+) -> GenerationRequest:
+    """`request` with the fields it left unset given by its adapters' contract defaults, as the server gives them
+    (ditcore.adapter_contract.contract_defaults); an adapter that cannot be read gives none (it is refused later,
+    naming why)."""
+    if registry is None or not request.adapters or not unset:
+        return request
+    from ditcore.adapter_contract import AdapterError, AdapterNotFoundError, contract_defaults
+
+    contracts = []
+    for use in request.adapters:
+        try:
+            contracts.append((use.name, registry.get(use.name).contract))
+        except (AdapterError, AdapterNotFoundError):
+            continue
+    return dataclasses.replace(request, **contract_defaults(contracts, unset))
 
 
 def _check_adapters(model: H3Model, requests: list[GenerationRequest]) -> None:

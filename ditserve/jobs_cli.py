@@ -29,7 +29,7 @@ from .errors import UsageError
 from .jobs_client import JobsClient
 from .progress import Progress, add_progress_flag, progress_enabled
 from .remote import add_api_key_flag, add_client_flags, api_key_metadata, check_client_args, credentials_from_args
-from .requests_io import add_request_flags, requests_from_args
+from .requests_io import add_request_flags, requests_with_unset
 
 STATE_NAMES = ("queued", "running", "succeeded", "failed", "cancelled")
 _FINAL = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
@@ -85,10 +85,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 def _run(client: JobsClient, args: argparse.Namespace) -> int:
     verb = args.jobs_command
     if verb == "create":
-        requests = requests_from_args(args)
+        requests = requests_with_unset(args)
         if len(requests) != 1:
-            raise UsageError("jobs create takes one request (not --requests-jsonl)")
-        msg = request_to_proto(requests[0], args.expected_generation)
+            raise UsageError("jobs create takes one request (not --requests)")
+        msg = request_to_proto(requests[0][0], args.expected_generation, requests[0][1])
         if not args.request_id:
             msg.request_id = ""  # the server names it
         job, _ = client.create(msg, args.idempotency_key)

@@ -39,8 +39,9 @@ class RemoteError(Exception):
 
 
 def run_one(
-    client: GeneratorClient, req: GenerationRequest, expected_generation: int | None, show_progress: bool = False
-) -> ClientResult:
+    client: GeneratorClient, req: GenerationRequest, expected_generation: int | None, show_progress: bool = False,
+    unset: frozenset[str] = frozenset(),
+) -> ClientResult:  # fmt: skip
     with Progress(req.request_id, show_progress, decodes=False) as bar:
 
         def progress(kind: str, payload: Any) -> None:
@@ -58,7 +59,7 @@ def run_one(
                 bar.transfer(*payload)
 
         try:
-            return client.generate(req, expected_generation=expected_generation, progress=progress)
+            return client.generate(req, expected_generation=expected_generation, progress=progress, unset=unset)
         except grpc.RpcError as e:
             raise RemoteError(e.code(), e.details() or "") from e
 
@@ -151,12 +152,12 @@ def check_client_args(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     check_client_args(args)
-    requests, target = prepare_run(args)
+    requests, target, unset = prepare_run(args)
     show = progress_enabled(args.progress)
     with client_from_args(args) as client:
-        for req in requests:
+        for req, left in zip(requests, unset, strict=True):
             try:
-                res = run_one(client, req, args.expected_generation, show)
+                res = run_one(client, req, args.expected_generation, show, left)
             except RemoteError as e:
                 print(f"ditserve generate: request {req.request_id} failed: {e}", file=sys.stderr)
                 return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
@@ -199,11 +200,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_adapters(args: argparse.Namespace) -> int:
     """The generator's ListAdapters: a table (one row per adapter, then the refused files with why), or with --json
-    the response as one JSON object (proto field names); exit 1 when the call fails."""
+    the response as one JSON object (proto field names); exit 1 when the call fails. `load NAME` / `unload NAME`:
+    LoadAdapter / UnloadAdapter with the admin token (as update-weights reads it), the response as one JSON line;
+    exit 2 for INVALID_ARGUMENT, 1 for any other failure."""
     import json
 
     from google.protobuf.json_format import MessageToDict
 
+    if args.action != "list":
+        return _adapter_admin(args)
+    if args.name is not None or args.identity is not None:
+        raise UsageError("ditserve adapters (list) takes no NAME nor --identity: `adapters load NAME` loads one")
+    if args.timeout_s is None:
+        args.timeout_s = 10.0
     resp = _call(args, "adapters", lambda client: client.list_adapters(timeout=args.timeout_s))
     if resp is None:
         return 1
@@ -212,6 +221,36 @@ def cmd_adapters(args: argparse.Namespace) -> int:
         print(json.dumps(data, sort_keys=True))
     else:
         print(adapters_table(resp), flush=True)
+    return 0
+
+
+def _adapter_admin(args: argparse.Namespace) -> int:
+    """`ditserve adapters load|unload NAME`: one JSON line (proto field names) on success."""
+    import json
+
+    from google.protobuf.json_format import MessageToDict
+
+    if not args.name:
+        raise UsageError(f"ditserve adapters {args.action} needs NAME: the adapter (its file's stem)")
+    if args.action == "unload" and args.identity is not None:
+        raise UsageError("--identity is load's: unload deletes every identity of NAME")
+    if args.timeout_s is None:
+        args.timeout_s = 600.0
+    check_client_args(args)
+    token = admin_token_of(args) or os.environ.get(ADMIN_TOKEN_ENV, "")
+    if token:
+        check_token_transport(args)
+    with client_from_args(args) as client:
+        try:
+            if args.action == "load":
+                resp = client.load_adapter(args.name, args.identity or "", token, timeout=args.timeout_s)
+            else:
+                resp = client.unload_adapter(args.name, token, timeout=args.timeout_s)
+        except grpc.RpcError as e:
+            print(f"ditserve adapters {args.action}: failed: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    data = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    print(json.dumps(data, sort_keys=True), flush=True)
     return 0
 
 

@@ -29,6 +29,7 @@ from ditcore.references import KINDS, Reference
 from ditcore.report import CacheReport
 from ditcore.request import (
     ADAPTER_NAME,
+    DEFAULTED,
     H3_LIMITS,
     KEYFRAME_FIELDS,
     MAX_FRAMES,
@@ -49,6 +50,8 @@ from .outputs import OutputTarget, output_target
 from .progress import add_progress_flag
 
 _DEFAULTS = GenerationRequest()
+DEFAULTED_FIELDS = tuple(name for name, _ in DEFAULTED)
+"""The request fields an adapter's contract may default: their flags default to unset."""
 REQUEST_FIELDS = (
     "task",
     "prompt",
@@ -96,21 +99,22 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
         help="an adapter (LoRA) of the generator's --adapter-dir, by name (its file's stem), at SCALE (a finite "
         "number, default 1.0); repeat it to compose several, in order",
     )
+    contract = "the adapters' contract default, else"
     g.add_argument(
         "--num-inference-steps",
         type=int,
-        default=_DEFAULTS.num_inference_steps,
-        help=f"schedule grid points in [{MIN_STEPS}, {MAX_STEPS}]; N points run N - 1 forwards (default %(default)s)",
+        default=None,
+        help=f"schedule grid points in [{MIN_STEPS}, {MAX_STEPS}]; N points run N - 1 forwards (default: {contract} "
+        f"{_DEFAULTS.num_inference_steps})",
     )
     g.add_argument(
-        "--flow-shift", type=float, default=_DEFAULTS.flow_shift, help="video schedule shift (default %(default)s)"
-    )
+        "--flow-shift", type=float, default=None,
+        help=f"video schedule shift (default: {contract} {_DEFAULTS.flow_shift:g})",
+    )  # fmt: skip
     g.add_argument(
-        "--audio-flow-shift",
-        type=float,
-        default=_DEFAULTS.audio_flow_shift,
-        help="audio schedule shift (default %(default)s)",
-    )
+        "--audio-flow-shift", type=float, default=None,
+        help=f"audio schedule shift (default: {contract} {_DEFAULTS.audio_flow_shift:g})",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="noise seed (default %(default)s)")
     g.add_argument(
         "--height", type=int, default=_DEFAULTS.height, help="pixels, a multiple of 32 (default %(default)s)"
@@ -200,6 +204,9 @@ def read_references(values: Sequence[str], error: Any, base: Path | None = None)
 def _defaults_from_args(args: argparse.Namespace, target: OutputTarget) -> GenerationRequest:
     values = {name: getattr(args, name) for name in REQUEST_FIELDS}
     values["task"] = values["task"] or ""  # unset: inferred per request
+    for name in DEFAULTED_FIELDS:  # unset: H3's default here, and left unset for the server (`unset_fields`)
+        if values[name] is None:
+            values[name] = getattr(_DEFAULTS, name)
     return GenerationRequest(
         **values,
         first_frame=_keyframe_from_flag("--first-frame", args.first_frame),
@@ -254,11 +261,22 @@ def _line_adapters(data: dict[str, Any], where: str) -> None:
 
 def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = None) -> list[GenerationRequest]:
     """The requests a command will run (not yet validated). `target`: --out / --output-type, resolved."""
+    return [request for request, _ in requests_with_unset(args, target)]
+
+
+def requests_with_unset(
+    args: argparse.Namespace, target: OutputTarget | None = None
+) -> list[tuple[GenerationRequest, frozenset[str]]]:
+    """Each request with the fields of DEFAULTED_FIELDS its caller left unset (no flag, no JSONL key): they hold
+    H3's defaults here, and are sent unset (`request_to_proto(unset=...)`) so the server applies the request's
+    adapters' contract defaults first."""
     if target is None:
         target = output_target(args.out, args.output_type)
     defaults = _defaults_from_args(args, target)
+    flags_unset = frozenset(f for f in DEFAULTED_FIELDS if getattr(args, f, None) is None)
     if not args.requests:
-        return [GenerationRequest.from_dict({"request_id": args.request_id or "req-0"}, defaults).with_task_inferred()]
+        one = GenerationRequest.from_dict({"request_id": args.request_id or "req-0"}, defaults).with_task_inferred()
+        return [(one, flags_unset)]
     path = Path(args.requests)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -266,7 +284,7 @@ def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = N
         raise RequestError("requests", f"cannot read {path}: {e.strerror or e}") from e
     except UnicodeDecodeError as e:
         raise RequestError("requests", f"{path} is not UTF-8 text ({e.reason})") from e
-    out: list[GenerationRequest] = []
+    out: list[tuple[GenerationRequest, frozenset[str]]] = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -285,7 +303,7 @@ def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = N
                 "output_type", f"{path}:{n}: {data['output_type']!r} conflicts with {target.fixed_by} ({fixed})"
             )
         try:
-            out.append(GenerationRequest.from_dict(data, defaults).with_task_inferred())
+            out.append((GenerationRequest.from_dict(data, defaults).with_task_inferred(), flags_unset - set(data)))
         except RequestError as e:
             raise RequestError(e.field, f"{path}:{n}: {e.description}") from e
     if not out:
@@ -293,13 +311,15 @@ def requests_from_args(args: argparse.Namespace, target: OutputTarget | None = N
     return out
 
 
-def prepare_run(args: argparse.Namespace) -> tuple[list[GenerationRequest], OutputTarget]:
-    """The requests and where their results go, every refusal that needs no model done: --out / --output-type,
-    keyframe files, JSONL, and whether the target can take the requests."""
+def prepare_run(args: argparse.Namespace) -> tuple[list[GenerationRequest], OutputTarget, list[frozenset[str]]]:
+    """The requests, where their results go and the fields each left unset (`requests_with_unset`), every refusal
+    that needs no model done: --out / --output-type, keyframe files, JSONL, and whether the target can take the
+    requests."""
     target = output_target(args.out, args.output_type)
-    requests = requests_from_args(args, target)
+    pairs = requests_with_unset(args, target)
+    requests = [r for r, _ in pairs]
     target.check(requests)
-    return requests, target
+    return requests, target, [u for _, u in pairs]
 
 
 def validate_all(requests: Sequence[GenerationRequest], limits: RequestLimits = H3_LIMITS) -> None:

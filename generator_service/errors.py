@@ -149,6 +149,14 @@ class NodeWeightsDifferError(GeneratorError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class AdapterIdentityError(GeneratorError):
+    """LoadAdapter's `identity` is not what the adapter's file reads now (it changed since it was listed): nothing is
+    loaded. The message names both identities; ErrorInfo metadata `name`, `expected_identity`, `identity`."""
+
+    reason = "ADAPTER_IDENTITY_MISMATCH"
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class SidecarError(GeneratorError):
     """The sidecar refused a call; carries the sidecar's status code name, reason and metadata."""
 

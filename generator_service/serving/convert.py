@@ -7,18 +7,22 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ditcore import GenerationRequest, RequestError
+from ditcore.adapter_contract import DEFAULTED, AdapterError, AdapterNotFoundError, contract_defaults
 from ditcore.plans import DTYPES
 from ditcore.references import Reference
-from ditcore.request import AdapterUse, infer_task
+from ditcore.request import ADAPTER_NAME, AdapterUse, infer_task
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 from ..jobs.types import job_spec, spec_meaning
 from .uploads import UploadStore
+
+if TYPE_CHECKING:
+    from ditcore.adapters import AdapterRegistry
 
 
 def tensor_from_proto(t: pb.Tensor) -> torch.Tensor:
@@ -79,6 +83,44 @@ def resolve_uploads(msg: pb.GenerateRequest, uploads: UploadStore | None) -> pb.
                 raise RequestError(field, "this server takes no uploads")
             ref.data = uploads.get(ref.upload_id, field).reference.data  # the oneof: upload_id is cleared
     return out
+
+
+def with_adapter_defaults(msg: pb.GenerateRequest, adapters: AdapterRegistry | None) -> pb.GenerateRequest:
+    """`msg` with each of num_inference_steps, flow_shift and audio_flow_shift that it leaves unset (no presence) set
+    to its adapters' contract default (ditcore.adapter_contract.contract_defaults: the first adapter declaring one
+    gives it; two declaring different ones are a RequestError naming the field and both). A copy when anything is
+    set, else `msg` itself. An adapter that cannot be read now (not a name, unknown, refused) gives no default:
+    admission refuses it, naming why."""
+    unset = [f for f, _ in DEFAULTED if not msg.HasField(f)]
+    if adapters is None or not msg.adapters or not unset:
+        return msg
+    contracts = []
+    for use in msg.adapters:
+        if not ADAPTER_NAME.fullmatch(use.name):
+            continue
+        try:
+            info = adapters.get(use.name)
+        except (AdapterError, AdapterNotFoundError):
+            continue
+        contracts.append((info.name, info.contract))
+    values = contract_defaults(contracts, unset)
+    if not values:
+        return msg
+    out = pb.GenerateRequest()
+    out.CopyFrom(msg)
+    for name, value in values.items():
+        setattr(out, name, value)
+    return out
+
+
+def resolve_request(
+    msg: pb.GenerateRequest, uploads: UploadStore | None, adapters: AdapterRegistry | None
+) -> pb.GenerateRequest:
+    """What Generate, GenerateStream and CreateJob run (and a job stores): `msg` with its uploads resolved
+    (`resolve_uploads`) and the fields it leaves unset that its adapters' contracts default set
+    (`with_adapter_defaults`), so a job's spec and meaning carry the values that run. `msg` itself when nothing
+    changed (not a copy)."""
+    return with_adapter_defaults(resolve_uploads(msg, uploads), adapters)
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int | None]:
@@ -155,12 +197,15 @@ def join_parts(data: bytes, parts: Mapping[str, bytes]) -> pb.GenerateRequest:
     return msg
 
 
-def request_meaning(msg: pb.GenerateRequest, upload_digest: UploadDigest) -> str:
+def request_meaning(
+    msg: pb.GenerateRequest, upload_digest: UploadDigest, adapters: AdapterRegistry | None = None
+) -> str:
     """The meaning (generator_service.jobs.types.spec_meaning) of a request not resolved yet, so a retry is matched
     before any admission step: its uploads by `upload_digest`'s sha256, which is what the resolved request's files
-    hash to. RequestError for an upload `upload_digest` does not know, or a field Generate would refuse."""
+    hash to, and its unset fields as its adapters' contracts default them now (`with_adapter_defaults`, as CreateJob
+    resolved them). RequestError for an upload `upload_digest` does not know, or a field Generate would refuse."""
     probe = pb.GenerateRequest()
-    probe.CopyFrom(msg)
+    probe.CopyFrom(with_adapter_defaults(msg, adapters))
     uploaded: dict[int, tuple[str, int]] = {}
     for i, ref in enumerate(probe.references):
         if ref.WhichOneof("source") == "upload_id":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import re
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -23,9 +24,12 @@ from ..jobs.schema import STATES, Job
 from ..jobs.service import JobService, new_job_id
 from ..jobs.types import JobView, NewJob
 from .auth import JobsAuth
-from .convert import join_parts, request_from_proto, request_meaning, resolve_uploads, split_parts
+from .convert import join_parts, request_from_proto, request_meaning, resolve_request, split_parts
 from .streams import HandlerSlots, SendWatchdog
 from .uploads import UploadStore
+
+if TYPE_CHECKING:
+    from ditcore.adapters import AdapterRegistry
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jobs"].full_name
 _STATES = {name: pb.JobState.Value(f"JOB_STATE_{name.upper()}") for name in STATES}
@@ -156,8 +160,12 @@ class JobsServicer(pb_grpc.JobsServicer):
         chunk_bytes: int,
         uploads: UploadStore | None = None,
         auth: JobsAuth | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.auth = auth or JobsAuth({})
+        self.adapters = adapters
+        """--adapter-dir's registry: a request's unset fields take its adapters' contract defaults before its meaning
+        is computed and it is stored (convert.resolve_request, as Generate runs it)."""
         self.uploads = uploads
         """UploadReference's store: a job's references named by upload_id are resolved into the stored request."""
         self.jobs = jobs
@@ -178,7 +186,8 @@ class JobsServicer(pb_grpc.JobsServicer):
                 found = self.jobs.find_retry(caller.name, key, lambda job: self._retry_meaning(msg, job))
                 if found is not None:
                     return pb.CreateJobResponse(job=job_to_proto(found), created=False)
-            stored = resolve_uploads(msg, self.uploads)  # the job keeps the bytes, not the upload
+            # the job keeps the bytes, not the upload, and the values its adapters' contracts default
+            stored = resolve_request(msg, self.uploads, self.adapters)
             if stored is msg:  # it named no upload: a copy of our own to change
                 stored = pb.GenerateRequest()
                 stored.CopyFrom(msg)
@@ -198,7 +207,7 @@ class JobsServicer(pb_grpc.JobsServicer):
     def _retry_meaning(self, msg: pb.GenerateRequest, job: Job) -> str:
         """The retried request's meaning, its uploads read from the upload store, else from what `job` recorded."""
         known = {uid: (str(d[0]), int(d[1])) for uid, d in (job.spec.get("upload_ids") or {}).items()}
-        return request_meaning(msg, lambda uid: self._upload_digest(uid) or known.get(uid))
+        return request_meaning(msg, lambda uid: self._upload_digest(uid) or known.get(uid), self.adapters)
 
     def _upload_digest(self, upload_id: str) -> tuple[str, int] | None:
         """(sha256, bytes) of a stored upload; None when unknown or expired."""

@@ -115,7 +115,9 @@ class GeneratorServer:
             cfg.client_keys, cfg.admin_secret, client_certs=cfg.tls_client_ca is not None,
             tls=cfg.tls_cert is not None, allow_plaintext_admin=cfg.allow_plaintext_admin,
         )  # fmt: skip
-        jobs_servicer = JobsServicer(jobs, self.slots, self.watchdog, cfg.chunk_bytes, self.uploads, auth)
+        jobs_servicer = JobsServicer(
+            jobs, self.slots, self.watchdog, cfg.chunk_bytes, self.uploads, auth, cfg.adapter_registry
+        )
         pb_grpc.add_JobsServicer_to_server(jobs_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(publisher.servicer, self.server)
         if cfg.reflection:

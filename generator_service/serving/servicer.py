@@ -1,4 +1,5 @@
-"""The Generator service's RPCs (Generate, GenerateStream, UpdateWeights, UploadReference, GetStatus): thin, it
+"""The Generator service's RPCs (Generate, GenerateStream, UpdateWeights, UploadReference, GetStatus, ListAdapters,
+LoadAdapter, UnloadAdapter): thin, it
 converts proto <-> `GenerationRequest` / results, submits runs to the executor, and maps every error through
 `ditruntime.rpc_errors` (one table; docs/architecture.md, "Errors")."""
 
@@ -29,9 +30,10 @@ from ..execution.registry import RunRegistry
 from ..execution.runs import Decoding, Failed, Finished, PlansReady, Queued, Run, StepDone
 from ..metrics import GeneratorMetrics
 from ..updates import UpdateCoordinator, resolve_weights_path
-from .convert import OUTPUT_ENUMS, reference_kind, request_from_proto, resolve_uploads, tensor_from_proto
+from .adapter_admin import AdapterAdmin
+from .convert import OUTPUT_ENUMS, reference_kind, request_from_proto, resolve_request, tensor_from_proto
 from .responses import response_from_result, result_chunks
-from .status import adapters_response, status_response
+from .status import adapter_message, adapters_response, status_response
 from .streams import HandlerSlots, SendWatchdog, StreamWatch
 from .uploads import UploadStore
 
@@ -68,10 +70,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         self.slots = slots
         self.watchdog = watchdog
         self.mode = _MODES[backend.mode]
+        self.adapter_admin = AdapterAdmin(backend, cfg.adapter_registry)
 
     def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext, unary: bool) -> Run:
         try:
-            request, expected = request_from_proto(resolve_uploads(msg, self.uploads))
+            request, expected = request_from_proto(resolve_request(msg, self.uploads, self.cfg.adapter_registry))
             if unary:
                 self._check_unary_size(request)
             remaining = context.time_remaining()
@@ -127,7 +130,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     abort(context, error)
                 case Finished(result):
                     try:
-                        resp = response_from_result(result, self.mode)
+                        resp = _ran(response_from_result(result, self.mode), run.request)
                     finally:
                         if result.media is not None:
                             result.media.close()
@@ -179,7 +182,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                     abort(context, error)
                 case Finished(result):
                     try:
-                        header = response_from_result(result, self.mode, with_data=False)
+                        header = _ran(response_from_result(result, self.mode, with_data=False), run.request)
                         watch.start_transfer()
                         yield pb.GenerateStreamResponse(result=header)
                         yield from result_chunks(result, self.cfg.chunk_bytes)
@@ -188,17 +191,18 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                             result.media.close()  # a stalled or cancelled stream leaves no spooled file behind
                     return
 
+    def _check_admin(self, context: grpc.ServicerContext, method: str) -> None:
+        """The admin RPCs' guard (UpdateWeights, LoadAdapter, UnloadAdapter): never over plaintext beyond loopback
+        (unless --allow-plaintext-admin), and `authorization: Bearer <--admin-token>`."""
+        check_admin_transport(context.peer(), self.cfg.tls_cert is not None, self.cfg.allow_plaintext_admin, method)
+        check_bearer(self.cfg.admin_secret, dict(context.invocation_metadata()).get("authorization"), method)
+
     def UpdateWeights(
         self, request: pb.UpdateWeightsRequest, context: grpc.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         expected = request.expected_generation if request.HasField("expected_generation") else None
         try:
-            check_admin_transport(
-                context.peer(), self.cfg.tls_cert is not None, self.cfg.allow_plaintext_admin, "UpdateWeights"
-            )
-            check_bearer(
-                self.cfg.admin_secret, dict(context.invocation_metadata()).get("authorization"), "UpdateWeights"
-            )
+            self._check_admin(context, "UpdateWeights")
             if request.tensors:
                 if request.weights_path:
                     raise RequestError("tensors", "give weights_path or tensors, not both")
@@ -252,3 +256,31 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
         return adapters_response(self.cfg.adapter_registry, self.backend.loaded())
+
+    def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
+        try:
+            self._check_admin(context, "LoadAdapter")
+            done = self.adapter_admin.load(request.name, request.identity, context.time_remaining())
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
+            abort(context, e)
+        return pb.LoadAdapterResponse(
+            adapter=adapter_message(done.info, True, done.loaded_bytes), already_loaded=done.already_loaded,
+            replaced_identities=list(done.replaced),
+        )  # fmt: skip
+
+    def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        try:
+            self._check_admin(context, "UnloadAdapter")
+            deleted = self.adapter_admin.unload(request.name, context.time_remaining())
+        except Exception as e:  # every error mapped; an unexpected one is INTERNAL, its text only in the log
+            abort(context, e)
+        return pb.UnloadAdapterResponse(was_loaded=bool(deleted), identities=[i.identity for i in deleted])
+
+
+def _ran(resp: pb.GenerateResponse, request: GenerationRequest) -> pb.GenerateResponse:
+    """`resp` with the schedule the request ran (its own values, else its adapters' contract defaults, else H3's)."""
+    resp.num_inference_steps = request.num_inference_steps
+    resp.flow_shift, resp.audio_flow_shift = request.flow_shift, request.audio_flow_shift
+    return resp

@@ -230,6 +230,38 @@ class AdapterContract(_message.Message):
     default_audio_flow_shift: float
     def __init__(self, steps: _Optional[_Iterable[int]] = ..., flow_shifts: _Optional[_Iterable[float]] = ..., audio_flow_shifts: _Optional[_Iterable[float]] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., tasks: _Optional[_Iterable[str]] = ..., default_steps: _Optional[int] = ..., default_flow_shift: _Optional[float] = ..., default_audio_flow_shift: _Optional[float] = ...) -> None: ...
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "identity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    identity: str
+    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "already_loaded", "replaced_identities")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_IDENTITIES_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    already_loaded: bool
+    replaced_identities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ..., already_loaded: _Optional[bool] = ..., replaced_identities: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("was_loaded", "identities")
+    WAS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    IDENTITIES_FIELD_NUMBER: _ClassVar[int]
+    was_loaded: bool
+    identities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, was_loaded: _Optional[bool] = ..., identities: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class AdapterRefusal(_message.Message):
     __slots__ = ("name", "message")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -301,7 +333,7 @@ class Media(_message.Message):
     def __init__(self, content_type: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ..., filename: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "generation", "sha256", "tensors", "cache", "timings", "adaln_mode", "media", "output_type", "total_bytes")
+    __slots__ = ("request_id", "generation", "sha256", "tensors", "cache", "timings", "adaln_mode", "media", "output_type", "total_bytes", "num_inference_steps", "flow_shift", "audio_flow_shift")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +344,9 @@ class GenerateResponse(_message.Message):
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generation: int
     sha256: str
@@ -322,7 +357,10 @@ class GenerateResponse(_message.Message):
     media: Media
     output_type: OutputType
     total_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., sha256: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., media: _Optional[_Union[Media, _Mapping]] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    num_inference_steps: int
+    flow_shift: float
+    audio_flow_shift: float
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., sha256: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., media: _Optional[_Union[Media, _Mapping]] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., total_bytes: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("request",)

@@ -60,6 +60,16 @@ class GeneratorStub:
                 request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/ditserve.generator.v1.Generator/LoadAdapter',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/ditserve.generator.v1.Generator/UnloadAdapter',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
         self.UploadReference = channel.stream_unary(
                 '/ditserve.generator.v1.Generator/UploadReference',
                 request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceRequest.SerializeToString,
@@ -107,6 +117,21 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoadAdapter loads an adapter of --adapter-dir into the served model now, between requests (admin only, as
+        UpdateWeights): its ListAdapters entry. With identity set, refused unless the file reads that identity now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """UnloadAdapter deletes an adapter from the served model (never its file), between requests (admin only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UploadReference(self, request_iterator, context):
         """UploadReference receives one ref2va reference file as a client stream of chunks (for
         references larger than the unary limit): a GenerateRequest (or a job) then names it by
@@ -143,6 +168,16 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersRequest.FromString,
                     response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterResponse.SerializeToString,
             ),
             'UploadReference': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadReference,
@@ -286,6 +321,60 @@ class Generator:
             '/ditserve.generator.v1.Generator/ListAdapters',
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersRequest.SerializeToString,
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Generator/LoadAdapter',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.LoadAdapterRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Generator/UnloadAdapter',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
