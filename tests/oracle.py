@@ -179,3 +179,49 @@ def diffusers_request_latents(
         kwargs["references"] = [reference_from_bytes(r.data, k) for r, k in zip(refs, kinds, strict=True)]
     out = diffusers_outputs(repo, **kwargs, attention_backend=attention_backend)
     return out["latents"], out["audio_latents"]
+
+
+def adapter_latents(
+    repo: Path, request: Any, uses: list[tuple[Path, float]] | tuple[tuple[Path, float], ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers_request_latents with these adapter files active, in order at their scales, everything put back after:
+    each file's full-parameter deltas (diffusers-layout `transformer.` / `transformer_ref.` `MODULE.diff` /
+    `.diff_b` keys, read here) added to their modules' parameters as their producers define it (parameter + scale x
+    the delta in the parameter's dtype), and its LoRA factors (the rest of the file, its `alpha` metadata kept) loaded
+    through diffusers' `load_lora_weights` and activated with `set_adapters(names, scales)`, unfused."""
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    precision = stored_precision(repo)
+    pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(parameter) -> (parameter, its data before)
+    names: list[tuple[str, float]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="oracle-adapters-") as tmp:
+            for i, (path, scale) in enumerate(uses):
+                with safe_open(str(path), "pt") as f:
+                    tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+                    metadata = dict(f.metadata() or {})
+                lora = {k: v for k, v in tensors.items() if not k.endswith((".diff", ".diff_b"))}
+                for key in set(tensors) - set(lora):
+                    component, _, rest = key.partition(".")
+                    module, _, suffix = rest.rpartition(".")
+                    layer = getattr(pipe, component).get_submodule(module)
+                    tensor = getattr(layer, "weight" if suffix == "diff" else "bias")
+                    saved.setdefault(id(tensor), (tensor, tensor.data))
+                    tensor.data = tensor.data + tensors[key].to(tensor.dtype) * scale
+                if lora:
+                    part = Path(tmp) / f"o{i}.safetensors"
+                    save_file(lora, str(part), metadata={k: v for k, v in metadata.items() if k in ("alpha", "format")})
+                    pipe.load_lora_weights(str(part), adapter_name=f"o{i}")  # routed by its keys' prefix
+                    names.append((f"o{i}", scale))
+        if names:
+            pipe.set_adapters([n for n, _ in names], [s for _, s in names])
+        return diffusers_request_latents(repo, request)
+    finally:
+        for tensor, data in saved.values():
+            tensor.data = data
+        if names:
+            pipe.unload_lora_weights()

@@ -199,7 +199,11 @@ def _sha(target: str, *extra: str) -> str:
     return str(line["sha256"])
 
 
-def test_adapters_end_to_end(adapter_pair: Pair) -> None:
+def test_adapters_end_to_end(adapter_pair: Pair, tiny_ckpt: Path) -> None:
+    from oracle import adapter_latents
+
+    from ditcore.generation import latents_sha256
+
     target = adapter_pair.target
     listed = _listed(target)
     assert set(listed) == {"trunk", "mod"}
@@ -209,6 +213,9 @@ def test_adapters_end_to_end(adapter_pair: Pair) -> None:
 
     base = _sha(target)
     with_trunk = _sha(target, "--adapter", "trunk=0.8")
+    adir = adapter_pair.generator_config.adapter_dir
+    request = GenerationRequest(prompt="a red fox", num_inference_steps=3, seed=7)
+    assert with_trunk == latents_sha256(*adapter_latents(tiny_ckpt, request, [(adir / "trunk.safetensors", 0.8)]))
     assert with_trunk != base
     assert _sha(target, "--adapter", "trunk=0.8") == with_trunk  # deterministic
     assert _sha(target) == base  # the adapter is off again for a base request

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
+from oracle import adapter_latents
 from plankit import BuiltPages, resident_pages
 
 from ditcore import GenerationRequest, generate, load_model
 from ditcore.adapter_files import write_adapter
-from ditcore.adapters import AdapterError, AdapterRegistry, lora_file, read_deltas
+from ditcore.adapters import AdapterError, AdapterRegistry, read_deltas
 
 REQUEST = GenerationRequest(request_id="d", prompt="a red fox", num_inference_steps=3, seed=7)
 ADAPTERS = {  # name: (LoRA targets, deltas, layout)
@@ -68,32 +68,8 @@ def file_deltas(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def oracle(repo: Path, request: GenerationRequest, uses: Sequence[tuple[Path, float]]) -> tuple[torch.Tensor, ...]:
     """diffusers' latents with each file's deltas added to its modules' parameters (in order) and its LoRA factors
-    loaded and set; everything put back after."""
-    precision = stored_precision(repo)
-    pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
-    transformer = pipe.transformer
-    saved: dict[tuple[Any, str], torch.Tensor] = {}
-    names: list[tuple[str, float]] = []
-    try:
-        for i, (path, scale) in enumerate(uses):
-            for module, params in file_deltas(path).items():
-                layer = transformer.get_submodule(module)
-                for param, delta in params.items():
-                    tensor = getattr(layer, param)
-                    saved.setdefault((layer, param), tensor.data)
-                    tensor.data = tensor.data + delta.to(tensor.dtype) * scale
-            with lora_file(path) as part:
-                if part is not None:
-                    pipe.load_lora_weights(str(part), adapter_name=f"o{i}")
-                    names.append((f"o{i}", scale))
-        if names:
-            pipe.set_adapters([n for n, _ in names], [s for _, s in names])
-        return diffusers_request_latents(repo, request)
-    finally:
-        for (layer, param), data in saved.items():
-            getattr(layer, param).data = data
-        if names:
-            pipe.unload_lora_weights()
+    loaded and set; everything put back after (tests/oracle.adapter_latents)."""
+    return adapter_latents(repo, request, list(uses))
 
 
 def test_every_delta_layout_decodes_to_the_diffusers_names(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
+from oracle import adapter_latents
 from plankit import BuiltPages, resident_pages
 from refmedia import image_bytes
 
@@ -62,18 +62,7 @@ def resident(tiny_ckpt: Path) -> Any:
 
 def oracle(repo: Path, request: GenerationRequest, uses: Sequence[tuple[Path, float]]) -> tuple[torch.Tensor, ...]:
     """diffusers' latents with these adapter files loaded and set (names in order, at their scales), unloaded after."""
-    precision = stored_precision(repo)
-    pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
-    names = [f"o{i}" for i in range(len(uses))]
-    try:
-        for name, (path, _) in zip(names, uses, strict=True):
-            pipe.load_lora_weights(str(path), adapter_name=name)
-        if uses:
-            pipe.set_adapters(names, [s for _, s in uses])
-        return diffusers_request_latents(repo, request)
-    finally:
-        if uses:
-            pipe.unload_lora_weights()
+    return adapter_latents(repo, request, list(uses))
 
 
 def run(model: Any, request: GenerationRequest, registry: AdapterRegistry, uses: Sequence[tuple[str, float]],
@@ -95,6 +84,17 @@ def test_resident_equals_diffusers_with_the_same_adapters(
     assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
     base_video, _ = oracle(tiny_ckpt, REQUEST, [])
     assert not torch.equal(video, base_video)  # the adapter did change the output
+
+
+def test_fl2va_with_adapters_equals_diffusers(resident: Any, registry: AdapterRegistry, adapter_dir: Path,
+                                             tiny_ckpt: Path) -> None:  # fmt: skip
+    fl2va = GenerationRequest(request_id="f", task="fl2va", prompt="a red fox", num_inference_steps=3, seed=7,
+                              first_frame=image_bytes(64, 48, seed=2))  # fmt: skip
+    uses = [("mod", 1.1), ("trunk", 0.7)]
+    video, audio = run(resident, fl2va, registry, uses)
+    ref_video, ref_audio = oracle(tiny_ckpt, fl2va, [(adapter_dir / f"{n}.safetensors", s) for n, s in uses])
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+    assert not torch.equal(video, oracle(tiny_ckpt, fl2va, [])[0])
 
 
 def test_a_base_request_after_adapter_requests_is_the_base_model(resident: Any, registry: AdapterRegistry,
