@@ -61,10 +61,12 @@ def services(work: Path, device: str) -> None:
     subprocess.run([*DITSERVE, "make-checkpoint", "--preset", PRESET, "--dtype", "mixed", "--out", str(ckpt)],
                    cwd=ROOT, check=True, capture_output=True, timeout=left(300))  # fmt: skip
     base_port = 50000 + os.getpid() % 4000
-    adapters = work / "adapters"  # one adapter on every target group: its trunk in PEFT, its modulation in plans
+    adapters = work / "adapters"  # LoRA on every target group (its trunk in PEFT, its modulation in plans) and
+    # full-parameter deltas on the time embedder (FastH3's shape: in the plans the sidecar builds)
     adapters.mkdir(exist_ok=True)
-    subprocess.run([*DITSERVE, "make-adapter", "--checkpoint", str(ckpt), "--targets", "all", "--layout", "musubi",
-                    "--rank", "4", "--alpha", "4", "--seed", "5", "--out", str(adapters / f"{ADAPTER}.safetensors")],
+    subprocess.run([*DITSERVE, "make-adapter", "--checkpoint", str(ckpt), "--targets", "all", "--deltas", "time",
+                    "--layout", "ai-toolkit", "--rank", "4", "--alpha", "4", "--seed", "5",
+                    "--out", str(adapters / f"{ADAPTER}.safetensors")],
                    cwd=ROOT, check=True, capture_output=True, timeout=left(120))  # fmt: skip
     with_adapters = ("--adapter-dir", str(adapters))
     tasks = {"fl2va": fl2va_request(work), "ref2va": ref2va_request(work), "adapters": adapter_request()}
@@ -157,7 +159,7 @@ def _task_check(task: str, cached: CachedRun, resident: tuple[dict[str, Any] | N
     transformer_ref/, or the adapter's trunk and modulation plans, were used)."""
     (got, err), (res, res_err) = cached.tasks[task], resident
     if task == "adapters":
-        what = f"adapter {ADAPTER} (trunk, adaln_proj, norm_out, time embedder; musubi, rank 4) at 0.8"
+        what = f"adapter {ADAPTER} (LoRA on every group + time-embedder deltas; ai-toolkit, rank 4) at 0.8"
     else:
         files = KEYFRAMES if task == "fl2va" else REF_IMAGES
         what = f"{'keyframes' if task == 'fl2va' else 'references'} " + ", ".join(
