@@ -354,8 +354,14 @@ def test_a_download_cancels_its_grpc_call_when_the_client_goes_away(serve: Calla
     jobs.trickle = True
     with httpx2.stream("GET", f"{url}/v1/videos/{JOB_ID}/content", timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-length"] == str(len(CONTENT))
-        got = next(r.iter_raw())
-        assert got and not jobs.ended.is_set()
+        # Hold the iterator: a temporary one (next(r.iter_raw())) is finalized as soon as next() returns, and its
+        # `finally` closes the response, so the client would be gone before the check below (a race it loses
+        # under load).
+        raw = r.iter_raw()
+        got = 0
+        while got < 1 << 20:  # all the fake sends before it waits: the client connected and reading
+            got += len(next(raw))
+        assert not jobs.ended.wait(0.5) and jobs.active == 1, "the call ended while its client was connected"
     assert jobs.ended.wait(10), "the GetJobContent call outlived its HTTP client"
     wait_for(lambda: jobs.active == 0, 10, "the stream's handler to return")
 
