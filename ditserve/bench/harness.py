@@ -35,6 +35,7 @@ class Arm:
     mode: str = "cached"  # a pair; "resident": a lone resident generator; "sidecar": a lone sidecar
     prefetch: bool = True
     partitions: str = "auto"  # the generator's --partitions
+    adapter_dir: Path | None = None  # --adapter-dir of both services (the sidecar builds the adapters' plans)
 
     def __post_init__(self) -> None:
         if self.mode not in ARM_MODES:
@@ -97,11 +98,15 @@ class Services:
                 side = [py, "-m", "plancache_service", "--checkpoint", str(checkpoint), "--socket", str(self.sock)]
                 side += ["--gpu-plans", str(arm.gpu_plans), "--host-cache-gb", str(arm.host_cache_gb), *common]
                 side += ["--metrics-port", str(self.metrics_ports["sidecar"])]
+                if arm.adapter_dir is not None:
+                    side += ["--adapter-dir", str(arm.adapter_dir)]
                 self._spawn(side, env, "sidecar")
                 health.append(f"unix:{self.sock}")
             if arm.mode != "sidecar":
                 gen = [py, "-m", "generator_service", "--listen", self.target, *common]
                 gen += ["--metrics-port", str(self.metrics_ports["generator"]), "--partitions", arm.partitions]
+                if arm.adapter_dir is not None:
+                    gen += ["--adapter-dir", str(arm.adapter_dir)]
                 if arm.mode == "resident":
                     gen += ["--adaln-mode", "resident", "--checkpoint", str(checkpoint)]
                 else:

@@ -14,11 +14,20 @@ TIER_COLORS = {"built": "#d62728", "host": "#ff7f0e", "slot": "#2ca02c", "reside
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     rows = [("scenario", "ratio", "target", "met")]
-    rows += [(name, str(r["ratio"]), str(r["target"]), "yes" if r["met"] else "NO") for name, r in results.items()]
+    for name, r in results.items():
+        rows.append((name, str(r["ratio"]), str(r["target"]), _met(r["met"])))
+        # a scenario's parts with their own ratio and target (e.g. adapters' fast_vs_base), one row each
+        rows += [(f"  {name}.{k}", str(v["ratio"]), str(v["target"]), _met(v.get("met")))
+                 for k, v in r.items() if isinstance(v, dict) and {"ratio", "target"} <= set(v)]  # fmt: skip
     w = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(row)) for row in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
     return "\n".join(lines)
+
+
+def _met(met: bool | None) -> str:
+    """yes / NO, or "-" for a number that is reported without a target."""
+    return "-" if met is None else "yes" if met else "NO"
 
 
 def write_json(path: Path, results: dict[str, Any], records: list[Record], meta: dict[str, Any]) -> None:

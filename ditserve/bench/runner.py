@@ -22,7 +22,7 @@ from ditcore.checkpoint_files import is_repository_dir
 from ditcore.presets import DTYPES
 from ditruntime.paths import prepare_dir
 
-from . import context, replica, report, scenarios
+from . import adapters, context, replica, report, scenarios
 from .harness import Record
 from .jobs_scenario import job_overhead
 
@@ -103,6 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["job_overhead"] = job_overhead(ctx)
     ctx.log("13. one replica across 2 ranks")
     results["replica"] = replica.replica_two_ranks(ctx)
+    ctx.log("15. per-request adapters on one cached pair with the host tier")
+    results["adapters"] = adapters.adapters(ctx, base_points=20 if args.quick else 50)
     meta = {
         "checkpoint": str(ckpt), "preset": info.preset, "precision": info.precision,
         "num_inference_steps": steps, "forwards": ctx.forwards, "device": args.device, "threads": threads,
@@ -113,6 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report.write_json(out / "bench.json", results, records, meta)
     report.chart(out / "bench.png", records)
     print(report.table(results))
+    print("\n" + adapters.section(results["adapters"]))
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'} ({meta['seconds']} s)")
     return 0
 

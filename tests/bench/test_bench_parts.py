@@ -162,3 +162,33 @@ def test_cache_core_bench_runs_on_tiny(tiny_ckpt: Path) -> None:
     out = run(tiny_ckpt, num_inference_steps=6, prepares=3)
     assert out["plan_keys"] == 5 and out["precision"] == "mixed"
     assert out["swap_in_bytes"] == 4 * 2 * validate_checkpoint(tiny_ckpt).layout.page_bytes(torch.bfloat16)
+
+
+def test_adapter_plan_bytes_are_modeled_at_the_released_shapes(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """(e) of the adapters scenario: a trunk-only adapter adds no plan bytes; a modulation or time adapter adds one
+    set per schedule, the base set's size: every distinct key's pages (the first step 1 wide, the rest 2: the
+    released default shifts 12 / 3 differ) of a 9,698,304-byte page (PageLayout's docstring)."""
+    from ditserve.bench.adapters import plan_bytes
+
+    out = plan_bytes(_ctx(tiny_ckpt, tmp_path))
+    assert (out["preset"], out["page_bytes"], out["projection_dtype"]) == ("h3", 9_698_304, "bfloat16")
+    assert out["schedules"] == {
+        "50": {"plan_keys": 49, "distinct_plans": 49, "pages": 97, "bytes": 97 * 9_698_304},
+        "5": {"plan_keys": 4, "distinct_plans": 4, "pages": 7, "bytes": 7 * 9_698_304},
+    }
+    added = out["added_bytes_per_schedule"]
+    assert added["trunk"] == {"50": 0, "5": 0}
+    for kind in ("modulation", "time", "modulation+trunk"):
+        assert added[kind] == {"50": 97 * 9_698_304, "5": 7 * 9_698_304}, kind
+    assert "run_check" not in out
+
+
+def test_the_table_shows_a_scenarios_parts_and_numbers_without_a_target() -> None:
+    results: dict[str, dict[str, Any]] = {
+        "adapters": {"ratio": 1.05, "target": "t", "met": True, "plan_bytes": {"page_bytes": 1},
+                     "fast_vs_base": {"ratio": 0.2, "target": "reported", "met": None},
+                     "first_seen_build": {"ratio": 1.4, "target": "<= 1.3", "met": False}},
+    }  # fmt: skip
+    lines = report.table(results).splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["adapters", "adapters.fast_vs_base", "adapters.first_seen_build"]
+    assert [line.split()[-1] for line in lines[2:]] == ["yes", "-", "NO"]
