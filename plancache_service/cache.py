@@ -9,10 +9,12 @@ per-step plan keys:
 
 prepare, in order: validate count, width, finiteness and generation before touching any
 state; touch slot hits (LRU); take free slots, else evict least-recently-used plans no live
-lease holds; ask `self.tiers` in order (host memory, then the rebuild) for the first that
-holds every missing plan, and let it fill them; publish READY; let each tier store the group
-(the host tier skips it when it cannot fit); return the lease. A failed prepare returns its
-slots to the free list (or, after publishing, just unpins them) and is retryable.
+lease holds; give each missing plan to the first of `self.tiers` (host memory, then the
+rebuild) that holds it, and let each tier fill its share (the host swaps in every plan it holds,
+whichever group stored it; the rebuild builds the rest in one pass); publish READY; let each
+tier store the group (the host tier skips it when it cannot fit); return the lease. A failed
+prepare returns its slots to the free list (or, after publishing, just unpins them) and is
+retryable.
 
 Locking: `_prepare_lock` serializes prepares (and invalidation); `_state` guards bookkeeping
 (the tiers' too) and is never held while pages are copied: not during a fill (rebuild or
@@ -179,9 +181,9 @@ class PlanCache:
                 self._validate(generation, keys)
                 group = distinct_keys(keys)
                 hits, missing, new_slots = self._reserve(group)
-                tier = self._tier_for(missing)
+                parts = self._split_by_tier(missing, new_slots)
             try:
-                report = self._fill(tier, missing, new_slots, len(hits))
+                report = self._fill(parts, len(hits))
             except BaseException as e:
                 self._unreserve(hits, new_slots)
                 if isinstance(e, PlanCacheError) or not isinstance(e, Exception):
@@ -438,23 +440,35 @@ class PlanCache:
         self._mark(s, EMPTY, None)
         self.counters.slot_evictions += 1
 
-    def _tier_for(self, missing: list[PlanKey]) -> Tier | None:
-        """The first tier that holds every missing plan (None when nothing is missing)."""
-        if not missing:
-            return None
-        tier = next((t for t in self.tiers if t.holds_all(missing)), None)
-        assert tier is not None, "the last tier (the rebuild) holds every plan"
-        return tier
+    def _split_by_tier(self, missing: list[PlanKey], slots: list[int]) -> list[tuple[Tier, list[PlanKey], list[int]]]:
+        """Each missing plan (and its FILLING slot) with the first tier that holds it, per tier in tier order: the
+        host tier swaps in every plan it holds, whichever group stored it; the rebuild builds the rest in one pass."""
+        parts: dict[int, tuple[list[PlanKey], list[int]]] = {}
+        for k, s in zip(missing, slots, strict=True):
+            i = next((i for i, t in enumerate(self.tiers) if t.holds_all([k])), None)
+            assert i is not None, "the last tier (the rebuild) holds every plan"
+            keys, where = parts.setdefault(i, ([], []))
+            keys.append(k)
+            where.append(s)
+        return [(self.tiers[i], *parts[i]) for i in sorted(parts)]
 
-    def _fill(self, tier: Tier | None, missing: list[PlanKey], slots: list[int], n_hits: int) -> CacheReport:
-        """Have `tier` write the missing plans' pages into their FILLING slots (fenced)."""
-        if tier is None:
-            return CacheReport(gpu_hit_plans=n_hits)
-        filled = tier.fill(missing, slots, self._pages)
+    def _fill(self, parts: list[tuple[Tier, list[PlanKey], list[int]]], n_hits: int) -> CacheReport:
+        """Have each tier write its missing plans' pages into their FILLING slots (each fill fenced); the fills'
+        bookkeeping and counters are committed only once every one of them succeeded."""
+        fills = [tier.fill(keys, slots, self._pages) for tier, keys, slots in parts]
+        report = CacheReport(gpu_hit_plans=n_hits)
         with self._state:
-            filled.commit()
-            self.counters.add(filled.counts)
-        return filled.report.replace(gpu_hit_plans=n_hits)
+            for filled in fills:
+                filled.commit()
+                self.counters.add(filled.counts)
+                r = filled.report
+                report = report.replace(
+                    host_hit_plans=report.host_hit_plans + r.host_hit_plans,
+                    built_plans=report.built_plans + r.built_plans,
+                    rebuild_s=round(report.rebuild_s + r.rebuild_s, 6),
+                    swap_in_s=round(report.swap_in_s + r.swap_in_s, 6),
+                )
+        return report
 
     def _publish(self, s: int, key: PlanKey) -> None:
         self._slot_key[s] = key

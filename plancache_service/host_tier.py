@@ -3,8 +3,11 @@
 Bookkeeping only: `tiers.HostMemoryTier` allocates the page buffer (`host_buffer.HostBuffer`, pages
 in chunks of whole pages) and does the copies through the cache's `Copier`. A group is one
 request's ordered distinct plan keys: a rebuild pass streams every layer however few plans miss,
-so a partial hit saves nothing and the unit of retention is the whole group. Plans shared by
-groups are refcounted.
+so a request missing one plan of its schedule costs almost a whole rebuild, and the unit of
+retention (LRU, eviction) is the whole group. Lookups are per plan, not per group: a slab miss is
+swapped in from whichever stored group holds its key (`holds`, `page_indices`). Plans shared by
+groups (every schedule's t = 0 plan, of the base weights or of one adapters digest) are stored once
+and refcounted.
 
 Admission is all-or-nothing per group: if the group's new pages cannot fit even after
 evicting every other group, it is skipped and counted (`pressure_skips`), never an error.

@@ -1,7 +1,9 @@
 """The tiers below the slab: what a prepare asks, in order, for a group's missing plans.
 
-The cache asks each tier of its list `holds_all(missing)`; the first that answers yes fills
-every missing plan's FILLING slot in one go (`fill`, fenced before it returns). After the
+Each missing plan goes to the first tier of the cache's list that holds it (`holds_all([key])`);
+each tier then fills its share's FILLING slots in one go (`fill`, fenced before it returns): the
+host tier swaps in every plan it holds, whichever group stored it, and the rebuild builds the rest
+in one pass. A fill's bookkeeping (`commit`) runs once every fill succeeded. After the
 slots are published, each tier may keep the group (`store`; a capacity miss is not kept, never
 an error). The list ends with the rebuild tier, which holds every plan. A new tier (a disk
 tier of built plans) is one class here plus one entry in the cache's list. No gRPC here.
@@ -128,7 +130,8 @@ class Tier(ABC):
 
     @abstractmethod
     def holds_all(self, keys: Sequence[PlanKey]) -> bool:
-        """Whether this tier can fill every one of `keys` (one tier fills a whole group)."""
+        """Whether this tier can fill every one of `keys` (the cache asks per key: a request's missing plans may
+        come from several tiers)."""
 
     @abstractmethod
     def fill(self, keys: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierFill:
