@@ -25,11 +25,21 @@ class CacheReport:
     """Seconds spent swapping in from the host tier."""
     host_stored: bool = False
     """Whether the request's plan group is now held by the host tier."""
+    disk_hit_plans: int = 0
+    """Distinct plans read from the disk tier (--plan-dir packs)."""
+    disk_read_s: float = 0.0
+    """Seconds spent reading (and verifying) plans from the disk tier."""
+    disk_stored_plans: int = 0
+    """Plans this prepare wrote to the disk tier."""
+    rebuild_read_bytes: int = 0
+    """Checkpoint bytes the rebuild pass read."""
+    rebuild_read_s: float = 0.0
+    """Seconds the rebuild pass spent reading them (its read throughput: rebuild_read_bytes / rebuild_read_s)."""
 
     @property
     def plans(self) -> int:
         """Distinct plans the request needed (every tier together)."""
-        return self.gpu_hit_plans + self.host_hit_plans + self.built_plans
+        return self.gpu_hit_plans + self.host_hit_plans + self.disk_hit_plans + self.built_plans
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,7 +17,8 @@ from ditcore import GenerationRequest, figures, generate, latents_sha256, load_m
 from ditcore.checkpoint_files import read_shard_header
 from ditcore.shards import INDEX_FILE
 
-CACHE_KEYS = {"gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored"}
+CACHE_KEYS = {"gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored",
+              "disk_hit_plans", "disk_read_s", "disk_stored_plans", "rebuild_read_bytes", "rebuild_read_s"}  # fmt: skip
 # 4 grid points = 3 transformer forwards on the smallest H3 canvas: a request takes well under a second on tiny
 SMALL = ["--num-inference-steps", "4", "--height", "32", "--width", "32", "--num-frames", "124"]
 H3_PARAMS = 33_122_992_896

@@ -283,20 +283,30 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CacheReport(_message.Message):
-    __slots__ = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored")
+    __slots__ = ("gpu_hit_plans", "host_hit_plans", "built_plans", "rebuild_s", "swap_in_s", "host_stored", "disk_hit_plans", "disk_read_s", "disk_stored_plans", "rebuild_read_bytes", "rebuild_read_s")
     GPU_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
     HOST_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
     BUILT_PLANS_FIELD_NUMBER: _ClassVar[int]
     REBUILD_S_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_S_FIELD_NUMBER: _ClassVar[int]
     HOST_STORED_FIELD_NUMBER: _ClassVar[int]
+    DISK_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_S_FIELD_NUMBER: _ClassVar[int]
+    DISK_STORED_PLANS_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_READ_S_FIELD_NUMBER: _ClassVar[int]
     gpu_hit_plans: int
     host_hit_plans: int
     built_plans: int
     rebuild_s: float
     swap_in_s: float
     host_stored: bool
-    def __init__(self, gpu_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ..., host_stored: _Optional[bool] = ...) -> None: ...
+    disk_hit_plans: int
+    disk_read_s: float
+    disk_stored_plans: int
+    rebuild_read_bytes: int
+    rebuild_read_s: float
+    def __init__(self, gpu_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_s: _Optional[float] = ..., host_stored: _Optional[bool] = ..., disk_hit_plans: _Optional[int] = ..., disk_read_s: _Optional[float] = ..., disk_stored_plans: _Optional[int] = ..., rebuild_read_bytes: _Optional[int] = ..., rebuild_read_s: _Optional[float] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("queue_ms", "prepare_ms", "encode_ms", "denoise_ms", "total_ms", "decode_ms", "mux_ms", "attention_backend")
