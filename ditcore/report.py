@@ -7,7 +7,7 @@ fields by name (`ditruntime.convert`, which refuses a field with no counterpart)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 
@@ -46,3 +46,12 @@ class CacheReport:
 
     def replace(self, **changes: Any) -> CacheReport:
         return replace(self, **changes)
+
+    def plus(self, other: CacheReport) -> CacheReport:
+        """Both reports' counts and seconds summed (seconds rounded to the microsecond), flags or-ed: the report of
+        a prepare whose plans came from several tiers."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            out[f.name] = a or b if isinstance(a, bool) else round(a + b, 6) if isinstance(a, float) else a + b
+        return CacheReport(**out)

@@ -461,13 +461,7 @@ class PlanCache:
             for filled in fills:
                 filled.commit()
                 self.counters.add(filled.counts)
-                r = filled.report
-                report = report.replace(
-                    host_hit_plans=report.host_hit_plans + r.host_hit_plans,
-                    built_plans=report.built_plans + r.built_plans,
-                    rebuild_s=round(report.rebuild_s + r.rebuild_s, 6),
-                    swap_in_s=round(report.swap_in_s + r.swap_in_s, 6),
-                )
+                report = report.plus(filled.report)
         return report
 
     def _publish(self, s: int, key: PlanKey) -> None:

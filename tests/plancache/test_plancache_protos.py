@@ -35,7 +35,7 @@ def distinct_values(cls: type[Any]) -> dict[str, Any]:
 
 def with_extra_field(cls: type[Any]) -> type[Any]:
     """`cls` plus a field the proto lacks (a tier added to the dataclass but not the proto)."""
-    return dataclasses.make_dataclass(f"{cls.__name__}Plus", [("disk_hit_plans", int, 7)], bases=(cls,), frozen=True)
+    return dataclasses.make_dataclass(f"{cls.__name__}Plus", [("tape_hit_plans", int, 7)], bases=(cls,), frozen=True)
 
 
 def test_every_cache_stats_field_reaches_the_proto() -> None:
@@ -60,10 +60,10 @@ def test_cache_report_round_trips_through_its_proto() -> None:
 
 def test_a_field_without_a_proto_counterpart_raises() -> None:
     stats_plus = with_extra_field(CacheStats)(**distinct_values(CacheStats))
-    with pytest.raises(FieldMismatchError, match="disk_hit_plans"):
+    with pytest.raises(FieldMismatchError, match="tape_hit_plans"):
         stats_to_proto(stats_plus)
     report_plus = with_extra_field(CacheReport)()
-    with pytest.raises(FieldMismatchError, match="disk_hit_plans"):
+    with pytest.raises(FieldMismatchError, match="tape_hit_plans"):
         to_proto(report_plus, pb.CacheReport)
     with pytest.raises(FieldMismatchError, match="generation"):  # not declared as travelling elsewhere
         to_proto(CacheStats(**distinct_values(CacheStats)), pb.CacheStats)
