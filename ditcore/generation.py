@@ -19,8 +19,10 @@ from .denoise import generate_latents
 from .media import DecodedMedia
 from .model import H3Model
 from .plans import PlanKey, SlotReads
+from .quality import LOSSLESS
 from .report import CacheReport
 from .request import H3_LIMITS, GenerationRequest, RequestLimits, check_prompt_tokens
+from .step_cache import StepCache, applied
 
 
 class PlanLease(Protocol):
@@ -96,6 +98,12 @@ class GenerationResult:
     extra: dict[str, Any] = field(default_factory=dict)
     attention_backend: str = ""
     """The diffusers attention backend the request's transformer forwards ran with ("native", "_native_cudnn", ...)."""
+    blocks_skipped: list[float] = field(default_factory=list)
+    """Per step, the transformer block forwards its step cache skipped (ditcore.step_cache; empty: lossless)."""
+    quality: str = "lossless"
+    """The quality level it ran (ditcore.quality)."""
+    quality_warning: str = ""
+    """Why its level served it unaudited (the level's policy "warn"); empty otherwise."""
 
 
 def latents_sha256(video: torch.Tensor, audio: torch.Tensor | None) -> str:
@@ -125,12 +133,15 @@ def generate(
     limits: RequestLimits = H3_LIMITS,
     check: Callable[[], None] | None = None,
     adapters: Sequence[tuple[AdapterInfo, float]] = (),
+    step_cache: StepCache | None = None,
 ) -> GenerationResult:
     """Run one request through diffusers' t2va or fl2va loop. Cached models need `plans`; resident models take none.
     `check` (optional) is called between the decode's chunks; it raises to stop the request there (cancel, deadline).
     `adapters` (AdapterInfo, scale) are active on the request's transformer for its loop, in that order
     (ditcore.adapters.ModelAdapters); default: the request's own `adapters` as the model's registry reads them now.
-    Every adapter the model holds is disabled for a request without any.
+    Every adapter the model holds is disabled for a request without any. `step_cache` (the request's quality level's,
+    ditcore.step_cache): diffusers' cache hooks on the transformer for this loop only; the result's `blocks_skipped`
+    says how many block forwards each step skipped.
 
     The lease (if any) is acquired after validation and released in every outcome (before decoding, which reads no
     plan). Timings: `plans` (acquire), `encode` (start of the loop to the first transformer forward: text and keyframe
@@ -141,6 +152,11 @@ def generate(
     request.validate(limits)
     model.check_partition(request)
     uses = list(adapters) if adapters else model.adapter_set.resolve(request)
+    level, quality_warning = None, ""
+    if step_cache is None:  # the request's level as this model serves it (a replica's other ranks are handed it)
+        world_size = model.replica.world_size if model.replica is not None else 1
+        level, quality_warning = model.quality.for_request(request, world_size, uses)
+        step_cache = level.cache if level is not None else None
     check_prompt_tokens(model.pipe.tokenizer, request.prompt, limits)  # the served tokenizer, as diffusers calls it
     if (plans is None) != (model.mode == "resident"):
         raise ValueError(f"a {model.mode} model {'takes no' if plans is not None else 'needs a'} plan provider")
@@ -174,7 +190,7 @@ def generate(
     try:
         t0 = _clock(device)
         reads = _plan_reads(lease, keys)
-        with model.adapter_set.active(request.partition, uses):
+        with model.adapter_set.active(request.partition, uses), applied(transformer, step_cache) as counts:
             video, audio = generate_latents(model.pipe, request, reads, keys)
         end = _clock(device)  # resident mode too: the last step's kernels have run
         first = first_forward[0] if first_forward else end
@@ -203,7 +219,8 @@ def generate(
     a_out = audio.detach().cpu().contiguous()
     return GenerationResult(
         request.request_id, v_out, a_out, latents_sha256(v_out, a_out), timings, report, media=media,
-        attention_backend=backend,
+        attention_backend=backend, blocks_skipped=counts.skipped if step_cache is not None else [],
+        quality=level.name if level is not None else request.quality or LOSSLESS, quality_warning=quality_warning,
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from .pipeline import (
     transformer_for,
 )
 from .plans import PlanKey, is_plan_tensor
+from .quality import QualityLevels
 from .replica import Replica
 from .request import GenerationRequest
 from .schedule import ScheduleKeys
@@ -66,6 +67,8 @@ class RunOptions:
     """Adapters one model holds loaded at most (the least recently used is deleted first)."""
     max_loaded_adapter_bytes: int = 8 << 30
     """What the loaded adapters hold on the model's device together, at most (ditcore.adapters.ModelAdapters)."""
+    quality: QualityLevels = field(default_factory=QualityLevels, compare=False)
+    """The quality levels a request may name (ditcore.quality; lossless only by default)."""
     adapter_plans: bool = False
     """A cached model's plans are built with the request's modulation-changing adapters (the generator's sidecar
     does: plan keys carry their digest); False: such adapters are refused on a cached model."""
@@ -205,6 +208,8 @@ class H3Model:
         )
         self.replica = replica
         """The replica this rank's model runs in (None: one device); its transformer runs context parallel."""
+        self.quality = QualityLevels()
+        """The quality levels a request may name (RunOptions.quality)."""
         self._adapter_set: ModelAdapters | None = None
         self.partitions: tuple[str, ...] = loaded_partitions(self.pipe)
         """The partitions whose transformer this model holds ("base", and "ref" when loaded)."""
@@ -354,6 +359,7 @@ def load_model(
     model.adapter_set.registry, model.adapter_set.max_loaded = options.adapters, options.max_loaded_adapters
     model.adapter_set.max_loaded_bytes = options.max_loaded_adapter_bytes
     model.adapter_set.modulation_plans = options.adapter_plans
+    model.quality = options.quality
     for transformer in model.transformers().values():
         # the backend resolved for the served transformer's device and dtype (AttentionBackendError if it cannot run)
         use_backend(transformer, options.attention_backend, context_parallel=parallel is not None)

@@ -92,6 +92,8 @@ DEFAULTED = (("num_inference_steps", "default_steps"), ("flow_shift", "default_f
              ("audio_flow_shift", "default_audio_flow_shift"))  # fmt: skip
 """The request fields an adapter's contract may give a default (request field, contract key): used where a request
 leaves the field unset (ditcore.adapter_contract.contract_defaults)."""
+QUALITY_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+"""A quality level's name ("lossless" is every server's)."""
 MAX_ADAPTERS = 4
 """Adapters one request may compose, by default (--max-adapters-per-request)."""
 
@@ -232,6 +234,9 @@ class GenerationRequest:
     adapters: tuple[AdapterUse, ...] = ()
     """Adapters active for this request, in this order, each at its scale (ditcore.adapters); empty: the base
     model."""
+    quality: str = ""
+    """A quality level of the server's --quality-levels (ditcore.quality: a step cache and what it may run with);
+    "" or "lossless": no step cache, the model's own computation."""
 
     @property
     def steps(self) -> int:
@@ -402,6 +407,11 @@ class GenerationRequest:
         if self.references:
             self.probe_references(limits)
         check_uses(self.adapters, limits.max_adapters)
+        if self.quality and not QUALITY_NAME.fullmatch(self.quality):
+            raise RequestError(
+                "quality", f"must be a quality level's name (1-64 of a-z 0-9 _ -, from a letter) or lossless, got "
+                f"{self.quality[:80]!r}",
+            )  # fmt: skip
         return self
 
 
@@ -511,7 +521,7 @@ def _image_limits(limits: RequestLimits) -> ImageLimits:
 def _check_types(req: GenerationRequest) -> None:
     for f in dataclasses.fields(req):
         v = getattr(req, f.name)
-        if f.name in ("request_id", "task", "prompt", "output_type"):
+        if f.name in ("request_id", "task", "prompt", "output_type", "quality"):
             ok = isinstance(v, str)
         elif f.name in KEYFRAME_FIELDS:
             ok = isinstance(v, bytes)

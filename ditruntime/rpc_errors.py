@@ -20,6 +20,7 @@ from grpc_status import rpc_status
 from ditcore import CheckpointError, CheckpointNotFoundError, PresetError, RequestError
 from ditcore.adapter_contract import AdapterError, AdapterNotFoundError
 from ditcore.pipeline import PartitionNotLoadedError
+from ditcore.quality import QualityNotAuditedError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ _CORE_TABLE: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (PartitionNotLoadedError, grpc.StatusCode.FAILED_PRECONDITION, "PARTITION_NOT_SERVED"),
     (AdapterNotFoundError, grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND"),
     (AdapterError, grpc.StatusCode.FAILED_PRECONDITION, "ADAPTER_REFUSED"),
+    (QualityNotAuditedError, grpc.StatusCode.FAILED_PRECONDITION, "QUALITY_NOT_AUDITED"),
 ]
 
 

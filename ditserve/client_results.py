@@ -80,6 +80,12 @@ class ClientResult:
     output_type: str = "latents"
     media: ClientMedia | None = None
     """The encoded file (output types "mp4" and "frames_and_wav")."""
+    quality: str = "lossless"
+    """The quality level it ran (ditcore.quality)."""
+    blocks_skipped: list[float] = field(default_factory=list)
+    """Per step, the block forwards the level's step cache skipped (empty for lossless)."""
+    quality_warning: str = ""
+    """Why its level served it unaudited (the level's policy "warn")."""
 
 
 def _timings(t: pb.StageTimings) -> dict[str, float]:
@@ -140,6 +146,9 @@ def result_from_response(
         cache=from_proto(resp.cache, CacheReport),
         timings_ms=_timings(resp.timings),
         adaln_mode=pb.AdalnMode.Name(resp.adaln_mode),
+        quality=resp.quality or "lossless",
+        blocks_skipped=[round(float(b), 3) for b in resp.blocks_skipped],
+        quality_warning=resp.quality_warning,
         output_type=output_type,
     )
     if output_type != "latents":

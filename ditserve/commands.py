@@ -32,6 +32,7 @@ from ditcore.media import encode
 from ditcore.model import RunOptions
 from ditcore.plans import dtype_name
 from ditcore.presets import PRESETS
+from ditcore.quality import QualityLevels, QualityLevelsError
 from ditcore.repo import check_partitions
 from ditcore.text_encoder import TextEncoderPlacement
 from ditruntime.flags import from_args
@@ -55,7 +56,7 @@ MAX_SEED = 2**63 - 1
 LOCAL_CACHE_FLAGS = ("gpu_plans", "plan_width", "host_cache_bytes")
 """The CacheConfig flags of `generate-local` (its slab is always in host memory)."""
 LOCAL_MODEL_FLAGS = ("attention_backend", "decode_dtype", "text_encoder_device", "text_encoder_offload", "adapter_dir",
-                     "max_loaded_adapters")  # fmt: skip
+                     "max_loaded_adapters", "quality_levels", "quality_audit_dir")  # fmt: skip
 """The GeneratorConfig flags of `generate-local`: how its model runs (ditcore.model.RunOptions)."""
 WRITABLE_PRESETS = tuple(name for name, p in PRESETS.items() if p.writable)
 _BYTES = {"mixed": 2, "float32": 4}  # bytes per element of the projections (mixed keeps them in bfloat16)
@@ -317,7 +318,7 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
     text_encoder.check(torch.device("cpu"))  # generate-local runs on the CPU: refused before anything loads
     options = RunOptions(attention_backend=args.attention_backend, decode_dtype=args.decode_dtype,
                          text_encoder=text_encoder, adapters=registry,
-                         max_loaded_adapters=args.max_loaded_adapters)  # fmt: skip
+                         max_loaded_adapters=args.max_loaded_adapters, quality=_quality_levels(args))  # fmt: skip
     if args.adaln_mode == "resident":
         model = load_model(info, "resident", options=options)
         _check_adapters(model, requests)
@@ -354,6 +355,14 @@ def _adapter_registry(args: argparse.Namespace, requests: list[GenerationRequest
     if not path.is_dir():
         raise UsageError(f"--adapter-dir {path}: not a directory")
     return AdapterRegistry(path)
+
+
+def _quality_levels(args: argparse.Namespace) -> QualityLevels:
+    """--quality-levels as read (lossless only without it): UsageError naming the file, level and key."""
+    try:
+        return QualityLevels.load(args.quality_levels, args.quality_audit_dir)
+    except QualityLevelsError as e:
+        raise UsageError(f"--quality-levels: {e}") from None
 
 
 def _with_contract_defaults(

@@ -170,6 +170,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 shapes = (res.video.shape, res.audio.shape)
             files = write_output(target.path_for(req), req, res.media, res)
             extra = {"generation": res.generation, "adaln_mode": res.adaln_mode, **files}
+            if res.quality != "lossless":
+                extra.update(
+                    quality=res.quality, blocks_skipped=res.blocks_skipped, quality_warning=res.quality_warning
+                )
             print(result_line(req, res.sha256, res.timings_ms, res.cache, shapes, **extra), flush=True)
     return 0
 

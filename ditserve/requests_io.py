@@ -62,6 +62,7 @@ REQUEST_FIELDS = (
     "height",
     "width",
     "num_frames",
+    "quality",
 )
 """GenerationRequest fields that have a flag of the same name (request_id has its own default rule; the keyframes
 and the output type have their own flags)."""
@@ -116,6 +117,10 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
         help=f"audio schedule shift (default: {contract} {_DEFAULTS.audio_flow_shift:g})",
     )  # fmt: skip
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="noise seed (default %(default)s)")
+    g.add_argument(
+        "--quality", default=_DEFAULTS.quality,
+        help="a quality level of the server's --quality-levels (a step cache; docs/quality.md); default: lossless",
+    )  # fmt: skip
     g.add_argument(
         "--height", type=int, default=_DEFAULTS.height, help="pixels, a multiple of 32 (default %(default)s)"
     )

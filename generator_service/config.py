@@ -52,6 +52,7 @@ from ditruntime.flags import check_bounds, flag
 
 if TYPE_CHECKING:
     from ditcore.adapters import AdapterRegistry
+    from ditcore.quality import QualityLevels
 
 from .execution.policy import GB, MIB, SizingPolicy
 from .jobs.config import JobsConfig
@@ -373,6 +374,18 @@ class GeneratorConfig:
     MiniMax-H3 loader converts; `NAME.json` beside it (or the file's `__metadata__` entry `ditserve_contract`)
     declares what it may be sampled with. Read when first named, and again when the file changes (a new identity).
     Every rank of a replica reads the same directory."""
+    quality_levels: Path | None = flag(
+        None, "TOML file of quality levels a request may name: each a step cache (diffusers' FirstBlockCache, "
+        "TaylorSeer, MagCache) and what it may run with (default: lossless only; docs/quality.md)",
+    )  # fmt: skip
+    """ditcore.quality: read at start (a bad file refuses the start, naming the level and key); `lossless` is always
+    served and is every request's default. Every rank of a replica reads the same file."""
+    quality_audit_dir: Path | None = flag(
+        None, "directory of quality audits (NAME.jsonl, written by ditserve audit-quality) that say which requests "
+        "each level covers (default: none: every level is unaudited)",
+    )  # fmt: skip
+    """A level's `unaudited` policy decides what a request no passing audit covers gets: refused (the default,
+    FAILED_PRECONDITION QUALITY_NOT_AUDITED) or served with a warning in its response."""
     max_adapters_per_request: int = flag(
         MAX_ADAPTERS, "adapters one request may compose (default %(default)s)", low=1, high=64
     )
@@ -484,7 +497,14 @@ class GeneratorConfig:
         te = TextEncoderPlacement(self.text_encoder_device, self.text_encoder_offload)
         return RunOptions(self.attention_backend, self.decode_dtype, te, self.partitions, self.adapter_registry,
                           self.max_loaded_adapters, self.max_loaded_adapter_bytes,
-                          adapter_plans=self.adaln_mode == "cached")  # fmt: skip
+                          adapter_plans=self.adaln_mode == "cached", quality=self.quality)  # fmt: skip
+
+    @cached_property
+    def quality(self) -> QualityLevels:
+        """--quality-levels as read (lossless only without it), with --quality-audit-dir's audits."""
+        from ditcore.quality import QualityLevels
+
+        return QualityLevels.load(self.quality_levels, self.quality_audit_dir)
 
     @cached_property
     def adapter_registry(self) -> AdapterRegistry | None:
@@ -528,6 +548,12 @@ class GeneratorConfig:
         check_bounds(self)
         _ = self.admin_secret  # a short token or an unreadable --admin-token-file is refused now
         _ = self.client_keys  # so is a bad --client-keys-file
+        from ditcore.quality import QualityLevelsError
+
+        try:
+            _ = self.quality  # and a bad --quality-levels file
+        except QualityLevelsError as e:
+            raise ValueError(f"--quality-levels: {e}") from e
         try:
             check_name(self.attention_backend)  # diffusers' names; whether it runs on the device is checked at start
         except ValueError as e:

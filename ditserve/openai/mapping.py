@@ -4,7 +4,8 @@
   GenerateRequest: `seconds` -> the nearest valid `num_frames` (17n + 5 at 24 fps, 5 to 15 s), `size` "WIDTHxHEIGHT"
   -> width, height; the output type is MP4 (what `/content` serves). JSON is parsed strictly: a number that is not
   finite (`NaN`, `Infinity`, `1e999`) is refused naming its field, an integer field takes only integers. vLLM-Omni's
-  `lora` (`{"name", "scale"}` or a list of them) names adapters of the generator's --adapter-dir (no `local_path`).
+  `lora` (`{"name", "scale"}` or a list of them) names adapters of the generator's --adapter-dir (no `local_path`);
+  `quality` (sglang's and vLLM-Omni's per-request field) names a quality level of its --quality-levels.
 - A Job becomes OpenAI's `Video` object: status queued | in_progress | completed | failed (a cancelled job is
   `failed` with error code "cancelled"), progress from the steps actually finished in any state (100 only once
   completed), `seconds` as the client asked it (the real length in `duration_seconds`), `expires_at` from the
@@ -43,7 +44,7 @@ EXTRA_FIELDS = (*INT_FIELDS, *FLOAT_FIELDS)
 FILE_PARTS = ("input_reference", "first_frame", "last_frame")
 """The multipart parts that may be files (the keyframes); another file part is refused naming it."""
 CREATE_FIELDS = frozenset({"prompt", "model", "seconds", "size", "input_reference", "first_frame", "last_frame",
-                           "output_type", "idempotency_key", "lora", *EXTRA_FIELDS})  # fmt: skip
+                           "output_type", "idempotency_key", "lora", "quality", *EXTRA_FIELDS})  # fmt: skip
 """Every field a create body may carry (another is refused naming it, not ignored)."""
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 _INTEGER = re.compile(r"[+-]?\d{1,20}")
@@ -327,6 +328,11 @@ def create_body(fields: dict[str, Any], first_frame: bytes = b"", last_frame: by
             setattr(req, name, number_field(name, fields[name]))
     if fields.get("lora") not in (None, "", []):
         req.adapters.extend(lora_adapters(fields["lora"]))
+    quality = fields.get("quality")
+    if quality not in (None, ""):
+        if not isinstance(quality, str):
+            raise ApiError(400, f"quality must be a quality level's name (a string), got {quality!r:.100}", "quality")
+        req.quality = quality  # the generator checks the level and its rules
     if fields.get("output_type") not in (None, "", "mp4"):
         raise ApiError(400, f"output_type must be mp4 here (what /content serves), got {fields['output_type']!r}",
                        "output_type")  # fmt: skip

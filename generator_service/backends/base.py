@@ -214,6 +214,15 @@ class Backend(ABC):
         if model is not None and request.adapters:
             model.adapter_set.resolve(request)
 
+    def check_quality(self, request: GenerationRequest) -> None:
+        """Admission: the request's quality level as the served model serves it (ditcore.quality: INVALID_ARGUMENT
+        for an unknown level or a rule the request breaks, naming `quality` and the rule; FAILED_PRECONDITION
+        QUALITY_NOT_AUDITED when no passing audit covers it and the level refuses that). The run reads it again."""
+        model = self.loaded()
+        if model is not None and request.quality:
+            world_size = model.replica.world_size if model.replica is not None else 1
+            model.quality.for_request(request, world_size, model.adapter_set.resolve(request))
+
     @abstractmethod
     def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease | None:
         """The request's plans, leased; None when the model computes modulation itself. `step_bound_s` bounds one of

@@ -88,6 +88,7 @@ class Admission:
         check_request(run.request, self.limits)
         self.backend.check_partition(run.request)
         self.backend.check_adapters(run.request)
+        self.backend.check_quality(run.request)
         tokens = check_prompt_tokens(self.backend, run.request, self.limits)  # the served tokenizer: ~8 ms for 16 KB
         self.backend.check_fits(run.request)
         self.backend.check_split(run.request, tokens)

@@ -80,6 +80,8 @@ def spec_meaning(spec: Mapping[str, Any]) -> str:
     """sha256 of what a job's spec asks for: every resolved value and file, but not its request_id (a label: a client
     may make up a fresh one per call) nor which uploads carried the files (inline or uploaded: the same file)."""
     meaning = {k: v for k, v in spec.items() if k not in ("request_id", "upload_ids")}
+    if not meaning.get("quality"):  # lossless: the meaning of a job stored before requests had a quality
+        meaning.pop("quality", None)
     return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()
 
 

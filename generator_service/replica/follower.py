@@ -23,7 +23,14 @@ from protos.ditserve.replica.v1 import replica_pb2 as rpb
 from ..backends.placement import StartPlacement
 from ..errors import LeaseCheckError
 from .leases import Fixed, Lockstep, RankLease
-from .work import EXIT_REPLICA_LOST, RankStoppedError, keys_from_work, rank_report, request_from_work
+from .work import (
+    EXIT_REPLICA_LOST,
+    RankStoppedError,
+    keys_from_work,
+    rank_report,
+    request_from_work,
+    step_cache_from_work,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +172,7 @@ class Follower:
             return  # some rank cannot run it: none does
         try:
             generate(model, request, Fixed(lease) if lease is not None else None, Lockstep(self.replica, None),
-                     self.limits, adapters=uses)  # fmt: skip
+                     self.limits, adapters=uses, step_cache=step_cache_from_work(msg.request))  # fmt: skip
             if lease is not None:
                 lease.check_rows()
             status = ""

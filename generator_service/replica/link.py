@@ -232,11 +232,13 @@ class ReplicaLink:
         every rank must find the same identities (its own --adapter-dir read by the same names)."""
         try:
             uses = model.adapter_set.resolve(request)
+            level, _ = model.quality.for_request(request, self.replica.world_size, uses)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        work = rpb.Run(request=request_to_work(request, [info.identity for info, _ in uses]),
+        step_cache = level.cache if level is not None else None
+        work = rpb.Run(request=request_to_work(request, [info.identity for info, _ in uses], step_cache),
                        fingerprint=model.info.fingerprint)  # fmt: skip
         if lease is not None:
             work.epoch = lease.epoch

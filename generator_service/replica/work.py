@@ -4,6 +4,7 @@ each rank's report, the exit status and errors both sides share. No grpc here.""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
 from ditcore import GenerationRequest
@@ -12,6 +13,7 @@ from ditcore.plans import PlanKey
 from ditcore.references import Reference
 from ditcore.replica import Replica
 from ditcore.request import AdapterUse
+from ditcore.step_cache import StepCache
 from protos.ditserve.replica.v1 import replica_pb2 as rpb
 
 from ..errors import GeneratorError
@@ -25,8 +27,11 @@ class RankStoppedError(GeneratorError):
 
 
 # ---------------------------------------------------------------------------- request on the wire
-def request_to_work(request: GenerationRequest, identities: Sequence[str] = ()) -> rpb.Request:
-    """The request as rank 0 hands it on, with each adapter's identity as rank 0 read it (`identities`, in order)."""
+def request_to_work(
+    request: GenerationRequest, identities: Sequence[str] = (), step_cache: StepCache | None = None
+) -> rpb.Request:
+    """The request as rank 0 hands it on, with each adapter's identity as rank 0 read it (`identities`, in order)
+    and its quality level's step cache (every rank installs the same hooks)."""
     adapters = [rpb.AdapterUse(name=u.name, scale=float(u.scale), identity=i)
                 for u, i in zip(request.adapters, identities, strict=True)]  # fmt: skip
     return rpb.Request(
@@ -36,7 +41,13 @@ def request_to_work(request: GenerationRequest, identities: Sequence[str] = ()) 
         audio_flow_shift=request.audio_flow_shift, seed=request.seed, height=request.height, width=request.width,
         num_frames=request.num_frames, first_frame=request.first_frame, last_frame=request.last_frame,
         references=[rpb.Reference(data=r.data, kind=r.kind) for r in request.references],
+        step_cache=json.dumps(step_cache.to_dict(), sort_keys=True) if step_cache is not None else "",
     )  # fmt: skip
+
+
+def step_cache_from_work(msg: rpb.Request) -> StepCache | None:
+    """The step cache rank 0 handed on (None: lossless)."""
+    return StepCache.parse(json.loads(msg.step_cache), "rank 0's step cache") if msg.step_cache else None
 
 
 def request_from_work(msg: rpb.Request) -> GenerationRequest:

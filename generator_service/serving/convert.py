@@ -155,6 +155,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int 
         "last_frame": msg.last_frame,
         "references": tuple(references),
         "adapters": tuple(AdapterUse(a.name, a.scale if a.HasField("scale") else 1.0) for a in msg.adapters),
+        "quality": msg.quality,
     }
     for name in _OPTIONAL:
         if msg.HasField(name):

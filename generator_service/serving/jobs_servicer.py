@@ -81,6 +81,7 @@ def _spec(spec: dict[str, object]) -> pb.JobSpec:
         height=int(spec["height"]), width=int(spec["width"]),  # type: ignore[call-overload]
         output_type=_OUTPUTS.get(str(spec["output_type"]), pb.OUTPUT_TYPE_UNSPECIFIED),
         has_first_frame=spec.get("first_frame") is not None, has_last_frame=spec.get("last_frame") is not None,
+        quality=str(spec.get("quality") or ""),
     )  # fmt: skip
     if spec.get("expected_generation") is not None:
         out.expected_generation = int(spec["expected_generation"])  # type: ignore[call-overload]

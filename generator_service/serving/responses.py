@@ -60,6 +60,9 @@ def response_from_result(res: RunResult, mode: pb.AdalnMode, with_data: bool = T
         adaln_mode=mode,
         output_type=OUTPUT_ENUMS[res.media.output_type if res.media is not None else "latents"],
         total_bytes=0 if with_data else _payload_bytes(res),
+        quality=r.quality,
+        blocks_skipped=r.blocks_skipped,
+        quality_warning=r.quality_warning,
     )
     m = res.media
     if m is not None:

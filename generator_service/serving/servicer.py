@@ -14,6 +14,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ditcore import GenerationRequest, RequestError
 from ditcore.adapter_contract import AdapterError, AdapterNotFoundError
+from ditcore.quality import QualityNotAuditedError
 from ditruntime.auth import check_admin_transport, check_bearer
 from ditruntime.convert import to_proto
 from ditruntime.errors import ServiceError
@@ -82,7 +83,13 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             run = Run(request, expected_generation=expected, deadline=deadline)
             context.add_callback(lambda: self._ended(run))  # client cancel / disconnect stops the executor
             self.registry.submit(run)
-        except (RequestError, ServiceError, AdapterError, AdapterNotFoundError) as e:  # refusals: their own status
+        except (
+            RequestError,
+            ServiceError,
+            AdapterError,
+            AdapterNotFoundError,
+            QualityNotAuditedError,
+        ) as e:  # refusals
             abort(context, e)
         return run
 

@@ -119,7 +119,7 @@ class UploadReferenceResponse(_message.Message):
     def __init__(self, upload_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., kind: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame", "references", "adapters")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame", "references", "adapters", "quality")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class GenerateRequest(_message.Message):
     LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
@@ -152,7 +153,8 @@ class GenerateRequest(_message.Message):
     last_frame: bytes
     references: _containers.RepeatedCompositeFieldContainer[Reference]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterUse]
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ...) -> None: ...
+    quality: str
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ..., quality: _Optional[str] = ...) -> None: ...
 
 class AdapterUse(_message.Message):
     __slots__ = ("name", "scale")
@@ -343,7 +345,7 @@ class Media(_message.Message):
     def __init__(self, content_type: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ..., filename: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "generation", "sha256", "tensors", "cache", "timings", "adaln_mode", "media", "output_type", "total_bytes", "num_inference_steps", "flow_shift", "audio_flow_shift")
+    __slots__ = ("request_id", "generation", "sha256", "tensors", "cache", "timings", "adaln_mode", "media", "output_type", "total_bytes", "num_inference_steps", "flow_shift", "audio_flow_shift", "quality", "blocks_skipped", "quality_warning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +359,9 @@ class GenerateResponse(_message.Message):
     NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FLOW_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_WARNING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generation: int
     sha256: str
@@ -370,7 +375,10 @@ class GenerateResponse(_message.Message):
     num_inference_steps: int
     flow_shift: float
     audio_flow_shift: float
-    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., sha256: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., media: _Optional[_Union[Media, _Mapping]] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., total_bytes: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ...) -> None: ...
+    quality: str
+    blocks_skipped: _containers.RepeatedScalarFieldContainer[float]
+    quality_warning: str
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., sha256: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., cache: _Optional[_Union[CacheReport, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., adaln_mode: _Optional[_Union[AdalnMode, str]] = ..., media: _Optional[_Union[Media, _Mapping]] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., total_bytes: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., quality: _Optional[str] = ..., blocks_skipped: _Optional[_Iterable[float]] = ..., quality_warning: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("request",)
@@ -687,7 +695,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "output_type", "has_first_frame", "has_last_frame", "expected_generation", "adapters")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "output_type", "has_first_frame", "has_last_frame", "expected_generation", "adapters", "quality")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -703,6 +711,7 @@ class JobSpec(_message.Message):
     HAS_LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
@@ -718,7 +727,8 @@ class JobSpec(_message.Message):
     has_last_frame: bool
     expected_generation: int
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterUse]
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., has_first_frame: _Optional[bool] = ..., has_last_frame: _Optional[bool] = ..., expected_generation: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ...) -> None: ...
+    quality: str
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., has_first_frame: _Optional[bool] = ..., has_last_frame: _Optional[bool] = ..., expected_generation: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ..., quality: _Optional[str] = ...) -> None: ...
 
 class JobContent(_message.Message):
     __slots__ = ("content_type", "total_bytes", "sha256", "filename", "available")

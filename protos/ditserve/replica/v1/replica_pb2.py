@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(protos/ditserve/replica/v1/replica.proto\x12\x13\x64itserve.replica.v1\"\xa0\x02\n\x08RankWork\x12-\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x1b.ditserve.replica.v1.AttachH\x00\x12\'\n\x03run\x18\x02 \x01(\x0b\x32\x18.ditserve.replica.v1.RunH\x00\x12+\n\x05stage\x18\x03 \x01(\x0b\x32\x1a.ditserve.replica.v1.StageH\x00\x12)\n\x04swap\x18\x04 \x01(\x0b\x32\x19.ditserve.replica.v1.SwapH\x00\x12)\n\x04stop\x18\x05 \x01(\x0b\x32\x19.ditserve.replica.v1.StopH\x00\x12\x31\n\x08\x64\x65scribe\x18\x06 \x01(\x0b\x32\x1d.ditserve.replica.v1.DescribeH\x00\x42\x06\n\x04work\"\n\n\x08\x44\x65scribe\"l\n\nRankReport\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x32\n\ncomponents\x18\x03 \x03(\x0b\x32\x1e.ditserve.replica.v1.Component\x12\x0c\n\x04node\x18\x04 \x01(\r\"~\n\tComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tplacement\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x14\n\x0c\x64\x65vice_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04note\x18\x07 \x01(\t\"h\n\x06\x41ttach\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x15\n\rnode_sessions\x18\x05 \x03(\x0cJ\x04\x08\x02\x10\x03R\x07session\"\xd7\x02\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x1b\n\x13num_inference_steps\x18\x04 \x01(\x05\x12\x12\n\nflow_shift\x18\x05 \x01(\x01\x12\x18\n\x10\x61udio_flow_shift\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12\x0e\n\x06height\x18\x08 \x01(\x05\x12\r\n\x05width\x18\t \x01(\x05\x12\x12\n\nnum_frames\x18\n \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x0b \x01(\x0c\x12\x12\n\nlast_frame\x18\x0c \x01(\x0c\x12\x32\n\nreferences\x18\r \x03(\x0b\x32\x1e.ditserve.replica.v1.Reference\x12\x31\n\x08\x61\x64\x61pters\x18\x0e \x03(\x0b\x32\x1f.ditserve.replica.v1.AdapterUse\";\n\nAdapterUse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05scale\x18\x02 \x01(\x01\x12\x10\n\x08identity\x18\x03 \x01(\t\"\'\n\tReference\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\"\xd7\x01\n\x03Run\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.ditserve.replica.v1.Request\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12/\n\tplan_keys\x18\x04 \x03(\x0b\x32\x1c.ditserve.replica.v1.PlanKey\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12-\n\x05nodes\x18\x07 \x03(\x0b\x32\x1e.ditserve.replica.v1.NodeLeaseJ\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06R\ngenerationR\x05slots\".\n\tNodeLease\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\r\"a\n\tRankPlace\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x0f\n\x07sidecar\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"E\n\x07PlanKey\x12\x15\n\rtimestep_bits\x18\x01 \x03(\x07\x12\x11\n\tpartition\x18\x02 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x03 \x01(\t\"2\n\x05Stage\x12\x14\n\x0cweights_path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"7\n\x04Swap\x12/\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1f.ditserve.replica.v1.SwapAction\"\x06\n\x04Stop*\x8a\x01\n\nSwapAction\x12\x1b\n\x17SWAP_ACTION_UNSPECIFIED\x10\x00\x12\x17\n\x13SWAP_ACTION_INSTALL\x10\x01\x12\x18\n\x14SWAP_ACTION_ROLLBACK\x10\x02\x12\x14\n\x10SWAP_ACTION_DROP\x10\x03\x12\x16\n\x12SWAP_ACTION_RETIRE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(protos/ditserve/replica/v1/replica.proto\x12\x13\x64itserve.replica.v1\"\xa0\x02\n\x08RankWork\x12-\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x1b.ditserve.replica.v1.AttachH\x00\x12\'\n\x03run\x18\x02 \x01(\x0b\x32\x18.ditserve.replica.v1.RunH\x00\x12+\n\x05stage\x18\x03 \x01(\x0b\x32\x1a.ditserve.replica.v1.StageH\x00\x12)\n\x04swap\x18\x04 \x01(\x0b\x32\x19.ditserve.replica.v1.SwapH\x00\x12)\n\x04stop\x18\x05 \x01(\x0b\x32\x19.ditserve.replica.v1.StopH\x00\x12\x31\n\x08\x64\x65scribe\x18\x06 \x01(\x0b\x32\x1d.ditserve.replica.v1.DescribeH\x00\x42\x06\n\x04work\"\n\n\x08\x44\x65scribe\"l\n\nRankReport\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x32\n\ncomponents\x18\x03 \x03(\x0b\x32\x1e.ditserve.replica.v1.Component\x12\x0c\n\x04node\x18\x04 \x01(\r\"~\n\tComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tplacement\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x14\n\x0c\x64\x65vice_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04note\x18\x07 \x01(\t\"h\n\x06\x41ttach\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0cweights_path\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x15\n\rnode_sessions\x18\x05 \x03(\x0cJ\x04\x08\x02\x10\x03R\x07session\"\xeb\x02\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x1b\n\x13num_inference_steps\x18\x04 \x01(\x05\x12\x12\n\nflow_shift\x18\x05 \x01(\x01\x12\x18\n\x10\x61udio_flow_shift\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12\x0e\n\x06height\x18\x08 \x01(\x05\x12\r\n\x05width\x18\t \x01(\x05\x12\x12\n\nnum_frames\x18\n \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x0b \x01(\x0c\x12\x12\n\nlast_frame\x18\x0c \x01(\x0c\x12\x32\n\nreferences\x18\r \x03(\x0b\x32\x1e.ditserve.replica.v1.Reference\x12\x31\n\x08\x61\x64\x61pters\x18\x0e \x03(\x0b\x32\x1f.ditserve.replica.v1.AdapterUse\x12\x12\n\nstep_cache\x18\x0f \x01(\t\";\n\nAdapterUse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05scale\x18\x02 \x01(\x01\x12\x10\n\x08identity\x18\x03 \x01(\t\"\'\n\tReference\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\"\xd7\x01\n\x03Run\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.ditserve.replica.v1.Request\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12/\n\tplan_keys\x18\x04 \x03(\x0b\x32\x1c.ditserve.replica.v1.PlanKey\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12-\n\x05nodes\x18\x07 \x03(\x0b\x32\x1e.ditserve.replica.v1.NodeLeaseJ\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06R\ngenerationR\x05slots\".\n\tNodeLease\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\r\"a\n\tRankPlace\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x0f\n\x07sidecar\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"E\n\x07PlanKey\x12\x15\n\rtimestep_bits\x18\x01 \x03(\x07\x12\x11\n\tpartition\x18\x02 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x03 \x01(\t\"2\n\x05Stage\x12\x14\n\x0cweights_path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"7\n\x04Swap\x12/\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1f.ditserve.replica.v1.SwapAction\"\x06\n\x04Stop*\x8a\x01\n\nSwapAction\x12\x1b\n\x17SWAP_ACTION_UNSPECIFIED\x10\x00\x12\x17\n\x13SWAP_ACTION_INSTALL\x10\x01\x12\x18\n\x14SWAP_ACTION_ROLLBACK\x10\x02\x12\x14\n\x10SWAP_ACTION_DROP\x10\x03\x12\x16\n\x12SWAP_ACTION_RETIRE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.ditserve.replica.v1.replica_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SWAPACTION']._serialized_start=1714
-  _globals['_SWAPACTION']._serialized_end=1852
+  _globals['_SWAPACTION']._serialized_start=1734
+  _globals['_SWAPACTION']._serialized_end=1872
   _globals['_RANKWORK']._serialized_start=66
   _globals['_RANKWORK']._serialized_end=354
   _globals['_DESCRIBE']._serialized_start=356
@@ -44,23 +44,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACH']._serialized_start=606
   _globals['_ATTACH']._serialized_end=710
   _globals['_REQUEST']._serialized_start=713
-  _globals['_REQUEST']._serialized_end=1056
-  _globals['_ADAPTERUSE']._serialized_start=1058
-  _globals['_ADAPTERUSE']._serialized_end=1117
-  _globals['_REFERENCE']._serialized_start=1119
-  _globals['_REFERENCE']._serialized_end=1158
-  _globals['_RUN']._serialized_start=1161
-  _globals['_RUN']._serialized_end=1376
-  _globals['_NODELEASE']._serialized_start=1378
-  _globals['_NODELEASE']._serialized_end=1424
-  _globals['_RANKPLACE']._serialized_start=1426
-  _globals['_RANKPLACE']._serialized_end=1523
-  _globals['_PLANKEY']._serialized_start=1525
-  _globals['_PLANKEY']._serialized_end=1594
-  _globals['_STAGE']._serialized_start=1596
-  _globals['_STAGE']._serialized_end=1646
-  _globals['_SWAP']._serialized_start=1648
-  _globals['_SWAP']._serialized_end=1703
-  _globals['_STOP']._serialized_start=1705
-  _globals['_STOP']._serialized_end=1711
+  _globals['_REQUEST']._serialized_end=1076
+  _globals['_ADAPTERUSE']._serialized_start=1078
+  _globals['_ADAPTERUSE']._serialized_end=1137
+  _globals['_REFERENCE']._serialized_start=1139
+  _globals['_REFERENCE']._serialized_end=1178
+  _globals['_RUN']._serialized_start=1181
+  _globals['_RUN']._serialized_end=1396
+  _globals['_NODELEASE']._serialized_start=1398
+  _globals['_NODELEASE']._serialized_end=1444
+  _globals['_RANKPLACE']._serialized_start=1446
+  _globals['_RANKPLACE']._serialized_end=1543
+  _globals['_PLANKEY']._serialized_start=1545
+  _globals['_PLANKEY']._serialized_end=1614
+  _globals['_STAGE']._serialized_start=1616
+  _globals['_STAGE']._serialized_end=1666
+  _globals['_SWAP']._serialized_start=1668
+  _globals['_SWAP']._serialized_end=1723
+  _globals['_STOP']._serialized_start=1725
+  _globals['_STOP']._serialized_end=1731
 # @@protoc_insertion_point(module_scope)

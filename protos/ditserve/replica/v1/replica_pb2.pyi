@@ -83,7 +83,7 @@ class Attach(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., weights_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., node_sessions: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "height", "width", "num_frames", "first_frame", "last_frame", "references", "adapters")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "height", "width", "num_frames", "first_frame", "last_frame", "references", "adapters", "step_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Request(_message.Message):
     LAST_FRAME_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: str
     prompt: str
@@ -112,7 +113,8 @@ class Request(_message.Message):
     last_frame: bytes
     references: _containers.RepeatedCompositeFieldContainer[Reference]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterUse]
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ...) -> None: ...
+    step_cache: str
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ..., step_cache: _Optional[str] = ...) -> None: ...
 
 class AdapterUse(_message.Message):
     __slots__ = ("name", "scale", "identity")
