@@ -28,17 +28,19 @@ CACHES = {
 
 
 @contextmanager
-def oracle_cache(repo: Path, cache: StepCache) -> Iterator[None]:
-    """diffusers' pipeline (the oracle's) with `cache` enabled through `enable_cache`, its loop in one context."""
+def oracle_cache(repo: Path, cache: StepCache, partition: str = "base") -> Iterator[None]:
+    """diffusers' pipeline (the oracle's) with `cache` enabled through `enable_cache` on the partition's transformer,
+    its loop in one context."""
     precision = stored_precision(repo)
     pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
+    transformer = pipe.transformer if partition == "base" else pipe.transformer_ref
     register_h3_blocks()
-    pipe.transformer.enable_cache(cache.config())
+    transformer.enable_cache(cache.config())
     try:
-        with pipe.transformer.cache_context("cond"):
+        with transformer.cache_context("cond"):
             yield
     finally:
-        pipe.transformer.disable_cache()
+        transformer.disable_cache()
 
 
 def run(model: Any, cache: StepCache | None, plans: Any = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -71,6 +73,29 @@ def test_a_step_cache_equals_diffusers_with_the_same_config(name: str, mode: str
     )
     assert plain.skipped_fraction == 0
     assert plain.attention == plain.feed_forward == [plain.blocks] * (REQUEST.num_inference_steps - 1)
+
+
+@pytest.mark.parametrize("task", ["fl2va", "ref2va"])
+def test_keyframe_and_reference_tasks_with_a_step_cache_equal_diffusers(
+    task: str, models: Any, tiny_ckpt: Path
+) -> None:
+    from refmedia import image_bytes
+
+    from ditcore.references import Reference
+
+    extra: dict[str, Any] = ({"first_frame": image_bytes(64, 48, seed=2)} if task == "fl2va"
+                             else {"references": (Reference(image_bytes(80, 48, seed=1)),)})  # fmt: skip
+    request = GenerationRequest(**{**vars(REQUEST), "task": task, **extra})
+    cache = StepCache.parse(CACHES["taylorseer"], "taylorseer")
+    for mode in ("resident", "cached"):
+        model, plans = models[mode]
+        with applied(model.transformer_of(request.partition), cache) as counts:
+            result = generate(model, request, plans)
+        with oracle_cache(tiny_ckpt, cache, request.partition):
+            ref_video, ref_audio = diffusers_request_latents(tiny_ckpt, request)
+        assert torch.equal(result.video, ref_video) and torch.equal(result.audio, ref_audio), mode
+        assert counts.skipped_fraction > 0
+    assert not torch.equal(result.video, diffusers_request_latents(tiny_ckpt, request)[0])
 
 
 def test_first_block_cache_skips_whole_blocks_but_never_the_first(models: Any) -> None:

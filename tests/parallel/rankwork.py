@@ -200,3 +200,28 @@ def diffusers_with_adapters(
         pipe.unload_lora_weights()
         if rank == 0:
             save_file({"video": video.contiguous(), "audio": audio.contiguous()}, str(out / f"adapters{i}.safetensors"))
+
+
+def diffusers_with_step_cache(
+    rank: int, out: Path, repo: Path, request: dict[str, Any], degree: int, cache: dict[str, Any]
+) -> None:
+    """diffusers' own Ulysses loop on `degree` ranks with a step cache (ditcore.step_cache's definition: its H3 block
+    registered, enabled through `enable_cache` after `enable_parallelism`, the loop in one cache context, as a served
+    replica runs it); rank 0 saves the latents as step_cache.safetensors."""
+    from diffusers import ContextParallelConfig
+    from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
+
+    from ditcore.parallel import init_process_group
+    from ditcore.step_cache import StepCache, register_h3_blocks
+
+    init_process_group(torch.device("cpu"))
+    precision = stored_precision(repo)
+    pipe = _pipeline(str(repo), precision, False, released_decode_dtype(precision), "native")
+    with mock.patch("torch.accelerator.device_count", return_value=1):
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree))
+    register_h3_blocks()
+    pipe.transformer.enable_cache(StepCache.parse(cache, "test").config())
+    with pipe.transformer.cache_context("cond"):
+        video, audio = diffusers_request_latents(repo, request)
+    if rank == 0:
+        save_file({"video": video.contiguous(), "audio": audio.contiguous()}, str(out / "step_cache.safetensors"))

@@ -30,7 +30,7 @@ import grpc
 import pytest
 import torch
 from distkit import run_ranks
-from rankwork import diffusers_only, diffusers_with_adapters
+from rankwork import diffusers_only, diffusers_with_adapters, diffusers_with_step_cache
 from refmedia import video_bytes
 from safetensors.torch import load_file
 from servicekit import TOKEN, Weights, free_port, is_serving, short_tmpdir, wait_for
@@ -106,14 +106,26 @@ def adapter_dir(weights: Weights, tmp_path_factory: pytest.TempPathFactory) -> P
     return root
 
 
+TAYLORSEER = {"kind": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}
+LEVELS = """
+[levels.steady]
+cache = { kind = "taylorseer", cache_interval = 2, disable_cache_before_step = 1 }
+world_sizes = [2]
+unaudited = "warn"
+"""
+
+
 @pytest.fixture(scope="module")
 def replica(weights: Weights, adapter_dir: Path) -> Iterator[Replica]:
     run_dir = short_tmpdir("dsrep-")
+    levels = run_dir / "levels.toml"
+    levels.write_text(LEVELS)
     port = free_port()
     env = {**os.environ, "DITSERVE_ADMIN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "ditserve", "serve", "--nproc", "2", "--device", "cpu", "--checkpoint",
             str(weights.a), "--weights-root", str(weights.root), "--run-dir", str(run_dir), "--port", str(port),
-            "--no-metrics", "--gpu-plans", "512", "--adapter-dir", str(adapter_dir)]  # fmt: skip
+            "--no-metrics", "--gpu-plans", "512", "--adapter-dir", str(adapter_dir), "--quality-levels",
+            str(levels)]  # fmt: skip
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"
     try:
@@ -156,6 +168,21 @@ def test_adapters_on_two_ranks_are_diffusers_context_parallel_with_them(
             result = client.generate({**REQUEST, "request_id": f"lora{i}", "adapters": uses}, timeout=240)
             assert result.sha256 == expected[i], uses
         assert client.generate({**REQUEST, "request_id": "base"}, timeout=240).generation == 1
+
+
+def test_a_quality_level_on_two_ranks_is_diffusers_context_parallel_with_its_step_cache(
+    replica: Replica, weights: Weights, tmp_path: Path
+) -> None:
+    """Every rank installs the level's hooks (rank 0 hands its step cache on): TaylorSeer, whose decisions every rank
+    makes alike (by step), equals diffusers' 2-rank loop with the same config; lossless after it is lossless."""
+    request = {**REQUEST, "num_inference_steps": 6}
+    out = run_ranks(diffusers_with_step_cache, 2, (weights.a, request, 2, TAYLORSEER), tmp_path)
+    with GeneratorClient(replica.target) as client:
+        result = client.generate({**request, "request_id": "steady", "quality": "steady"}, timeout=240)
+        assert result.quality == "steady" and sum(result.blocks_skipped) > 0
+        assert result.sha256 == digest(load_file(out / "step_cache.safetensors"))
+        plain = client.generate({**request, "request_id": "plain"}, timeout=240)
+        assert plain.quality == "lossless" and plain.sha256 != result.sha256 and not plain.blocks_skipped
 
 
 def test_ref2va_through_two_ranks_returns_diffusers_context_parallel_sha(
