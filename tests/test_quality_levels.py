@@ -179,3 +179,20 @@ def test_the_facade_takes_quality() -> None:
     assert create_body({"prompt": "a fox"}).request.quality == ""  # lossless
     with pytest.raises(ApiError, match="quality must be a quality level's name"):
         create_body({"prompt": "a fox", "quality": 3})
+
+
+def test_a_cached_server_serves_a_level_on_its_plans_as_resident_does(served: tuple[Pair, Path],
+                                                                      tiny_ckpt: Path) -> None:  # fmt: skip
+    """The plan cache is untouched by a level: the same plan keys (a lossless request after it hits every plan), the
+    same bits as the resident server, cold (rebuilt) and warm (slot hits)."""
+    resident, root = served
+    want = resident.generate({**REQUEST, "quality": "fast"}, request_id="r").sha256
+    with Pair(tiny_ckpt, mode="cached", quality_levels=root / "levels.toml") as pair:
+        pair.start()
+        cold = pair.generate({**REQUEST, "quality": "fast"}, request_id="c1")
+        assert cold.sha256 == want and cold.cache.built_plans == REQUEST["num_inference_steps"] - 1
+        lossless = pair.generate(REQUEST, request_id="c2")
+        assert lossless.cache.built_plans == 0 and lossless.cache.gpu_hit_plans == cold.cache.built_plans
+        assert lossless.sha256 == ref_sha(tiny_ckpt, REQUEST)
+        warm = pair.generate({**REQUEST, "quality": "fast"}, request_id="c3")
+        assert warm.sha256 == want and warm.cache.built_plans == 0
