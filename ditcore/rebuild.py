@@ -21,12 +21,21 @@ split 3 ways (42 / 43 / 43 columns) differs from the full GEMM, while 2, 4 and 8
 shapes at 2, 3, 4, 8 ways are exact. So the mode is measured per device, dtype, layout and N (`row_split_is_exact`,
 `shard_mode`); "projections" is bit-exact by construction (the same GEMMs as unsharded), at the cost of an uneven
 split (N need not divide the L + 1 projections).
+
+A pass reads the plan tensors through `ditcore.plan_stream.PlanStream` (`streamed=True`, the default): each
+projection's byte ranges (from the shard headers) in large sequential reads into a fixed pool of buffers on the
+builder's device (pinned staging and a side stream on cuda), read ahead on a thread of their own while the previous
+projection's GEMMs run; the bytes and the tensors they make are the same as `streamed=False`'s (safetensors'
+`get_tensor` / `get_slice`, one tensor at a time, then `.to(device)`), so the pages are bitwise the same. Either way
+`read_bytes` / `read_s` count the plan-tensor bytes read and the seconds spent reading them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
@@ -39,6 +48,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .adapter_plans import ModulationDeltas, lora_linear
+from .plan_stream import KEEP_BUFFER_BYTES, PlanStream, ReadConfig, projection_reads
 from .plans import PageLayout, PlanKey, is_plan_tensor, plan_inputs
 from .shards import load_dtype, read_tensor, shard_map
 
@@ -148,17 +158,32 @@ def _time_modules(config: dict[str, Any]) -> tuple[nn.Module, nn.Module, list[st
 class PlanBuilder:
     """Computes plan pages exactly as diffusers' MiniMaxH3Transformer3DModel does, from its checkpoint directory.
 
-    Holds only the time embedder (float32, as `_keep_in_fp32_modules` keeps it); the projections are streamed one at
-    a time during `build`. `tensor_reads` / `bytes_read` count every tensor read from the shards (tests, metrics).
+    Holds only the time embedder (float32, as `_keep_in_fp32_modules` keeps it); the projections are streamed during
+    `build` (a fixed pool of buffers, see ditcore.plan_stream). `tensor_reads` / `bytes_read` count every tensor read
+    from the shards (tests, metrics); `read_bytes` / `read_s` the plan-tensor bytes and the seconds reading them.
     """
 
     def __init__(
-        self, transformer_dir: str | os.PathLike[str], device: torch.device | str = "cpu", shard: Shard | None = None
+        self,
+        transformer_dir: str | os.PathLike[str],
+        device: torch.device | str = "cpu",
+        shard: Shard | None = None,
+        streamed: bool = True,
+        read_config: ReadConfig | None = None,
     ) -> None:
         self.transformer_dir = os.fspath(transformer_dir)
         self.device = torch.device(device)
         self.shard = shard if shard is not None else Shard()
         """The part of every page this builder computes (Shard(): all of it)."""
+        self.streamed = streamed and sys.byteorder == "little"  # safetensors' bytes are little-endian
+        """Whether a pass reads the plan tensors through a PlanStream (else one tensor at a time, safetensors')."""
+        self.read_config = read_config if read_config is not None else ReadConfig.for_device(self.device)
+        self.read_bytes = 0
+        """Plan-tensor bytes the passes read from the shards (as stored; 1/N of them per device when sharded)."""
+        self.read_s = 0.0
+        """Seconds the passes spent reading them (streamed: while at least one read was in flight)."""
+        self._streamed: dict[str, torch.Tensor] = {}
+        self._buffers: list[torch.Tensor] = []  # the last pass's projection buffers, kept while small
         with open(os.path.join(self.transformer_dir, "config.json")) as f:
             config = json.load(f)
         self.layout = PageLayout.from_config(config)
@@ -176,18 +201,28 @@ class PlanBuilder:
         """dtype of every projection and of the pages: as stored, under from_pretrained's keep-in-fp32 rule."""
 
     def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """One tensor's data as stored (only its rows [first, end) when `rows` is given), on the builder's device."""
-        if rows is None:
-            t = read_tensor(self.transformer_dir, self.files, name)
+        """One tensor's data as stored (only its rows [first, end) when `rows` is given), on the builder's device:
+        during a streamed pass the view its PlanStream read, else read now."""
+        streamed = self._streamed.pop(name, None)
+        if streamed is not None:
+            t = streamed
         else:
-            with safe_open(os.path.join(self.transformer_dir, self.files[name]), "pt") as f:
-                t = f.get_slice(name)[rows[0] : rows[1]]
+            t0 = time.perf_counter()
+            if rows is None:
+                t = read_tensor(self.transformer_dir, self.files, name)
+            else:
+                with safe_open(os.path.join(self.transformer_dir, self.files[name]), "pt") as f:
+                    t = f.get_slice(name)[rows[0] : rows[1]]
+            t = t.to(self.device)
+            if is_plan_tensor(name):
+                self.read_s += time.perf_counter() - t0
+                self.read_bytes += t.numel() * t.element_size()
         nbytes = t.numel() * t.element_size()
         self.tensor_reads[name] += 1
         self.bytes_read += nbytes
         if is_plan_tensor(name):
             self.plan_bytes_read += nbytes
-        return t.to(self.device)
+        return t
 
     def _load_time_embedder(self) -> None:
         """Assign the time embedder's tensors from the shards in float32 (`_keep_in_fp32_modules` keeps it so)."""
@@ -257,8 +292,38 @@ class PlanBuilder:
         with deltas.on_time_embedder(self.time_embedder) if deltas is not None else nullcontext():
             acts = [self.activations(t) for t in timesteps]  # (T_k, E) each
         whole = self.shard.count == 1
-        for prefix, offset, first, end in self.shard.spans(self.layout):
+        spans = list(self.shard.spans(self.layout))
+        if not self.streamed:
+            self._project(spans, acts, outputs, deltas, None)
+            return
+        reads = projection_reads(
+            self.transformer_dir, self.files, [(p, None if whole else (a, b)) for p, _, a, b in spans], self.device
+        )
+        stream = PlanStream(reads, self.device, self.read_config, self._buffers)
+        try:
+            with stream:
+                self._project(spans, acts, outputs, deltas, stream)
+        finally:
+            self._streamed = {}
+            kept = stream.buffers
+            self._buffers = kept if sum(b.nbytes for b in kept) <= KEEP_BUFFER_BYTES else []
+            self.read_bytes += stream.read_bytes
+            self.read_s += stream.read_s
+
+    def _project(
+        self,
+        spans: list[tuple[str, int, int, int]],
+        acts: list[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        deltas: ModulationDeltas | None,
+        stream: PlanStream | None,
+    ) -> None:
+        """Every span's GEMMs, its weight and bias taken from `stream` (in span order) or read one at a time."""
+        whole = self.shard.count == 1
+        for prefix, offset, first, end in spans:
             rows = None if whole else (first, end)
+            if stream is not None:
+                self._streamed = next(stream)
             weight = self._read(f"{prefix}.weight", rows).to(self.projection_dtype)  # (end - first, E)
             bias = self._read(f"{prefix}.bias", rows).to(self.projection_dtype)  # (end - first,)
             if weight.shape != (end - first, self.layout.time_embed_dim) or bias.shape != (end - first,):
@@ -275,7 +340,7 @@ class PlanBuilder:
                 if terms:
                     rows_out = lora_linear(rows_out, act, terms, None if whole else (first, end))
                 out[:, offset + first : offset + end] = rows_out
-            del weight, bias  # one projection resident at a time
+            del weight, bias  # the stream's buffer goes back to its reader at the next span
 
     def build_one(self, key: PlanKeyLike, deltas: ModulationDeltas | None = None) -> torch.Tensor:
         """One key's (width, page_numel) pages (a pass of its own), with `deltas`' adapters if given."""

@@ -435,6 +435,11 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[Child]]:
         raise UsageError(str(e)) from e
     if side is not None and side.state_dir is not None:  # every directory flag, before any child starts
         prepare_dir(side.state_dir, "--state-dir")
+    if side is not None and side.cache.plan_dir is not None:
+        if side.cache.plan_dir_read_only:
+            require_dir(side.cache.plan_dir, "--plan-dir")
+        else:
+            prepare_dir(side.cache.plan_dir, "--plan-dir")
     if gen.weights_root is not None:
         require_dir(gen.weights_root, "--weights-root")
     for warning in warnings(args, gen):

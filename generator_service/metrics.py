@@ -63,7 +63,9 @@ class GeneratorMetrics:
         c = result.result.cache
         if c is None:
             return
-        for tier, n in (("slot_hit", c.gpu_hit_plans), ("host_hit", c.host_hit_plans), ("built", c.built_plans)):
+        tiers = (("slot_hit", c.gpu_hit_plans), ("host_hit", c.host_hit_plans), ("disk_hit", c.disk_hit_plans),
+                 ("built", c.built_plans))  # fmt: skip
+        for tier, n in tiers:
             if n:
                 self.plans.labels(tier).inc(n)
         if c.rebuild_s:

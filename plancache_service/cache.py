@@ -9,10 +9,12 @@ per-step plan keys:
 
 prepare, in order: validate count, width, finiteness and generation before touching any
 state; touch slot hits (LRU); take free slots, else evict least-recently-used plans no live
-lease holds; give each missing plan to the first of `self.tiers` (host memory, then the
-rebuild) that holds it, and let each tier fill its share (the host swaps in every plan it holds,
-whichever group stored it; the rebuild builds the rest in one pass); publish READY; let each
-tier store the group (the host tier skips it when it cannot fit); return the lease. A failed
+lease holds; give each missing plan to the first of `self.tiers` (host memory, the disk tier
+with `--plan-dir`, then the rebuild) that holds it, and let each tier fill its share (the host
+swaps in every plan it holds, whichever group stored it; the disk reads its plans from their
+packs; the rebuild builds the rest in one pass); publish READY; let each tier store the group
+(the host tier skips it when it cannot fit; the disk tier writes a pack when plans were rebuilt);
+return the lease. A failed
 prepare returns its slots to the free list (or, after publishing, just unpins them) and is
 retryable.
 
@@ -37,6 +39,7 @@ import torch
 from ditcore.plans import PlanKey, distinct_keys
 from ditcore.report import CacheReport
 from ditruntime.errors import GenerationMismatchError
+from ditruntime.plan_packs import PackStoreStats
 from ditruntime.slab import (
     COL_ADAPTERS,
     COL_GENERATION,
@@ -52,6 +55,7 @@ from ditruntime.slab import (
 
 from .config import CacheConfig
 from .device import Copier, SlabMemory
+from .disk_tier import DiskTier
 from .errors import (
     CacheBusyError,
     InvalidPlanRequestError,
@@ -120,6 +124,21 @@ class CacheStats:
     host_pressure_skips: int
     prepares: int
     failed_prepares: int
+    disk_capacity_bytes: int = 0
+    disk_used_bytes: int = 0
+    disk_packs: int = 0
+    disk_read_only: bool = False
+    disk_hit_plans: int = 0
+    disk_read_bytes: int = 0
+    disk_read_s: float = 0.0
+    disk_stored_plans: int = 0
+    disk_written_bytes: int = 0
+    disk_evictions: int = 0
+    disk_corrupt_packs: int = 0
+    disk_write_errors: int = 0
+    disk_write_skips: int = 0
+    rebuild_read_bytes: int = 0
+    rebuild_read_s: float = 0.0
 
     def to_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)
@@ -145,8 +164,10 @@ class PlanCache:
         )
         self._host = HostMemoryTier.allocate(config, source.page_numel, source.dtype, self.device)
         self._rebuild = RebuildTier(source)
+        self.disk = DiskTier.open(config, self._rebuild) if config.plan_dir is not None else None
+        """The disk tier (`--plan-dir`), or None."""
         # Asked in order for a group's missing plans; the last one holds every plan.
-        self.tiers: list[Tier] = [self._host, self._rebuild]
+        self.tiers: list[Tier] = [self._host, *([self.disk] if self.disk is not None else []), self._rebuild]
         n = config.gpu_plans
         self._slot_key: list[PlanKey | None] = [None] * n
         self._key_slot: dict[PlanKey, int] = {}
@@ -206,6 +227,8 @@ class PlanCache:
                     raise
                 raise RebuildError(f"prepare failed: storing the group in a tier: {e}") from e
             with self._state:
+                for st in stores:
+                    report = report.plus(st.report)
                 report = report.replace(host_stored=any(st.kept for st in stores))
                 lease = Lease(
                     next(self._ids), owner, generation, tuple(keys), tuple(self._key_slot[k] for k in keys), report
@@ -292,6 +315,8 @@ class PlanCache:
             return kept
 
     def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()  # packs handed to the writer are written first
         self.memory.close()
         self.host.buffer.close()
 
@@ -328,6 +353,7 @@ class PlanCache:
     def stats(self) -> CacheStats:
         with self._state:
             c, host = self.counters, self.host
+            d = self.disk.stats() if self.disk is not None else PackStoreStats()
             return CacheStats(
                 generation=self.generation,
                 num_slots=self.config.gpu_plans,
@@ -352,6 +378,21 @@ class PlanCache:
                 host_pressure_skips=host.pressure_skips,
                 prepares=c.prepares,
                 failed_prepares=c.failed_prepares,
+                disk_hit_plans=c.disk_hit_plans,
+                disk_read_bytes=c.disk_read_bytes,
+                disk_read_s=round(c.disk_read_s, 6),
+                disk_capacity_bytes=d.capacity_bytes,
+                disk_used_bytes=d.used_bytes,
+                disk_packs=d.packs,
+                disk_read_only=d.read_only,
+                disk_stored_plans=d.stored_plans,
+                disk_written_bytes=d.written_bytes,
+                disk_evictions=d.evictions,
+                disk_corrupt_packs=d.corrupt_packs,
+                disk_write_errors=d.write_errors,
+                disk_write_skips=self.disk.write_skips if self.disk is not None else 0,
+                rebuild_read_bytes=c.rebuild_read_bytes,
+                rebuild_read_s=round(c.rebuild_read_s, 6),
             )
 
     # ================================================================ internals

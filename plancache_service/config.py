@@ -50,6 +50,27 @@ class CacheConfig:
     """Byte cap of the host tier (`--host-cache-gb`, decimal GB); 0 disables it. Clipped at start to
     the memory budget (MemAvailable, and every cgroup limit above the process minus its working set)
     minus `host_reserve_bytes`; the tier is then exactly the whole pages that fit."""
+    plan_dir: Path | None = flag(
+        None, "disk tier: keep built plans as pack files in this directory, asked after the host tier and before a "
+        "rebuild (default: off)",
+    )  # fmt: skip
+    """The disk tier's directory (`--plan-dir`): after a prepare that rebuilt plans, the group's pages are written
+    there as one pack, addressed by everything that determines their bits (the partition's weight fingerprint, the
+    adapters digest, dtype, page layout, shard split, builder, timesteps), so a restarted sidecar (or another one
+    sharing the directory) reads them instead of rebuilding. Created 0700 when missing (unless
+    `--plan-dir-read-only`). docs/architecture.md, "The disk tier and plan packs"."""
+    plan_dir_max_bytes: int = flag(
+        64 * GB, "disk tier size bound; least recently used packs are deleted beyond it (default %(default)s)",
+        name="--plan-dir-max-gb", scale=GB, flag_type=float, low=0,
+    )  # fmt: skip
+    """Byte bound of `--plan-dir` (decimal GB, like `--host-cache-gb`): after each pack written, the least recently
+    used packs (last read or written) are deleted until the directory's packs fit."""
+    plan_dir_read_only: bool = flag(
+        False,
+        "read --plan-dir's packs (e.g. a directory another sidecar writes) but never write, touch or delete there",
+    )
+    """Use `--plan-dir` read-only: it must exist; packs another sidecar wrote (another host sharing the volume) are
+    read, a damaged one is left in place unused, nothing is written, touched, evicted or deleted."""
     host_reserve_bytes: int = 2 * 1024**3
     """Memory left to everything else when clipping the host tier to available memory."""
     host_chunk_bytes: int = 64 * 1024**2
@@ -107,6 +128,8 @@ class CacheConfig:
                 raise ValueError(f"--devices must list 'cpu' or 'cuda[:N]' devices, got {d!r} in {self.devices!r}")
         if len({d.split(":")[0] for d in self.slab_devices}) > 1:
             raise ValueError(f"--devices must be all cpu or all cuda, got {self.devices!r}")
+        if self.plan_dir_read_only and self.plan_dir is None:
+            raise ValueError("--plan-dir-read-only needs --plan-dir")
         if self.host_chunk_bytes < 1:
             raise ValueError(f"host_chunk_bytes must be positive, got {self.host_chunk_bytes}")
 

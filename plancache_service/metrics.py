@@ -37,6 +37,7 @@ def _cache_counters(s: CacheStats) -> Iterator[CounterMetricFamily]:
     plans = CounterMetricFamily(f"{P}_plans", "Plans served by tier", labels=["tier"])
     plans.add_metric(["slot_hit"], s.slot_hit_plans)
     plans.add_metric(["host_hit"], s.host_hit_plans)
+    plans.add_metric(["disk_hit"], s.disk_hit_plans)
     plans.add_metric(["built"], s.built_plans)
     yield plans
     yield CounterMetricFamily(
@@ -48,10 +49,34 @@ def _cache_counters(s: CacheStats) -> Iterator[CounterMetricFamily]:
     ev = CounterMetricFamily(f"{P}_evictions", "Evictions by tier", labels=["tier"])
     ev.add_metric(["slot"], s.slot_evictions)
     ev.add_metric(["host_group"], s.host_group_evictions)
+    ev.add_metric(["disk_pack"], s.disk_evictions)
     yield ev
+    yield CounterMetricFamily(f"{P}_disk_read_bytes", "Page bytes read from the disk tier", value=s.disk_read_bytes)
+    yield CounterMetricFamily(f"{P}_disk_read_seconds", "Seconds spent reading the disk tier", value=s.disk_read_s)
+    yield CounterMetricFamily(
+        f"{P}_disk_stored_plans", "Plans written to the disk tier in packs", value=s.disk_stored_plans
+    )
+    yield CounterMetricFamily(f"{P}_disk_written_bytes", "Bytes of plan packs written", value=s.disk_written_bytes)
+    yield CounterMetricFamily(
+        f"{P}_disk_corrupt_packs", "Damaged plan packs found (deleted unless read-only)", value=s.disk_corrupt_packs
+    )
+    yield CounterMetricFamily(
+        f"{P}_disk_write_errors", "Plan pack writes that failed (full disk, unwritable directory)",
+        value=s.disk_write_errors,
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        f"{P}_disk_write_skips", "Groups not written: too many bytes waiting for the writer", value=s.disk_write_skips
+    )
     yield CounterMetricFamily(
         f"{P}_host_pressure_skips", "Groups that could not fit the host tier", value=s.host_pressure_skips
     )
+    yield CounterMetricFamily(
+        f"{P}_rebuild_read_bytes", "Checkpoint plan-tensor bytes rebuild passes read", value=s.rebuild_read_bytes
+    )
+    yield CounterMetricFamily(
+        f"{P}_rebuild_read_seconds", "Seconds rebuild passes spent reading the checkpoint (read throughput: bytes "
+        "/ seconds)", value=s.rebuild_read_s,
+    )  # fmt: skip
     prep = CounterMetricFamily(f"{P}_prepares", "PreparePlans outcomes", labels=["outcome"])
     prep.add_metric(["ok"], s.prepares)
     prep.add_metric(["failed"], s.failed_prepares)
@@ -70,6 +95,11 @@ def _cache_gauges(s: CacheStats) -> Iterator[GaugeMetricFamily]:
     host.add_metric(["used"], s.host_used_bytes)
     yield host
     yield GaugeMetricFamily(f"{P}_host_groups", "Groups in the host tier", value=s.host_groups)
+    disk = GaugeMetricFamily(f"{P}_disk_bytes", "Disk tier bytes", labels=["kind"])
+    disk.add_metric(["capacity"], s.disk_capacity_bytes)
+    disk.add_metric(["used"], s.disk_used_bytes)
+    yield disk
+    yield GaugeMetricFamily(f"{P}_disk_packs", "Plan packs in the disk tier", value=s.disk_packs)
 
 
 def sidecar_registry(sidecar: Sidecar) -> CollectorRegistry:

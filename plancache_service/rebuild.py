@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,6 +54,20 @@ def _require_adaln(info: CheckpointInfo) -> None:
                 f"{info.path}: {part.folder}/ holds no native adaln_proj / norm_out.linear tensors (a repository "
                 "stripped for cached generators); the plan cache builds every plan from them, so it cannot serve it"
             )
+
+
+@dataclass(frozen=True)
+class PassReads:
+    """What one rebuild pass read from the checkpoint: plan-tensor bytes (every device's together) and the seconds
+    spent reading them (the devices read at once: the slowest device's; partitions and adapter groups one after the
+    other: summed). `gbps` is the pass's read throughput."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def concrete_device(device: torch.device | str) -> torch.device:
@@ -194,19 +209,28 @@ class RebuildSource:
             )
 
     # ---------------------------------------------------------------- pages
-    def build(self, keys: Sequence[PlanKey], outputs: Sequence[torch.Tensor]) -> None:
+    def build(self, keys: Sequence[PlanKey], outputs: Sequence[torch.Tensor]) -> PassReads:
         """One pass: every key's pages into `outputs[k]`, (width_k, page_numel) in `dtype` on the (one) device."""
         if len(self.devices) != 1:
             raise ValueError(f"this source builds for {len(self.devices)} devices: use build_all")
-        self.build_all(keys, [outputs])
+        return self.build_all(keys, [outputs])
 
-    def build_all(self, keys: Sequence[PlanKey], outputs: Sequence[Sequence[torch.Tensor]]) -> None:
+    def read_totals(self) -> list[tuple[int, float]]:
+        """Per device, the plan-tensor bytes its builders (every partition's) have read so far and the seconds spent."""
+        return [
+            (sum(bs[d].read_bytes for bs in self.partition_builders.values()),
+             sum(bs[d].read_s for bs in self.partition_builders.values()))
+            for d in range(len(self.devices))
+        ]  # fmt: skip
+
+    def build_all(self, keys: Sequence[PlanKey], outputs: Sequence[Sequence[torch.Tensor]]) -> PassReads:
         """One sharded pass: `outputs[d][k]` is key k's (width_k, page_numel) pages on device d, every device's
         written in full. Device d's builder computes its shard's columns into its own outputs (the devices in
-        parallel), then those columns are copied into every other device's outputs."""
+        parallel), then those columns are copied into every other device's outputs. Returns what the pass read."""
         if len(outputs) != len(self.devices):
             raise ValueError(f"{len(outputs)} output lists for {len(self.devices)} devices")
         self.check_unchanged()
+        before = self.read_totals()
         crash_point("sidecar:during_rebuild")
         unknown = sorted({k.partition for k in keys} - set(self.partition_builders))
         if unknown:
@@ -228,6 +252,11 @@ class RebuildSource:
             raise
         except Exception as e:  # OSError, a safetensors error on a damaged shard, a shape the builder refuses
             raise RebuildError(f"rebuild from {self.info.path} failed: {type(e).__name__}: {e}") from e
+        after = self.read_totals()
+        return PassReads(
+            sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
+            max((a[1] - b[1] for a, b in zip(after, before, strict=True)), default=0.0),
+        )
 
     def _build_partition(
         self, builders: list[PlanBuilder], keys: Sequence[PlanKey], outputs: Sequence[Sequence[torch.Tensor]]

@@ -5,8 +5,8 @@ each tier then fills its share's FILLING slots in one go (`fill`, fenced before 
 host tier swaps in every plan it holds, whichever group stored it, and the rebuild builds the rest
 in one pass. A fill's bookkeeping (`commit`) runs once every fill succeeded. After the
 slots are published, each tier may keep the group (`store`; a capacity miss is not kept, never
-an error). The list ends with the rebuild tier, which holds every plan. A new tier (a disk
-tier of built plans) is one class here plus one entry in the cache's list. No gRPC here.
+an error). The list ends with the rebuild tier, which holds every plan; the disk tier of built plans
+(`disk_tier.DiskTier`, `--plan-dir`) sits between the host tier and the rebuild. No gRPC here.
 
 Locking: every call comes under the cache's prepare lock, so a tier's bookkeeping never changes
 under a `fill` or a copy. Bookkeeping changes only under the cache's state lock too (`store`'s
@@ -22,7 +22,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,11 @@ class CacheCounters:
     rebuild_s: float = 0.0
     swap_in_bytes: int = 0
     swap_in_s: float = 0.0
+    disk_hit_plans: int = 0
+    disk_read_bytes: int = 0
+    disk_read_s: float = 0.0
+    rebuild_read_bytes: int = 0
+    rebuild_read_s: float = 0.0
     slot_evictions: int = 0
     prepares: int = 0
     failed_prepares: int = 0
@@ -76,11 +81,13 @@ class TierFill:
 class TierStore:
     """A tier's answer to `store`: whether it holds the group once `copy` has run. The booking is done (under the
     cache's state lock); the cache runs `copy` after dropping that lock, with the group's slots still pinned, and
-    `undo` (under the lock again) if the copy raised."""
+    `undo` (under the lock again) if the copy raised. `report` is added to the request's (the disk tier's
+    `disk_stored_plans`)."""
 
     kept: bool
     copy: Callable[[], None] = _nothing
     undo: Callable[[], None] = _nothing
+    report: CacheReport = field(default_factory=CacheReport)
 
 
 NOT_KEPT = TierStore(False)
@@ -202,18 +209,11 @@ class HostMemoryTier(Tier):
 
     def fill(self, keys: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierFill:
         t0 = time.perf_counter()
-        pairs = [
-            (slab.row(s, j), page)
-            for k, s in zip(keys, slots, strict=True)
-            for j, page in enumerate(self.host.page_indices(k))
-        ]
+        runs = self._runs(keys, slots, int(slab.slab.shape[1]))
         chunks = self.host.buffer.chunks
         nbytes = 0
         for dst, copier in zip(slab.slabs, slab.copiers, strict=True):  # one host copy, every device's slab
-            rows_of = dst.view(-1, dst.shape[-1])
-            nbytes += sum(
-                copier.copy_rows(rows_of, chunks[c], rows) for c, rows in self.host.buffer.by_chunk(pairs).items()
-            )
+            nbytes += copier.copy_runs(dst.view(-1, dst.shape[-1]), chunks, runs)
         slab.fence()
         dt = time.perf_counter() - t0
         touched = list(keys)
@@ -222,6 +222,25 @@ class HostMemoryTier(Tier):
             CacheCounters(host_hit_plans=len(keys), swap_in_bytes=nbytes, swap_in_s=dt),
             commit=lambda: self.host.touch(touched),
         )
+
+    def _runs(self, keys: Sequence[PlanKey], slots: Sequence[int], width: int) -> list[tuple[int, int, int, int]]:
+        """The swap-in as (slab row, chunk, row in chunk, pages) runs, slots in order: pages consecutive on both
+        sides (a plan's, and the next slot's plan when its pages follow in the same chunk) are one run."""
+        per_chunk = self.host.buffer.chunk_pages
+        runs: list[tuple[int, int, int, int]] = []
+        for slot, key in sorted(zip(slots, keys, strict=True), key=lambda p: p[0]):
+            row = slot * width
+            for page in self.host.page_indices(key):
+                c, r = divmod(page, per_chunk)
+                if runs:
+                    d0, c0, r0, n0 = runs[-1]
+                    if c0 == c and d0 + n0 == row and r0 + n0 == r:
+                        runs[-1] = (d0, c0, r0, n0 + 1)
+                        row += 1
+                        continue
+                runs.append((row, c, r, 1))
+                row += 1
+        return runs
 
     def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierStore:
         """Book the group's plans not yet held (all or nothing); the copy out of their slots is `copy`."""
@@ -265,6 +284,8 @@ class RebuildTier(Tier):
 
     def __init__(self, source: RebuildSource) -> None:
         self.source = source
+        self.built: set[PlanKey] | None = None
+        """The keys built since a storing tier last looked (None: nobody looks; the disk tier sets and clears it)."""
 
     def holds_all(self, keys: Sequence[PlanKey]) -> bool:
         return True
@@ -272,12 +293,30 @@ class RebuildTier(Tier):
     def fill(self, keys: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierFill:
         t0 = time.perf_counter()
         per_key = [slab.plans(s, k.width) for k, s in zip(keys, slots, strict=True)]
-        self.source.build_all(keys, [list(views) for views in zip(*per_key, strict=True)])  # per device, per key
+        reads = self.source.build_all(keys, [list(views) for views in zip(*per_key, strict=True)])  # per device, key
         slab.fence()
         dt = time.perf_counter() - t0
+        built = list(keys)
+
+        def commit() -> None:
+            if self.built is not None:
+                self.built.update(built)
+
         return TierFill(
-            CacheReport(built_plans=len(keys), rebuild_s=round(dt, 6)),
-            CacheCounters(built_plans=len(keys), rebuild_passes=1, rebuild_s=dt),
+            CacheReport(
+                built_plans=len(keys),
+                rebuild_s=round(dt, 6),
+                rebuild_read_bytes=reads.nbytes,
+                rebuild_read_s=round(reads.seconds, 6),
+            ),
+            CacheCounters(
+                built_plans=len(keys),
+                rebuild_passes=1,
+                rebuild_s=dt,
+                rebuild_read_bytes=reads.nbytes,
+                rebuild_read_s=reads.seconds,
+            ),
+            commit,
         )
 
     def clear(self, partitions: set[str] | None = None) -> None:

@@ -438,6 +438,7 @@ class Pair:
         drain_timeout_s: float = 60.0,
         heartbeat_s: float = 0.5,
         sidecar_metrics_port: int | None = None,
+        plan_dir: Path | None = None,
         **generator_options: Any,
     ) -> None:
         self.checkpoint, self.group, self.mode, self.workdir = checkpoint, group, mode, short_tmpdir()
@@ -445,8 +446,9 @@ class Pair:
         self.state_dir = self.workdir / state_dir if state_dir is not None else None
         self.port = free_port() if group is not None else 0  # in this process: known once started
         cache = CacheConfig(
-            gpu_plans=gpu_plans, plan_width=plan_width, host_cache_bytes=host_cache_bytes, device=sidecar_device
-        )
+            gpu_plans=gpu_plans, plan_width=plan_width, host_cache_bytes=host_cache_bytes, device=sidecar_device,
+            plan_dir=plan_dir,
+        )  # fmt: skip
         self.sidecar_config = SidecarConfig(
             checkpoint, cache, self.sidecar_target,
             heartbeat_s=heartbeat_s, state_dir=self.state_dir, metrics_port=sidecar_metrics_port,

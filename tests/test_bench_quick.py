@@ -13,7 +13,7 @@ import pytest
 SCENARIOS = {
     "repeat_vs_first_seen", "host_tier", "alternating", "cached_vs_resident",
     "sidecar_overhead", "prepare_latency", "rebuild_efficiency", "rebuild_overlap", "generator_memory",
-    "job_overhead", "replica", "adapters",
+    "job_overhead", "replica", "adapters", "read_path",
 }  # fmt: skip
 
 
@@ -42,6 +42,8 @@ def test_bench_quick_writes_table_json_and_chart(tmp_path: Path) -> None:
     replica = doc["replica"]  # a 2-rank replica: its rebuild reads half the plan bytes per rank, pages identical
     assert replica["bytes_read_per_rank_2"] == [replica["bytes_read_1"] // 2] * 2
     assert replica["sharded_pages_identical"] is True and replica["replica_repeat_identical"] is True
+    read = doc["read_path"]  # the streamed rebuild's pages are the per-tensor path's; every plan byte read once
+    assert read["bit_exact"] is True and read["plan_tensor_bytes"] == doc["generator_memory"]["plan_tensor_bytes"]
     memory = doc["generator_memory"]
     assert memory["met"] is True and memory["ratio"] >= 0.95
     assert memory["cached"]["held_plan_bytes"] == 0

@@ -212,6 +212,22 @@ def test_k8s_replica_overlay_is_one_rank_per_gpu_with_a_slab_each(tmp_path: Path
     assert generator["resources"]["limits"]["nvidia.com/gpu"] == nproc
 
 
+def test_every_deployed_sidecar_keeps_its_built_plans_on_its_state_volume(compose: dict[str, Any]) -> None:
+    """The disk tier (--plan-dir) is on wherever a sidecar is deployed: a directory on the state volume (which the
+    sidecar writes: created 0700 there), bounded by --plan-dir-max-gb."""
+    sidecars = [compose["services"]["plancache"]["command"]]
+    for path in (K8S / "deployment.yaml", DOCKER / "k8s-replica" / "replica-4gpu.yaml",
+                 DOCKER / "k8s-replica-nodes" / "statefulset.yaml"):  # fmt: skip
+        [sidecar] = _load(path)["spec"]["template"]["spec"]["initContainers"]
+        sidecars.append(sidecar["args"])
+    for args in sidecars:
+        state, plans = _flag(args, "--state-dir"), _flag(args, "--plan-dir")
+        assert plans.startswith(state + "/") and "--plan-dir-read-only" not in args
+        assert float(_flag(args, "--plan-dir-max-gb")) > 0
+        cache = build_parser().parse_args([a for a in args if a.startswith("--plan-dir")] + ["--checkpoint=/m"])
+        assert cache.plan_dir == plans
+
+
 # ----------------------------------------------------------------------------- compose
 def test_compose_shares_ipc_and_pid_and_waits_for_a_healthy_sidecar(compose: dict[str, Any]) -> None:
     side, gen = compose["services"]["plancache"], compose["services"]["generator"]

@@ -1,5 +1,6 @@
-"""Baselines the benchmarks compare against: reading the plan tensors' bytes, a plain memcpy, and what a process
-holds in memory (/proc)."""
+"""Baselines the benchmarks compare against: reading the plan tensors' bytes (through safetensors, or as a plain
+sequential read of their byte ranges), dropping them from the page cache, a plain memcpy, and what a process holds in
+memory (/proc)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,51 @@ def read_plan_tensors_seconds(info: CheckpointInfo, device: str = "cpu") -> floa
 
     read()
     return min(timed(read) for _ in range(3))
+
+
+def plain_read_seconds(ranges: list[tuple[str, int, int]], chunk_bytes: int = 64 * 1024**2) -> float:
+    """One plain sequential read of the (path, offset, bytes) ranges, in file order, each file opened once, in reads
+    of at most `chunk_bytes` into one reusable pre-faulted buffer (cat's way, with a bigger buffer): what reading the
+    same bytes costs with nothing else done."""
+    from ditcore.plan_stream import pread_into
+
+    buf = memoryview(bytearray(min(chunk_bytes, max((n for _, _, n in ranges), default=1))))
+    fds: dict[str, int] = {}
+    t0 = time.perf_counter()
+    try:
+        for path, offset, nbytes in sorted(ranges):
+            fd = fds.get(path)
+            if fd is None:
+                fd = fds[path] = os.open(path, os.O_RDONLY)
+            for o in range(0, nbytes, len(buf)):
+                n = min(len(buf), nbytes - o)
+                pread_into(fd, buf[:n], offset + o, path)
+        return time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def drop_page_cache(paths: list[str]) -> str:
+    """Evict `paths` from the page cache: "fadvise" (posix_fadvise DONTNEED per file, after writing back: its clean
+    pages go unless someone maps them; nothing else on the machine is touched), else "drop_caches" (root only:
+    /proc/sys/vm/drop_caches, every file's), else "none"."""
+    if hasattr(os, "posix_fadvise"):
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        return "none"
 
 
 def memcpy_bandwidth(nbytes: int, device: str = "cpu") -> float:

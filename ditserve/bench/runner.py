@@ -22,7 +22,7 @@ from ditcore.checkpoint_files import is_repository_dir
 from ditcore.presets import DTYPES
 from ditruntime.paths import prepare_dir
 
-from . import adapters, context, replica, report, scenarios
+from . import adapters, context, read_path, replica, report, scenarios
 from .harness import Record
 from .jobs_scenario import job_overhead
 
@@ -90,6 +90,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ctx.log("7. rebuild efficiency")
     bit_exact = bool(alt["sha256_identical"] and results["cached_vs_resident"]["sha256_identical"])
     results["rebuild_efficiency"] = scenarios.rebuild_efficiency(ctx, first_seen, bit_exact)
+    ctx.log("16. rebuild read path and host tier copies against plain reads and copies")
+    results["read_path"] = read_path.read_path(ctx, rounds=3 if args.quick else 5)
     ctx.log("8. rebuild overlap")
     results["rebuild_overlap"] = scenarios.rebuild_overlap(ctx)
     results["generator_memory"] = memory

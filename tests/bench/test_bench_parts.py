@@ -192,3 +192,29 @@ def test_the_table_shows_a_scenarios_parts_and_numbers_without_a_target() -> Non
     lines = report.table(results).splitlines()
     assert [line.split()[0] for line in lines[2:]] == ["adapters", "adapters.fast_vs_base", "adapters.first_seen_build"]
     assert [line.split()[-1] for line in lines[2:]] == ["yes", "-", "NO"]
+
+
+def test_plain_read_and_page_cache_drop(tiny_ckpt: Path) -> None:
+    from ditserve.bench.measure import drop_page_cache, plain_read_seconds
+
+    shard = sorted((tiny_ckpt / "transformer").glob("*.safetensors"))[0]
+    assert plain_read_seconds([(str(shard), 8, 4096), (str(shard), 0, 8)], chunk_bytes=1024) > 0
+    assert drop_page_cache([str(shard)]) in {"fadvise", "drop_caches", "none"}
+
+
+def test_read_path_scenario_reports_bits_and_bytes(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Scenario 16's exact effects (never its timings): the streamed pages are the per-tensor path's, every plan
+    byte is read once per pass, the swap-in moves every page of the schedule's plans."""
+    from ditserve.bench.read_path import read_path
+
+    ctx = _ctx(tiny_ckpt, tmp_path)
+    out = read_path(ctx, rounds=1)
+    info = validate_checkpoint(tiny_ckpt)
+    keys = ctx.plan_keys("A")[1:]
+    assert out["bit_exact"] is True and isinstance(out["met"], bool)
+    assert out["plan_tensor_bytes"] == info.layout.plan_tensor_bytes(info.projection_dtype)
+    assert out["reads"] == info.layout.num_layers + 1 and out["plans"] == len(keys)
+    assert {"ratio", "target", "met", "method"} <= set(out["cold"])
+    swap = out["swap_in"]
+    assert swap["bytes"] == sum(k.width for k in keys) * info.layout.page_bytes(info.projection_dtype)
+    assert {"ratio", "target", "met"} <= set(swap)

@@ -154,21 +154,51 @@ class RecordingSafeOpen:
         return Handle()
 
 
+def streamed_tensors(reads: list[tuple[str, int, int]]) -> list[str]:
+    """The tensors whose bytes the recorded (path, offset, bytes) reads cover, each as often as it was read; an
+    AssertionError if a read takes in a byte of no such tensor (a byte of another tensor, or of the header)."""
+    from ditcore.checkpoint_files import read_shard_header
+
+    covered: list[str] = []
+    for path, offset, nbytes in reads:
+        header = read_shard_header(Path(path))
+        start = len(header.header_bytes)
+        inside = sorted((start + e.begin, start + e.end, name) for name, e in header.tensors.items()
+                        if offset <= start + e.begin and start + e.end <= offset + nbytes)  # fmt: skip
+        assert sum(end - begin for begin, end, _ in inside) == nbytes, f"{path} bytes {offset}+{nbytes}: {inside}"
+        covered += [name for _, _, name in inside]
+    return covered
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "per-tensor"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_builder_reads_only_plan_and_time_embedder_tensors(
-    repos: dict[str, Path], dtype: str, monkeypatch: pytest.MonkeyPatch
+    repos: dict[str, Path], dtype: str, streamed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from ditcore import plan_stream
+
     recording = RecordingSafeOpen()
     for module in (rebuild, shards):  # data reads go through shards.read_tensor; header look-ups through rebuild
         monkeypatch.setattr(module, "safe_open", recording)
-    builder = PlanBuilder(repos[dtype])
+    preads: list[tuple[str, int, int]] = []  # a streamed pass's reads (PlanStream)
+    real = plan_stream.pread_into
+
+    def recording_pread(fd: int, view: memoryview, offset: int, path: str) -> int:
+        preads.append((path, offset, len(view)))
+        return real(fd, view, offset, path)
+
+    monkeypatch.setattr(plan_stream, "pread_into", recording_pread)
+    builder = PlanBuilder(repos[dtype], streamed=streamed)
     one_pass(builder, KEYS)
     all_names = set(shard_map(str(repos[dtype])))
     assert {"proj_in.weight", "transformer_blocks.0.attn.to_q.weight"} <= all_names  # the checkpoint has them
     allowed = {n for n in all_names if is_plan_tensor(n) or n.startswith("time_embedder.")}
-    assert set(recording.read) == allowed  # every plan and time-embedder tensor, nothing else
-    assert len(recording.read) == len(allowed)  # and each once
+    read = recording.read + streamed_tensors(preads)
+    assert set(read) == allowed  # every plan and time-embedder tensor, nothing else
+    assert len(read) == len(allowed)  # and each once
+    assert bool(preads) == streamed and all(is_plan_tensor(n) for n in streamed_tensors(preads))
     assert set(builder.tensor_reads) == allowed
+    assert builder.read_bytes == sum(n for _, _, n in preads) if streamed else builder.read_bytes > 0
 
 
 @pytest.mark.parametrize(

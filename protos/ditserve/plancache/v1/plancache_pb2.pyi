@@ -209,7 +209,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("num_slots", "slot_width", "page_bytes", "slots_ready", "slots_leased", "host_capacity_bytes", "host_used_bytes", "host_groups", "host_pinned", "slot_hit_plans", "host_hit_plans", "built_plans", "rebuild_passes", "rebuild_s", "swap_in_bytes", "swap_in_s", "slot_evictions", "host_group_evictions", "host_pressure_skips", "prepares", "failed_prepares")
+    __slots__ = ("num_slots", "slot_width", "page_bytes", "slots_ready", "slots_leased", "host_capacity_bytes", "host_used_bytes", "host_groups", "host_pinned", "slot_hit_plans", "host_hit_plans", "built_plans", "rebuild_passes", "rebuild_s", "swap_in_bytes", "swap_in_s", "slot_evictions", "host_group_evictions", "host_pressure_skips", "prepares", "failed_prepares", "disk_capacity_bytes", "disk_used_bytes", "disk_packs", "disk_read_only", "disk_hit_plans", "disk_read_bytes", "disk_read_s", "disk_stored_plans", "disk_written_bytes", "disk_evictions", "disk_corrupt_packs", "disk_write_errors", "disk_write_skips", "rebuild_read_bytes", "rebuild_read_s")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_WIDTH_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,21 @@ class CacheStats(_message.Message):
     HOST_PRESSURE_SKIPS_FIELD_NUMBER: _ClassVar[int]
     PREPARES_FIELD_NUMBER: _ClassVar[int]
     FAILED_PREPARES_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_PACKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DISK_HIT_PLANS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_S_FIELD_NUMBER: _ClassVar[int]
+    DISK_STORED_PLANS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CORRUPT_PACKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_SKIPS_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_READ_S_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     slot_width: int
     page_bytes: int
@@ -252,7 +267,22 @@ class CacheStats(_message.Message):
     host_pressure_skips: int
     prepares: int
     failed_prepares: int
-    def __init__(self, num_slots: _Optional[int] = ..., slot_width: _Optional[int] = ..., page_bytes: _Optional[int] = ..., slots_ready: _Optional[int] = ..., slots_leased: _Optional[int] = ..., host_capacity_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., host_groups: _Optional[int] = ..., host_pinned: _Optional[bool] = ..., slot_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_passes: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_bytes: _Optional[int] = ..., swap_in_s: _Optional[float] = ..., slot_evictions: _Optional[int] = ..., host_group_evictions: _Optional[int] = ..., host_pressure_skips: _Optional[int] = ..., prepares: _Optional[int] = ..., failed_prepares: _Optional[int] = ...) -> None: ...
+    disk_capacity_bytes: int
+    disk_used_bytes: int
+    disk_packs: int
+    disk_read_only: bool
+    disk_hit_plans: int
+    disk_read_bytes: int
+    disk_read_s: float
+    disk_stored_plans: int
+    disk_written_bytes: int
+    disk_evictions: int
+    disk_corrupt_packs: int
+    disk_write_errors: int
+    disk_write_skips: int
+    rebuild_read_bytes: int
+    rebuild_read_s: float
+    def __init__(self, num_slots: _Optional[int] = ..., slot_width: _Optional[int] = ..., page_bytes: _Optional[int] = ..., slots_ready: _Optional[int] = ..., slots_leased: _Optional[int] = ..., host_capacity_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., host_groups: _Optional[int] = ..., host_pinned: _Optional[bool] = ..., slot_hit_plans: _Optional[int] = ..., host_hit_plans: _Optional[int] = ..., built_plans: _Optional[int] = ..., rebuild_passes: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., swap_in_bytes: _Optional[int] = ..., swap_in_s: _Optional[float] = ..., slot_evictions: _Optional[int] = ..., host_group_evictions: _Optional[int] = ..., host_pressure_skips: _Optional[int] = ..., prepares: _Optional[int] = ..., failed_prepares: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_packs: _Optional[int] = ..., disk_read_only: _Optional[bool] = ..., disk_hit_plans: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_read_s: _Optional[float] = ..., disk_stored_plans: _Optional[int] = ..., disk_written_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_corrupt_packs: _Optional[int] = ..., disk_write_errors: _Optional[int] = ..., disk_write_skips: _Optional[int] = ..., rebuild_read_bytes: _Optional[int] = ..., rebuild_read_s: _Optional[float] = ...) -> None: ...
 
 class GetStateResponse(_message.Message):
     __slots__ = ("generation", "weights_path", "fingerprint", "leases_held", "session_attached", "stats", "serving", "not_serving_reason", "pending_weights_path", "partitions")
