@@ -13,7 +13,7 @@ import pytest
 SCENARIOS = {
     "repeat_vs_first_seen", "host_tier", "alternating", "cached_vs_resident",
     "sidecar_overhead", "prepare_latency", "rebuild_efficiency", "rebuild_overlap", "generator_memory",
-    "job_overhead", "replica", "adapters", "read_path",
+    "job_overhead", "replica", "adapters", "read_path", "restart_from_disk",
 }  # fmt: skip
 
 
@@ -84,6 +84,11 @@ def test_bench_quick_writes_table_json_and_chart(tmp_path: Path) -> None:
     assert plan_bytes["added_bytes_per_schedule"]["modulation"] == {n: s["bytes"] for n, s in sets.items()}
     assert plan_bytes["run_check"]["modulation_first_built"] == plan_bytes["run_check"]["schedule_distinct_plans"] == 7
     assert "adapters:" in proc.stdout and "(e) plan bytes at h3" in proc.stdout
+    restart = doc["restart_from_disk"]  # every plan of the schedule read back from disk, bit for bit
+    assert (
+        restart["after_restart"]["disk_hit_plans"] == restart["plans"] and restart["after_restart"]["built_plans"] == 0
+    )
+    assert restart["first"]["disk_stored_plans"] == restart["plans"] and restart["pages_identical"] is True
     tiers = {r["tier"] for r in doc["_requests"]}
     assert {"built", "host", "slot", "resident"} <= tiers
     png = (out / "bench.png").read_bytes()

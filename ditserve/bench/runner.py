@@ -22,7 +22,7 @@ from ditcore.checkpoint_files import is_repository_dir
 from ditcore.presets import DTYPES
 from ditruntime.paths import prepare_dir
 
-from . import adapters, context, read_path, replica, report, scenarios
+from . import adapters, context, disk_tier, read_path, replica, report, scenarios
 from .harness import Record
 from .jobs_scenario import job_overhead
 
@@ -92,6 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["rebuild_efficiency"] = scenarios.rebuild_efficiency(ctx, first_seen, bit_exact)
     ctx.log("16. rebuild read path and host tier copies against plain reads and copies")
     results["read_path"] = read_path.read_path(ctx, rounds=3 if args.quick else 5)
+    ctx.log("17. a known schedule after a restart: from the disk tier against a rebuild")
+    results["restart_from_disk"] = disk_tier.restart_from_disk(ctx)
     ctx.log("8. rebuild overlap")
     results["rebuild_overlap"] = scenarios.rebuild_overlap(ctx)
     results["generator_memory"] = memory

@@ -218,3 +218,12 @@ def test_read_path_scenario_reports_bits_and_bytes(tiny_ckpt: Path, tmp_path: Pa
     swap = out["swap_in"]
     assert swap["bytes"] == sum(k.width for k in keys) * info.layout.page_bytes(info.projection_dtype)
     assert {"ratio", "target", "met"} <= set(swap)
+
+
+def test_restart_from_disk_reads_every_plan_back_bit_for_bit(tiny_ckpt: Path, tmp_path: Path) -> None:
+    from ditserve.bench.disk_tier import restart_from_disk
+
+    row = restart_from_disk(_ctx(tiny_ckpt, tmp_path))
+    assert row["after_restart"]["disk_hit_plans"] == row["plans"] > 0 and row["after_restart"]["built_plans"] == 0
+    assert row["first"]["built_plans"] == row["plans"] == row["first"]["disk_stored_plans"]
+    assert row["pages_identical"] is True and isinstance(row["met"], bool)
