@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -124,9 +125,9 @@ class PackIdentity:
     def describe(self) -> dict[str, Any]:
         return asdict(self)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """sha256 of the canonical description: the namespace plans are looked up in."""
+        """sha256 of the canonical description: the namespace plans are looked up in (computed once)."""
         return hashlib.sha256(canonical_json(self.describe())).hexdigest()
 
     @classmethod

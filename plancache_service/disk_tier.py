@@ -95,6 +95,7 @@ class DiskTier(Tier):
         self.max_pending_bytes = max_pending_bytes
         self.write_skips = 0
         self._ids: tuple[RebuildSource, dict[str, str], str] | None = None  # (the source, its fingerprints, builder)
+        self._identities: dict[tuple[str, str], PackIdentity] = {}
         self._pending = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Write | None] = queue.Queue()
@@ -120,7 +121,12 @@ class DiskTier(Tier):
         source = self.rebuild.source
         if self._ids is None or self._ids[0] is not source:  # a retarget swapped the source
             self._ids = (source, source.partition_fingerprints(), builder_of(source))
-        return identity_of(source, key, self._ids[1], self._ids[2])
+            self._identities = {}
+        known = self._identities.get((key.partition, key.adapters))
+        if known is None:  # one per partition and adapters digest (its digest computed once)
+            known = self._identities[(key.partition, key.adapters)] = identity_of(source, key, self._ids[1],
+                                                                                 self._ids[2])  # fmt: skip
+        return known
 
     # ---------------------------------------------------------------- Tier
     def holds_all(self, keys: Sequence[PlanKey]) -> bool:
