@@ -41,6 +41,9 @@ from .request import QUALITY_NAME, TASKS, GenerationRequest, RequestError
 from .step_cache import StepCache, StepCacheError
 
 LOSSLESS = "lossless"
+AUDIT_RUN = "audit run: "
+"""The warning's prefix of an audit run (`GenerationRequest.quality_audit`) at a shape no audit covers yet: it runs
+its level even under the policy "refuse"; every other rule of the level still holds."""
 LEVEL_NAME = QUALITY_NAME
 ADAPTER_POLICIES = ("none", "trunk", "any")
 PER_RANK_DECISIONS = ("first_block",)
@@ -290,7 +293,8 @@ class QualityLevels:
     def check(self, request: GenerationRequest, world_size: int, trunk_only: Sequence[bool] = ()) -> tuple[
             QualityLevel | None, str]:  # fmt: skip
         """The request's level (None: lossless) and a warning ("" if none): RequestError for a rule it breaks,
-        QualityNotAuditedError when no passing audit covers it and the level refuses that."""
+        QualityNotAuditedError when no passing audit covers it and the level refuses that (unless it is an audit
+        run: the server admits those from the admin alone)."""
         level = self.get(request.quality)
         if level is None:
             return None, ""
@@ -300,6 +304,8 @@ class QualityLevels:
         message = (f"level {level.name}: no passing audit covers {request.task} {request.num_inference_steps} steps "
                    f"{request.height}x{request.width}x{request.num_frames} on {world_size} rank(s); run `ditserve "
                    f"audit-quality --level {level.name}` on such requests")  # fmt: skip
+        if request.quality_audit:  # an audit has to run a level before any audit covers it (the admin's call)
+            return level, AUDIT_RUN + message
         if level.unaudited == "refuse":
             raise QualityNotAuditedError(message)
         return level, message

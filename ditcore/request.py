@@ -237,6 +237,10 @@ class GenerationRequest:
     quality: str = ""
     """A quality level of the server's --quality-levels (ditcore.quality: a step cache and what it may run with);
     "" or "lossless": no step cache, the model's own computation."""
+    quality_audit: bool = False
+    """An audit run (`ditserve audit-quality`): the level runs even where no passing audit covers the request and its
+    policy refuses such a request, with the warning (ditcore.quality; Generate admits it from the admin alone).
+    Every other rule of the level applies."""
 
     @property
     def steps(self) -> int:
@@ -344,6 +348,8 @@ class GenerationRequest:
         ]
         if not self.adapters:  # a request without adapters reads as it did before they existed (a job's meaning)
             del out["adapters"]
+        if not self.quality_audit:  # likewise a request that is no audit run
+            del out["quality_audit"]
         return out
 
     @classmethod
@@ -533,6 +539,8 @@ def _check_types(req: GenerationRequest) -> None:
             ok = isinstance(v, tuple)  # its entries: check_uses
         elif f.name in ("flow_shift", "audio_flow_shift"):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        elif f.name == "quality_audit":
+            ok = isinstance(v, bool)
         else:
             ok = isinstance(v, int) and not isinstance(v, bool)
         if not ok:

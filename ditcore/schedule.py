@@ -103,16 +103,25 @@ class ScheduleKeys:
 
     def keys(self, request: GenerationRequest) -> list[PlanKey]:
         """One key per transformer forward (num_inference_steps - 1 of them)."""
-        task = request.task
-        audio_rows = task == "ref2va" and request.has_reference_audio()
-        steps, partition = request.num_inference_steps, request.partition
-        memo_key = (steps, float(request.flow_shift), float(request.audio_flow_shift), task, audio_rows)
+        audio_rows = request.task == "ref2va" and request.has_reference_audio()
+        return self.schedule_keys(
+            request.task, request.num_inference_steps, request.flow_shift, request.audio_flow_shift, audio_rows
+        )
+
+    def schedule_keys(
+        self, task: str, steps: int, flow_shift: float, audio_flow_shift: float, audio_rows: bool = False
+    ) -> list[PlanKey]:
+        """`keys` of a request known by its schedule alone: its task, grid points, the two shifts and (ref2va)
+        whether a reference brings audio rows; what `ditserve plans build` computes a schedule line's keys with."""
+        audio_rows = task == "ref2va" and audio_rows
+        partition = "ref" if task == "ref2va" else "base"  # GenerationRequest.partition
+        memo_key = (steps, float(flow_shift), float(audio_flow_shift), task, audio_rows)
         with self._lock:
             if memo_key not in self._memo:
-                self._video.set_shift(request.flow_shift)
-                self._audio.set_shift(request.audio_flow_shift)
-                self._video.set_timesteps(request.num_inference_steps)
-                self._audio.set_timesteps(request.num_inference_steps)
+                self._video.set_shift(flow_shift)
+                self._audio.set_shift(audio_flow_shift)
+                self._video.set_timesteps(steps)
+                self._audio.set_timesteps(steps)
                 self._memo[memo_key] = [
                     PlanKey.from_timesteps(
                         float(tv), float(ta), *_condition_timesteps(task, float(tv), audio_rows), partition=partition

@@ -1,9 +1,9 @@
 """Plan packs: built plans on disk, one file per group, content-addressed by everything that determines their bits.
 
 The sidecar's disk tier (`plancache_service.disk_tier`, `--plan-dir`) writes a pack after a prepare that rebuilt part of
-a group and reads plans back from any pack that holds them; a later `ditserve plans ...` CLI can list, verify and
-collect a plan directory with the helpers here. No gRPC, no torch: pages are bytes here (the tier views them as
-tensors). See docs/architecture.md, "The disk tier and plan packs".
+a group and reads plans back from any pack that holds them; `ditserve plans` (ditserve/plans_cli.py) writes packs
+ahead of serving and lists, verifies and collects a plan directory with the helpers here. No gRPC, no torch: pages are
+bytes here (the tier views them as tensors). See docs/architecture.md, "The disk tier and plan packs".
 
 **Address.** A pack's name is `<address>.pack`, the address the sha256 of the canonical JSON (sorted keys, no
 whitespace) of its `PackKey`: the `PackIdentity` of its plans (the partition's weight fingerprint, the partition, the

@@ -9,6 +9,9 @@
     ditserve generate --target 127.0.0.1:50051 --prompt "a red fox" --adapter style=0.8   # an --adapter-dir LoRA
     ditserve adapters --target 127.0.0.1:50051          # the generator's adapters (ListAdapters)
     ditserve adapters load style --target 127.0.0.1:50051   # load it now (LoadAdapter; the admin token)
+    ditserve quality-levels --target 127.0.0.1:50051    # the quality levels and their audits (ListQualityLevels)
+    ditserve plans build --checkpoint ./ckpt --schedules s.jsonl --out ./plans   # plan packs ahead of serving
+    ditserve audit-quality --target 127.0.0.1:50051 --level fast --requests audit.jsonl --audit-dir ./audits
 
 User errors (bad flags, bad request fields, corrupt repositories) exit with code 2 and a message naming the flag,
 field or file and the rule; nothing is written.
@@ -166,22 +169,18 @@ def _openai_api_flags(p: argparse.ArgumentParser) -> None:
     add_openai_api_flags(p)
 
 
-def _admin_token_flags(p: argparse.ArgumentParser) -> None:
-    """The admin token's flags (update-weights, adapters load / unload)."""
-    p.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN); visible in ps")
-    p.add_argument("--token-file", default=None, help="read the admin token from this file (not readable by others)")
-    p.add_argument(
-        "--allow-plaintext-admin", action="store_true",
-        help="send the token without TLS to a target that is not loopback (it then crosses the network in cleartext)",
-    )  # fmt: skip
+def _plans_flags(p: argparse.ArgumentParser) -> None:
+    from .plans_cli import add_plans_flags
+
+    add_plans_flags(p)
 
 
 def _update_weights_flags(uw: argparse.ArgumentParser) -> None:
-    from .remote import add_client_flags, cmd_update_weights
+    from .remote import add_admin_token_flags, add_client_flags, cmd_update_weights
 
     uw.add_argument("--target", required=True, help="generator address HOST:PORT")
     uw.add_argument("--path", required=True, help="repository directory inside the server's --weights-root")
-    _admin_token_flags(uw)
+    add_admin_token_flags(uw)
     uw.add_argument("--expected-generation", type=int, default=None, help="refuse unless this generation serves")
     uw.add_argument("--request-id", default=None)
     uw.add_argument("--timeout-s", type=float, default=600.0)
@@ -199,7 +198,7 @@ def _status_flags(st: argparse.ArgumentParser) -> None:
 
 
 def _adapters_flags(ad: argparse.ArgumentParser) -> None:
-    from .remote import add_client_flags, cmd_adapters
+    from .remote import add_admin_token_flags, add_client_flags, cmd_adapters
 
     ad.add_argument(
         "action", nargs="?", choices=("list", "load", "unload"), default="list",
@@ -217,9 +216,21 @@ def _adapters_flags(ad: argparse.ArgumentParser) -> None:
         "--timeout-s", type=float, default=None,
         help="the call's deadline (default: 10 for list; 600 for load and unload, which wait for the running request)",
     )  # fmt: skip
-    _admin_token_flags(ad)
+    add_admin_token_flags(ad)
     add_client_flags(ad)
     ad.set_defaults(func=cmd_adapters)
+
+
+def _quality_levels_flags(p: argparse.ArgumentParser) -> None:
+    from .quality_cli import add_quality_levels_flags
+
+    add_quality_levels_flags(p)
+
+
+def _audit_quality_flags(p: argparse.ArgumentParser) -> None:
+    from .quality_cli import add_audit_flags
+
+    add_audit_flags(p)
 
 
 def _bench_flags(bn: argparse.ArgumentParser) -> None:
@@ -264,7 +275,19 @@ COMMANDS: dict[str, Command] = {
         "load NAME / unload NAME (admin token required)",
         _adapters_flags,
     ),
+    "quality-levels": Command(
+        "a generator's quality levels (ListQualityLevels): step cache, what each allows, thresholds, audits",
+        _quality_levels_flags,
+    ),
+    "audit-quality": Command(
+        "audit a quality level: run requests lossless and at the level, measure, write audit records",
+        _audit_quality_flags,
+    ),
     "update-weights": Command("swap the served repository (admin token required)", _update_weights_flags),
+    "plans": Command(
+        "the sidecar's plan directory offline: build packs for a list of schedules ahead of serving; ls, verify, gc",
+        _plans_flags,
+    ),
     "bench": Command("run the benchmark scenarios on real services", _bench_flags),
     "serve": Command("start the sidecar and the generator (one command)", _serve_flags),
 }

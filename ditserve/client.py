@@ -240,6 +240,14 @@ class GeneratorClient:
         response: pb.ListAdaptersResponse = self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=timeout)
         return response
 
+    def list_quality_levels(self, timeout: float = 10.0) -> pb.ListQualityLevelsResponse:
+        """The quality levels a request may name (ListQualityLevels): lossless first, then the server's
+        --quality-levels, each with its step cache, what it may run with, its thresholds and its audits."""
+        response: pb.ListQualityLevelsResponse = self.stub.ListQualityLevels(
+            pb.ListQualityLevelsRequest(), timeout=timeout
+        )
+        return response
+
     def load_adapter(
         self, name: str, identity: str = "", token: str = "", timeout: float | None = 600.0
     ) -> pb.LoadAdapterResponse:

@@ -114,6 +114,16 @@ def client_from_args(args: argparse.Namespace) -> GeneratorClient:
     return GeneratorClient(args.target, credentials=credentials_from_args(args))
 
 
+def add_admin_token_flags(p: argparse.ArgumentParser) -> None:
+    """The admin token's flags (update-weights, adapters load / unload, audit-quality)."""
+    p.add_argument("--token", default=None, help="admin token (default: $DITSERVE_ADMIN_TOKEN); visible in ps")
+    p.add_argument("--token-file", default=None, help="read the admin token from this file (not readable by others)")
+    p.add_argument(
+        "--allow-plaintext-admin", action="store_true",
+        help="send the token without TLS to a target that is not loopback (it then crosses the network in cleartext)",
+    )  # fmt: skip
+
+
 def admin_token_of(args: argparse.Namespace) -> str:
     """`--token`, or the contents of `--token-file` (UsageError for both, or for a file others may read)."""
     if args.token and args.token_file:

@@ -54,6 +54,8 @@ def test_a_client_module_imports_no_model(module: str) -> None:
         ["jobs", "create", "--target", UNREACHABLE, "--prompt", "a red fox"],
         ["update-weights", "--target", UNREACHABLE, "--path", "/weights/B", "--token", "t" * 24],
         ["status", "--target", UNREACHABLE, "--timeout-s", "2"],
+        ["quality-levels", "--target", UNREACHABLE, "--timeout-s", "2"],
+        ["audit-quality", "--target", UNREACHABLE, "--level", "l", "--requests", __file__, "--audit-dir", "/none"],
     ],
     ids=lambda argv: " ".join(argv[:2]),
 )

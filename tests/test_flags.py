@@ -278,12 +278,14 @@ def _declared_flags() -> set[str]:
 # Flags with the same name but their own meaning, added by hand on purpose.
 OWN_MEANING = {
     "ditserve/launcher.py": {"--checkpoint", "--metrics-port"},  # demo checkpoint by default; P and P+1
-    # generate-local's; ditserve's own logging; update-weights' consent to send its token without TLS (the server's
-    # flag of that name is its consent to accept one)
+    # generate-local's; ditserve's own logging (the admin commands' --allow-plaintext-admin, the consent to send a
+    # token without TLS, is in remote.py; the server's flag of that name is its consent to accept one)
     # make-checkpoint --partitions: the partitions to write (the generator's --partitions: those to load)
-    "ditserve/cli.py": {"--checkpoint", "--adaln-mode", "--log-level", "--allow-plaintext-admin", "--partitions"},
+    "ditserve/cli.py": {"--checkpoint", "--adaln-mode", "--log-level", "--partitions"},
     "plancache_service/cli.py": {"--listen"},  # the sidecar's TCP address (SidecarConfig.address)
-    "ditserve/remote.py": {"--tls-cert", "--tls-key"},  # the client's certificate
+    # the client's certificate; the admin commands' consent to send their token without TLS (update-weights,
+    # adapters load / unload, audit-quality)
+    "ditserve/remote.py": {"--tls-cert", "--tls-key", "--allow-plaintext-admin"},
     "ditserve/bench/runner.py": {"--checkpoint", "--device", "--threads"},  # the benchmark's services
 }
 

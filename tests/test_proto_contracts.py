@@ -68,9 +68,9 @@ def test_generate_request_carries_every_generation_request_field() -> None:
     assert set(fields) == names | {"expected_generation"}
     # explicit presence on everything with a default: an unset field is GenerationRequest's default, not zero;
     # except where the zero value is the default (UNSPECIFIED enums, empty keyframe bytes = no keyframe, no
-    # references, no adapters: repeated fields; an empty quality = lossless)
+    # references, no adapters: repeated fields; an empty quality = lossless; a false quality_audit = no audit run)
     zero_is_default = {"request_id", "task", "prompt", "output_type", "first_frame", "last_frame", "references",
-                       "adapters", "quality"}  # fmt: skip
+                       "adapters", "quality", "quality_audit"}  # fmt: skip
     for name in names - zero_is_default:
         assert fields[name].has_presence, name
     assert fields["references"].is_repeated and fields["adapters"].is_repeated
@@ -85,7 +85,7 @@ def test_generate_request_carries_every_generation_request_field() -> None:
 
 EVERYTHING = GenerationRequest(
     request_id="r.1", prompt="a red fox", num_inference_steps=7, flow_shift=5.5, audio_flow_shift=2.25,
-    seed=2**63 - 1, height=64, width=256, num_frames=345, quality="fast",
+    seed=2**63 - 1, height=64, width=256, num_frames=345, quality="fast", quality_audit=True,
 )  # fmt: skip
 KEYFRAMES = dataclasses.replace(
     EVERYTHING, task="fl2va", first_frame=b"\x89PNG first", last_frame=b"\xff\xd8 last", output_type="mp4"

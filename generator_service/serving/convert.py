@@ -156,6 +156,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[GenerationRequest, int 
         "references": tuple(references),
         "adapters": tuple(AdapterUse(a.name, a.scale if a.HasField("scale") else 1.0) for a in msg.adapters),
         "quality": msg.quality,
+        "quality_audit": msg.quality_audit,
     }
     for name in _OPTIONAL:
         if msg.HasField(name):

@@ -183,6 +183,9 @@ class JobsServicer(pb_grpc.JobsServicer):
             if not request.HasField("request"):
                 raise RequestError("request", "is required: the Generate request the job runs")
             msg = request.request
+            if msg.quality_audit:
+                raise RequestError("request.quality_audit", "audit runs go through Generate or GenerateStream with the "
+                                   "admin token (ditserve audit-quality), never as jobs")  # fmt: skip
             if key:  # a retry gets its job back before any admission step (its upload may have expired since)
                 found = self.jobs.find_retry(caller.name, key, lambda job: self._retry_meaning(msg, job))
                 if found is not None:

@@ -1,5 +1,5 @@
 """The Generator service's RPCs (Generate, GenerateStream, UpdateWeights, UploadReference, GetStatus, ListAdapters,
-LoadAdapter, UnloadAdapter): thin, it
+LoadAdapter, UnloadAdapter, ListQualityLevels): thin, it
 converts proto <-> `GenerationRequest` / results, submits runs to the executor, and maps every error through
 `ditruntime.rpc_errors` (one table; docs/architecture.md, "Errors")."""
 
@@ -34,7 +34,7 @@ from ..updates import UpdateCoordinator, resolve_weights_path
 from .adapter_admin import AdapterAdmin
 from .convert import OUTPUT_ENUMS, reference_kind, request_from_proto, resolve_request, tensor_from_proto
 from .responses import response_from_result, result_chunks
-from .status import adapter_message, adapters_response, status_response
+from .status import adapter_message, adapters_response, quality_levels_response, status_response
 from .streams import HandlerSlots, SendWatchdog, StreamWatch
 from .uploads import UploadStore
 
@@ -75,6 +75,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     def _submit(self, msg: pb.GenerateRequest, context: grpc.ServicerContext, unary: bool) -> Run:
         try:
+            if msg.quality_audit:  # it runs a level no audit covers yet: the operator's call, not any client's
+                self._check_admin(context, "an audit run (quality_audit)")
             request, expected = request_from_proto(resolve_request(msg, self.uploads, self.cfg.adapter_registry))
             if unary:
                 self._check_unary_size(request)
@@ -263,6 +265,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
         return adapters_response(self.cfg.adapter_registry, self.backend.loaded())
+
+    def ListQualityLevels(
+        self, request: pb.ListQualityLevelsRequest, context: grpc.ServicerContext
+    ) -> pb.ListQualityLevelsResponse:
+        model = self.backend.loaded()
+        levels = model.quality if model is not None else self.cfg.quality
+        world_size = self.backend.replica.world_size if self.backend.replica is not None else 1
+        return quality_levels_response(levels, model, world_size)
 
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
         try:

@@ -1,13 +1,19 @@
 """GetStatus' answer: what this generator serves (weights, generation, queue), its model's memory, components and
-partitions, the placement chosen at start, the replica's ranks and the slab's geometry. No grpc here."""
+partitions, the placement chosen at start, the replica's ranks and the slab's geometry; ListAdapters' and
+ListQualityLevels' answers. No grpc here."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from datetime import datetime
+from typing import Any
 
 from ditcore.adapters import AdapterInfo, AdapterRegistry
 from ditcore.checkpoint_files import PARTITION_TASKS
 from ditcore.model import ComponentInfo, H3Model
+from ditcore.quality import LOSSLESS, QualityLevel, QualityLevels
+from ditcore.request import TASKS
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 from ..backends.base import Backend
@@ -121,3 +127,62 @@ def adapter_message(info: AdapterInfo, loaded: bool, loaded_bytes: int) -> pb.Ad
         targets=targets, contract=contract, loaded=loaded, changes_modulation=info.changes_modulation,
         loaded_bytes=loaded_bytes,
     )  # fmt: skip
+
+
+def quality_levels_response(
+    levels: QualityLevels, model: H3Model | None, world_size: int
+) -> pb.ListQualityLevelsResponse:
+    """ListQualityLevels' answer: lossless, then each level of `levels` by name with what it allows and the audits of
+    its current definition (read again now)."""
+    blocks = int(model.info.transformer_config.get("num_layers", 0)) if model is not None else 0
+    resp = pb.ListQualityLevelsResponse(
+        world_size=world_size, transformer_blocks=blocks, source=levels.source,
+        audit_dir=str(levels.audit_dir) if levels.audit_dir is not None else "",
+    )  # fmt: skip
+    resp.levels.append(pb.QualityLevel(
+        name=LOSSLESS, description="no step cache: the model's own computation (bit-exact with diffusers)",
+        tasks=list(TASKS), adapters="any",
+    ))  # fmt: skip
+    resp.levels.extend(quality_level_message(levels, levels.levels[name]) for name in sorted(levels.levels))
+    return resp
+
+
+def quality_level_message(levels: QualityLevels, level: QualityLevel) -> pb.QualityLevel:
+    """One level as ListQualityLevels shows it."""
+    cache = level.cache.to_dict()
+    kind = cache.pop("kind")
+    listed = not isinstance(level.adapters, str)
+    msg = pb.QualityLevel(
+        name=level.name, description=level.description, digest=level.digest,
+        definition_json=json.dumps(level.to_dict(), sort_keys=True),
+        cache=pb.StepCacheDefinition(kind=kind, params_json=json.dumps(cache, sort_keys=True)),
+        tasks=list(level.tasks), steps=list(level.steps), max_height=level.max_height, max_width=level.max_width,
+        max_num_frames=level.max_num_frames, world_sizes=list(level.world_sizes),
+        adapters="listed" if listed else str(level.adapters), adapter_names=list(level.adapters) if listed else [],
+        unaudited=level.unaudited, thresholds=dict(level.audit),
+    )  # fmt: skip
+    records = levels.audits(level)
+    covered: list[tuple[Any, ...]] = []
+    for r in records:
+        if r.passed and tuple(r.shape) not in covered:
+            covered.append(tuple(r.shape))
+    msg.audits.passed = sum(r.passed for r in records)
+    msg.audits.failed = len(records) - msg.audits.passed
+    for shape in covered:
+        try:
+            task, steps, height, width, frames, ranks = shape
+            msg.audits.covered.append(pb.AuditShape(
+                task=str(task), num_inference_steps=int(steps), height=int(height), width=int(width),
+                num_frames=int(frames), world_size=int(ranks),
+            ))  # fmt: skip
+        except (TypeError, ValueError, OverflowError):
+            continue  # a foreign shape covers nothing this server serves
+    times = []
+    for r in records:
+        try:
+            times.append(datetime.fromisoformat(r.at))
+        except ValueError:
+            continue
+    if times:
+        msg.audits.last_audit_at.FromDatetime(max(times))
+    return msg

@@ -119,7 +119,7 @@ class UploadReferenceResponse(_message.Message):
     def __init__(self, upload_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., kind: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame", "references", "adapters", "quality")
+    __slots__ = ("request_id", "task", "prompt", "num_inference_steps", "flow_shift", "audio_flow_shift", "seed", "num_frames", "height", "width", "expected_generation", "output_type", "first_frame", "last_frame", "references", "adapters", "quality", "quality_audit")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class GenerateRequest(_message.Message):
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_AUDIT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     task: Task
     prompt: str
@@ -154,7 +155,8 @@ class GenerateRequest(_message.Message):
     references: _containers.RepeatedCompositeFieldContainer[Reference]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterUse]
     quality: str
-    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ..., quality: _Optional[str] = ...) -> None: ...
+    quality_audit: bool
+    def __init__(self, request_id: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., flow_shift: _Optional[float] = ..., audio_flow_shift: _Optional[float] = ..., seed: _Optional[int] = ..., num_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., expected_generation: _Optional[int] = ..., output_type: _Optional[_Union[OutputType, str]] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[Reference, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ..., quality: _Optional[str] = ..., quality_audit: _Optional[bool] = ...) -> None: ...
 
 class AdapterUse(_message.Message):
     __slots__ = ("name", "scale")
@@ -263,6 +265,103 @@ class UnloadAdapterResponse(_message.Message):
     was_loaded: bool
     identities: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, was_loaded: _Optional[bool] = ..., identities: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListQualityLevelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListQualityLevelsResponse(_message.Message):
+    __slots__ = ("levels", "world_size", "transformer_blocks", "source", "audit_dir")
+    LEVELS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORMER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_DIR_FIELD_NUMBER: _ClassVar[int]
+    levels: _containers.RepeatedCompositeFieldContainer[QualityLevel]
+    world_size: int
+    transformer_blocks: int
+    source: str
+    audit_dir: str
+    def __init__(self, levels: _Optional[_Iterable[_Union[QualityLevel, _Mapping]]] = ..., world_size: _Optional[int] = ..., transformer_blocks: _Optional[int] = ..., source: _Optional[str] = ..., audit_dir: _Optional[str] = ...) -> None: ...
+
+class QualityLevel(_message.Message):
+    __slots__ = ("name", "description", "digest", "definition_json", "cache", "tasks", "steps", "max_height", "max_width", "max_num_frames", "world_sizes", "adapters", "adapter_names", "unaudited", "thresholds", "audits")
+    class ThresholdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DEFINITION_JSON_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    UNAUDITED_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    digest: str
+    definition_json: str
+    cache: StepCacheDefinition
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    max_height: int
+    max_width: int
+    max_num_frames: int
+    world_sizes: _containers.RepeatedScalarFieldContainer[int]
+    adapters: str
+    adapter_names: _containers.RepeatedScalarFieldContainer[str]
+    unaudited: str
+    thresholds: _containers.ScalarMap[str, float]
+    audits: QualityAudits
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., digest: _Optional[str] = ..., definition_json: _Optional[str] = ..., cache: _Optional[_Union[StepCacheDefinition, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., steps: _Optional[_Iterable[int]] = ..., max_height: _Optional[int] = ..., max_width: _Optional[int] = ..., max_num_frames: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., adapters: _Optional[str] = ..., adapter_names: _Optional[_Iterable[str]] = ..., unaudited: _Optional[str] = ..., thresholds: _Optional[_Mapping[str, float]] = ..., audits: _Optional[_Union[QualityAudits, _Mapping]] = ...) -> None: ...
+
+class StepCacheDefinition(_message.Message):
+    __slots__ = ("kind", "params_json")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    params_json: str
+    def __init__(self, kind: _Optional[str] = ..., params_json: _Optional[str] = ...) -> None: ...
+
+class QualityAudits(_message.Message):
+    __slots__ = ("passed", "failed", "covered", "last_audit_at")
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    COVERED_FIELD_NUMBER: _ClassVar[int]
+    LAST_AUDIT_AT_FIELD_NUMBER: _ClassVar[int]
+    passed: int
+    failed: int
+    covered: _containers.RepeatedCompositeFieldContainer[AuditShape]
+    last_audit_at: _timestamp_pb2.Timestamp
+    def __init__(self, passed: _Optional[int] = ..., failed: _Optional[int] = ..., covered: _Optional[_Iterable[_Union[AuditShape, _Mapping]]] = ..., last_audit_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class AuditShape(_message.Message):
+    __slots__ = ("task", "num_inference_steps", "height", "width", "num_frames", "world_size")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    num_inference_steps: int
+    height: int
+    width: int
+    num_frames: int
+    world_size: int
+    def __init__(self, task: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_frames: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class AdapterRefusal(_message.Message):
     __slots__ = ("name", "message")

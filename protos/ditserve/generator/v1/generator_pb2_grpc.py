@@ -70,6 +70,11 @@ class GeneratorStub:
                 request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.ListQualityLevels = channel.unary_unary(
+                '/ditserve.generator.v1.Generator/ListQualityLevels',
+                request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListQualityLevelsRequest.SerializeToString,
+                response_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListQualityLevelsResponse.FromString,
+                _registered_method=True)
         self.UploadReference = channel.stream_unary(
                 '/ditserve.generator.v1.Generator/UploadReference',
                 request_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UploadReferenceRequest.SerializeToString,
@@ -132,6 +137,15 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListQualityLevels(self, request, context):
+        """ListQualityLevels lists the quality levels a request may name (lossless first, then --quality-levels' by name):
+        each one's step cache, what it may run with, its audit thresholds and the audits of its definition that
+        --quality-audit-dir holds (read again at each call). Read-only, no admin token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UploadReference(self, request_iterator, context):
         """UploadReference receives one ref2va reference file as a client stream of chunks (for
         references larger than the unary limit): a GenerateRequest (or a job) then names it by
@@ -178,6 +192,11 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListQualityLevels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQualityLevels,
+                    request_deserializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListQualityLevelsRequest.FromString,
+                    response_serializer=protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListQualityLevelsResponse.SerializeToString,
             ),
             'UploadReference': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadReference,
@@ -375,6 +394,33 @@ class Generator:
             '/ditserve.generator.v1.Generator/UnloadAdapter',
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterRequest.SerializeToString,
             protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQualityLevels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.generator.v1.Generator/ListQualityLevels',
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListQualityLevelsRequest.SerializeToString,
+            protos_dot_ditserve_dot_generator_dot_v1_dot_generator__pb2.ListQualityLevelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
