@@ -46,8 +46,12 @@ STAGING_DEPTH = 3
 PROJECTION_BUFFERS = 2
 """Projection buffers on the builder's device: one the builder projects while the next is read (double buffering)."""
 KEEP_BUFFER_BYTES = 512 * 1024**2
-"""A builder keeps its projection buffers between passes while they hold at most this many bytes in all (the bench
-preset's are 2 x 1.8 MB; the released size's 2 x 1.04 GB are allocated per pass)."""
+"""On cuda, a builder keeps its projection buffers between passes while they hold at most this many bytes in all (the
+bench preset's are 2 x 1.8 MB; the released size's 2 x 1.04 GB go back to the caching allocator, which reuses them
+without the slab's budget counting them)."""
+KEEP_BUFFER_BYTES_CPU = 3 * 1024**3
+"""On the CPU, the bound for keeping them: the released size's 2 x 1.04 GB are kept (allocating and page-faulting them
+afresh every pass cut a warm pass's read to a third of a plain read's speed)."""
 ALIGN = 512
 """On cuda, byte alignment of each read's largest tensor in a projection buffer, as the reference path's tensor copied
 to the device (a fresh allocation: 512 bytes) is aligned."""

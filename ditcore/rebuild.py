@@ -48,7 +48,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .adapter_plans import ModulationDeltas, lora_linear
-from .plan_stream import KEEP_BUFFER_BYTES, PlanStream, ReadConfig, projection_reads
+from .plan_stream import KEEP_BUFFER_BYTES, KEEP_BUFFER_BYTES_CPU, PlanStream, ReadConfig, projection_reads
 from .plans import PageLayout, PlanKey, is_plan_tensor, plan_inputs
 from .shards import load_dtype, read_tensor, shard_map
 
@@ -306,7 +306,8 @@ class PlanBuilder:
         finally:
             self._streamed = {}
             kept = stream.buffers
-            self._buffers = kept if sum(b.nbytes for b in kept) <= KEEP_BUFFER_BYTES else []
+            bound = KEEP_BUFFER_BYTES_CPU if self.device.type == "cpu" else KEEP_BUFFER_BYTES
+            self._buffers = kept if sum(b.nbytes for b in kept) <= bound else []
             self.read_bytes += stream.read_bytes
             self.read_s += stream.read_s
 

@@ -2,14 +2,17 @@
 DIR/probe.jsonl, each part time-capped; a part that runs past its cap or fails gives a line with "status" "timeout"
 or "error" (or "fail": it ran but missed its own target, "pass" false) and the probe goes on with the next.
 
-    python scripts/gpu_probe.py [--out DIR] [--parts slab,swap,block,vae,rebuild] [--budget-s 150]
+    python scripts/gpu_probe.py [--out DIR] [--parts slab,swap,block,vae,rebuild,disk,readpath] [--budget-s 150]
     python scripts/gpu_probe.py --describe        # what it measures on an H200, at which sizes
 
-The parts are scripts/gpu_probe_parts.py's (slab, swap, block, vae, rebuild). They run in one worker process, in
-order; the worker is killed when a part passes its cap (`cap_s`, cut to what is left of --budget-s) and a new one
-runs the parts left. DITSERVE_GPU_CHECK_DEVICE (default cuda): on cuda the parts run at the released sizes; on cpu
-at the `tiny` preset's, each line saying "scaled": true with the sizes used and the full ones. On cuda without a
-usable GPU every part is "skipped". Exit 1 if a part did not come out ok.
+The parts are scripts/gpu_probe_parts.py's (slab, swap, block, vae, rebuild, disk, readpath). They run in one worker
+process, in order; the worker is killed when a part passes its cap (`cap_s`, cut to what is left of --budget-s) and a
+new one runs the parts left. DITSERVE_GPU_CHECK_DEVICE (default cuda): on cuda the parts run at the released sizes;
+on cpu at the `tiny` preset's, each line saying "scaled": true with the sizes used and the full ones. On cuda without
+a usable GPU every part is "skipped". Parts disk and readpath write their files under DITSERVE_GPU_PROBE_DIR, else
+the temp dir (the repository's folder when the temp dir is tmpfs), and delete them. After the parts, a summary line,
+and when disk and rebuild both came out ok, a 50-point schedule's restart from disk against its modeled rebuild pass.
+Exit 1 if a part did not come out ok.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from typing import IO, Any
 
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
-PARTS = ("slab", "swap", "block", "vae", "rebuild")
-CAPS_S = {"slab": 45.0, "swap": 45.0, "block": 90.0, "vae": 120.0, "rebuild": 30.0}
+PARTS = ("slab", "swap", "block", "vae", "rebuild", "disk", "readpath")
+CAPS_S = {"slab": 45.0, "swap": 45.0, "block": 90.0, "vae": 120.0, "rebuild": 30.0, "disk": 45.0, "readpath": 45.0}
 """Each part's cap on CUDA (its modeled time there is a third of it or less); on the CPU every part gets 120 s."""
 STARTUP_S = 90.0
 """The worker's start (importing torch, initializing the device) before the first part's cap starts counting."""
@@ -197,9 +200,10 @@ def drive(
 # ---------------------------------------------------------------------------- what it measures on an H200
 def describe() -> str:
     sys.path.insert(0, str(SCRIPTS))
-    from gpu_probe_parts import BACKENDS, PCIE_GEN5_GBPS, SLOTS, SWAP_TARGET, WIDTH, sizes
+    from gpu_probe_parts import BACKENDS, PCIE_GEN5_GBPS, READ_TARGET, SLOTS, SWAP_TARGET, WIDTH, sizes
 
     s, b, v, r = sizes("slab", False), sizes("block", False), sizes("vae", False), sizes("rebuild", False)
+    d, rp = sizes("disk", False), sizes("readpath", False)
     mib = s["page_bytes"] / 1024**2
     return "\n".join([
         "On an H200 (DITSERVE_GPU_CHECK_DEVICE=cuda) the check measures, at the released sizes:",
@@ -217,7 +221,27 @@ def describe() -> str:
         f"{v['height']}x{v['width']}: seconds per frame, float32 vs bfloat16",
         f"  probe rebuild   one adaln_proj GEMM ({r['rows']} x {r['time_embed_dim']} bf16, M = {r['m']}) vs the "
         f"host-to-device copy of its weight (pinned and pageable)",
+        f"  probe disk      the disk tier: one pack of a 50-point schedule's {d['plans']} plans ({d['pages']} pages, "
+        f"{d['bytes'] / 1e9:.2f} GB) written from the slab (sha256, fsync), page cache dropped (fadvise), read back"
+        " into the slab cold and warm (per-plan sha256, pageable copy): GB/s, the checksum's share, the restart time",
+        f"  probe readpath  the rebuild's streamed read (plan_stream, pinned staging, side stream) of {rp['layers']} "
+        f"adaln_proj ({rp['bytes'] / 1e9:.2f} GB) onto the device vs one plain sequential read, warm and cold "
+        f"(target >= {READ_TARGET})",
     ])  # fmt: skip
+
+
+def summary(results: list[dict[str, Any]]) -> list[str]:
+    """Lines printed after the parts: a 50-point schedule's restart from disk against its rebuild pass when parts
+    disk and rebuild both came out ok (at the released size on cuda; scaled numbers on the CPU)."""
+    ok = {r["part"]: r for r in results if r.get("status") == "ok"}
+    disk, rebuild = ok.get("disk"), ok.get("rebuild")
+    if not disk or not rebuild or not rebuild.get("modeled_49_plan_pass_s"):
+        return []
+    cold, warm = disk["modeled_50_point_restart_s"], disk["modeled_50_point_restart_warm_s"]
+    build = rebuild["modeled_49_plan_pass_s"]
+    scaled = " (scaled: the CPU's numbers)" if disk.get("scaled") else ""
+    return [f"probe: a 50-point schedule from disk {cold:.3g} s cold, {warm:.3g} s warm vs its rebuild pass "
+            f"{build:.3g} s (modeled): {cold / build:.3g}x, {warm / build:.3g}x{scaled}"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r["part"] for r in results if r["status"] not in OK_STATUSES]
     print(f"probe: {len(results)} parts on {device_name()}: " + ", ".join(f"{r['part']} {r['status']}" for r in results)
           + (f"; not ok: {', '.join(bad)}" if bad else ""), flush=True)  # fmt: skip
+    for line in summary(results):
+        print(line, flush=True)
     return 1 if bad else 0
 
 

@@ -1,4 +1,4 @@
-"""The five measurements of scripts/gpu_probe.py, each through the project's own code (or diffusers' classes) at the
+"""The seven measurements of scripts/gpu_probe.py, each through the project's own code (or diffusers' classes) at the
 released sizes on CUDA, at the `tiny` preset's on the CPU. Each returns the numbers of its one JSON line.
 
   slab     a slab of 49 x 3 pages (plancache_service.device.SlabMemory), exported, opened in a second process with
@@ -8,19 +8,30 @@ released sizes on CUDA, at the `tiny` preset's on the CPU. Each returns the numb
   block    one MiniMaxH3TransformerBlock forward per attention backend diffusers can run, at two token counts
   vae      AutoencoderKLMiniMaxH3.decode per output frame, float32 vs bfloat16 (`_keep_in_fp32_modules` kept)
   rebuild  one adaln_proj GEMM (M = 3, bfloat16 as the checkpoint stores it) vs the host-to-device copy of its weight
+  disk     the disk tier (plancache_service.disk_tier.DiskTier over ditruntime.plan_packs.PackStore): a 50-point
+           schedule's pack written from a slab (checksums, fsync, rename), its page cache dropped, every plan read
+           back (per-plan sha256, bytes to a tensor, copy into the slab) cold and warm; the checksum's share alone
+  readpath the rebuild's streamed read path (ditcore.plan_stream.PlanStream over projection_reads' ranges of a
+           synthetic shard of released-shape adaln_proj tensors) vs one plain sequential pread of the same ranges,
+           warm and cold; on cuda the stream's bytes land on the device (pinned staging, side stream)
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import hashlib
 import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +51,16 @@ BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_n
 """diffusers' attention backends tried (the *_hub ones download kernels: nothing can be fetched on the device)."""
 MATH_SCORES_LIMIT = 16 * 1024**3
 """_native_math materializes the (S, S) scores per head; skipped above this many bytes of them."""
+DISK_WIDTHS = (1,) + (2,) * (SLOTS - 1)
+"""A 50-point schedule's plans as the disk tier stores them: the first forward's one timestep, every later one's two
+(97 pages: 0.94 GB at the released page size)."""
+READPATH_LAYERS = 3
+"""Block projections in part readpath's synthetic shard (0.52 GB each at the released shapes: 1.56 GB; a third
+reuses the first's buffer, as every later projection of a pass does)."""
+READ_TARGET = 0.8
+"""The rebuild's streamed read must reach this share of a plain sequential read of the same bytes."""
+RAM_FILE_SYSTEMS = ("tmpfs", "ramfs")
+"""File systems a scratch file must avoid: their pages are memory, so nothing is read cold from them."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,16 @@ def sizes(part: str, scaled: bool) -> dict[str, Any]:
         return {"config": config, "height": height, "width": width, "frames": 22, "latent_frames": 7}
     if part == "rebuild":
         return {**shape, "rows": 18 * p.hidden_size, "m": WIDTH, "dtype": "bfloat16", "repeats": 20}
+    if part == "disk":
+        pages = sum(DISK_WIDTHS)
+        return {"plans": len(DISK_WIDTHS), "pages": pages, "page_numel": page, "dtype": "bfloat16",
+                "page_bytes": page * 2, "bytes": pages * page * 2, "warm_repeats": 2}  # fmt: skip
+    if part == "readpath":
+        layout = PageLayout.from_config(p.transformer_kwargs())
+        proj = layout.block_numel * (layout.time_embed_dim + 1) * 2
+        return {"layers": READPATH_LAYERS, "rows": layout.block_numel, "time_embed_dim": layout.time_embed_dim,
+                "dtype": "bfloat16", "projection_bytes": proj, "bytes": READPATH_LAYERS * proj,
+                "warm_repeats": 3}  # fmt: skip
     raise ValueError(f"unknown part {part!r}")
 
 
@@ -354,6 +385,299 @@ def part_rebuild(ctx: Context) -> dict[str, Any]:
             "note": None if cuda else "no device: the copy is host to host"}  # fmt: skip
 
 
+# ---------------------------------------------------------------------------- scratch files and the page cache
+def file_system(path: Path) -> str:
+    """The type of the file system holding `path` (/proc/self/mounts: the longest mount point above it)."""
+    real, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def scratch_root(need: int) -> tuple[Path, str]:
+    """Where a part writes `need` bytes of scratch files, and its file system: DITSERVE_GPU_PROBE_DIR if set, else the
+    first of the temp dir and the repository's folder that is on disk (not tmpfs) with room to spare."""
+    env = os.environ.get("DITSERVE_GPU_PROBE_DIR")
+    if env:
+        return Path(env), file_system(Path(env))
+    candidates = [Path(tempfile.gettempdir()), Path(__file__).resolve().parent.parent]
+    roomy = [c for c in candidates if c.is_dir() and os.access(c, os.W_OK) and free_bytes(c) > need * 1.5 + 2**30]
+    for c in roomy:
+        if file_system(c) not in RAM_FILE_SYSTEMS:
+            return c, file_system(c)
+    chosen = roomy[0] if roomy else candidates[0]
+    return chosen, file_system(chosen)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def resident_share(path: Path) -> float | None:
+    """The share of the file's pages in the page cache (mincore over a read-only mapping: nothing is read), or None
+    where it cannot be told."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return 0.0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, 0x1, 0x1, fd, 0)  # PROT_READ, MAP_SHARED
+        finally:
+            os.close(fd)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return None
+        try:
+            pages = -(-size // os.sysconf("SC_PAGE_SIZE"))
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+                return None
+            resident = pages - bytes(vec).count(0)
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+        return round(resident / pages, 4)
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def drop_page_cache(path: Path) -> dict[str, Any]:
+    """posix_fadvise(POSIX_FADV_DONTNEED) over the whole (fsynced) file; whether it ran and the share of its pages
+    still cached after it (`dropped`: none left, None where that cannot be told)."""
+    out: dict[str, Any] = {"fadvise": False}
+    if not hasattr(os, "posix_fadvise"):
+        out["error"] = "no os.posix_fadvise here"
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # only clean pages can be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            out["fadvise"] = True
+        except OSError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            os.close(fd)
+    share = resident_share(path)
+    out["resident_after"] = share
+    out["dropped"] = None if share is None else out["fadvise"] and share <= 0.01
+    return out
+
+
+# ---------------------------------------------------------------------------- disk
+class _PackSource:
+    """What DiskTier asks of its rebuild source: the identity and page geometry of the plans (nothing is rebuilt)."""
+
+    def __init__(self, layout: PageLayout, device: torch.device) -> None:
+        self.layout, self.device, self.devices = layout, device, [device]
+        self.dtype, self.shard_mode = torch.bfloat16, "whole"
+        self.page_numel, self.page_bytes = layout.page_numel, layout.page_numel * 2
+
+    def partition_fingerprints(self) -> dict[str, str]:
+        return {"base": "gpu-probe"}
+
+
+class _NoRebuild:
+    """The rebuild tier behind the probe's disk tier: every plan must come from the pack."""
+
+    def __init__(self, source: _PackSource) -> None:
+        self.source = source
+        self.built: set[PlanKey] | None = None
+
+    def fill(self, keys: Sequence[PlanKey], slots: Sequence[int], slab: Any) -> Any:
+        raise RuntimeError(f"the disk tier missed {len(keys)} plan(s) it had just written")
+
+
+def part_disk(ctx: Context) -> dict[str, Any]:
+    from ditruntime.plan_packs import PackStore
+    from plancache_service.device import Copier
+    from plancache_service.disk_tier import DiskTier
+    from plancache_service.tiers import SlabPages
+
+    info, layout, cuda = sizes("disk", ctx.scaled), ctx.layout, ctx.device.type == "cuda"
+    keys = [
+        PlanKey.from_timesteps(*(0.999 - 0.02 * i - 0.001 * j for j in range(w))) for i, w in enumerate(DISK_WIDTHS)
+    ]
+    slots = list(range(len(keys)))
+    assert [k.width for k in keys] == list(DISK_WIDTHS) and len(set(keys)) == len(keys)
+    src = torch.randn((len(keys), max(DISK_WIDTHS), layout.page_numel), dtype=torch.bfloat16, device=ctx.device)
+    dst = torch.zeros_like(src)
+    root, fs = scratch_root(info["bytes"])
+    with tempfile.TemporaryDirectory(prefix="gpu-probe-disk-", dir=root) as tmp:
+        store = PackStore(Path(tmp) / "plans", max_bytes=2 * info["bytes"] + 2**24)
+        rebuild = _NoRebuild(_PackSource(layout, ctx.device))
+        tier = DiskTier(store, rebuild, max_pending_bytes=2 * info["bytes"], background=False)  # type: ignore[arg-type]
+        assert rebuild.built is not None
+        rebuild.built.update(keys)  # as if this prepare had rebuilt them: the tier stores the group
+        booked = tier.store(keys, slots, SlabPages(src, Copier(ctx.device)))
+        ctx.sync()
+        t0 = time.perf_counter()
+        booked.copy()  # the pages out of the slab, the pack's checksums, write, fsync, rename (the writer's work)
+        write_s = time.perf_counter() - t0
+        stats, headers = store.stats(), store.headers()
+        if stats.write_errors or len(headers) != 1:
+            raise RuntimeError(f"the pack was not written: {stats}")
+        header = headers[0]
+        dropped = drop_page_cache(header.path)
+        pages = SlabPages(dst, Copier(ctx.device))
+
+        def fill() -> tuple[float, int]:
+            t0 = time.perf_counter()
+            done = tier.fill(keys, slots, pages)  # lookup, read + sha256 per plan, bytes -> tensor, copy, fence
+            seconds = time.perf_counter() - t0
+            if done.counts.disk_hit_plans != len(keys):
+                raise RuntimeError(f"{done.counts.disk_hit_plans} of {len(keys)} plans came from the pack")
+            return seconds, done.counts.disk_read_bytes
+
+        cold_s, nbytes = fill()
+        equal = bool(torch.equal(dst[0, :1], src[0, :1]) and torch.equal(dst[1:], src[1:]))
+        warm_s = statistics.median(fill()[0] for _ in range(info["warm_repeats"]))
+        refs = [ref for ref in (store.lookup(tier.identity(k), k.bits) for k in keys) if ref is not None]
+        t0 = time.perf_counter()
+        fd = os.open(header.path, os.O_RDONLY)
+        try:  # the reads alone (warm): what is left of a fill is its checksums and copies
+            datas = [os.pread(fd, ref.entry.length, header.payload_offset + ref.entry.offset) for ref in refs]
+        finally:
+            os.close(fd)
+        pread_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for data in datas:
+            hashlib.sha256(data).hexdigest()
+        sha_s = time.perf_counter() - t0
+        del datas
+    full = sizes("disk", False)["bytes"]
+    return {"pass": equal, "dir": str(root), "fs": fs, "pack_bytes": header.file_bytes, "plans": len(keys),
+            "pages": sum(DISK_WIDTHS), "write_s": round(write_s, 4), "write_gbps": gbps(header.file_bytes, write_s),
+            "page_cache": dropped, "read_bytes": nbytes, "cold_read_s": round(cold_s, 4),
+            "cold_read_gbps": gbps(nbytes, cold_s), "warm_read_s": round(warm_s, 4),
+            "warm_read_gbps": gbps(nbytes, warm_s), "pread_only_warm_gbps": gbps(nbytes, pread_s),
+            "sha256_s": round(sha_s, 4), "sha256_gbps": gbps(nbytes, sha_s),
+            "sha256_share_warm": round(sha_s / warm_s, 3), "sha256_share_cold": round(sha_s / cold_s, 3),
+            "copy": "pageable host to device" if cuda else "host to host", "pages_equal": equal,
+            "modeled_50_point_restart_s": round(full * cold_s / nbytes, 3),
+            "modeled_50_point_restart_warm_s": round(full * warm_s / nbytes, 3)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- readpath
+def write_projection_shard(path: Path, layout: PageLayout, layers: int) -> tuple[list[str], float]:
+    """A single-file safetensors shard of the first `layers` blocks' adaln_proj weight and bias (bfloat16 at the
+    layout's shapes, random bytes, each bias beside its weight as safetensors lays them out), fsynced: their prefixes
+    and the seconds the write and fsync took."""
+    prefixes = [prefix for prefix, _, _ in layout.projections()][:layers]
+    entries, end = {}, 0
+    for prefix in prefixes:
+        for part, shape in (("bias", [layout.block_numel]), ("weight", [layout.block_numel, layout.time_embed_dim])):
+            n = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+            entries[f"{prefix}.{part}"] = {"dtype": "BF16", "shape": shape, "data_offsets": [end, end + n]}
+            end += n
+    head = json.dumps(entries, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    chunk = memoryview(torch.randint(0, 256, (min(end, 64 * 1024**2),), dtype=torch.uint8).numpy().tobytes())
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        left = end
+        while left:
+            left -= f.write(chunk[: min(left, len(chunk))])
+        f.flush()
+        os.fsync(f.fileno())
+    return prefixes, time.perf_counter() - t0
+
+
+def part_readpath(ctx: Context) -> dict[str, Any]:
+    from ditcore.plan_stream import KEEP_BUFFER_BYTES, PlanStream, ReadConfig, pread_into, projection_reads
+    from ditcore.shards import SINGLE_FILE, shard_map
+
+    info, layout, cuda = sizes("readpath", ctx.scaled), ctx.layout, ctx.device.type == "cuda"
+    config = ReadConfig.for_device(ctx.device)  # PlanBuilder's default
+    root, fs = scratch_root(info["bytes"])
+    with tempfile.TemporaryDirectory(prefix="gpu-probe-readpath-", dir=root) as tmp:
+        shard = Path(tmp) / SINGLE_FILE
+        prefixes, write_s = write_projection_shard(shard, layout, info["layers"])
+        files = shard_map(tmp)
+        reads = projection_reads(tmp, files, [(p, None) for p in prefixes], ctx.device)  # as PlanBuilder.build asks
+        nbytes = sum(r.read_bytes for r in reads)
+        plain_buf = memoryview(bytearray(max(s.nbytes for r in reads for s in r.segments)))
+
+        kept: list[torch.Tensor] = []
+
+        def streamed(buffers: Sequence[torch.Tensor] = (), keep: bool = False) -> tuple[float, float]:
+            """Seconds from the stream's start to its last projection landed, and the reader's own (read_s); `keep`:
+            hold on to its buffers (`kept`) for the next."""
+            ctx.sync()
+            t0 = time.perf_counter()
+            with PlanStream(reads, ctx.device, config, buffers) as stream:
+                got = sum(1 for _ in stream)  # the builder's loop, without its GEMMs
+            ctx.sync()
+            seconds = time.perf_counter() - t0
+            if got != len(reads) or stream.read_bytes != nbytes:
+                raise RuntimeError(f"the stream gave {got} of {len(reads)} projections, {stream.read_bytes} bytes")
+            kept[:] = stream.buffers if keep else []
+            return seconds, stream.read_s
+
+        def plain() -> float:
+            """One sequential pread per range into a host buffer (no threads, no staging)."""
+            t0 = time.perf_counter()
+            fd = os.open(shard, os.O_RDONLY)
+            try:
+                for r in reads:
+                    for seg in r.segments:
+                        pread_into(fd, plain_buf[: seg.nbytes], seg.offset, seg.path)
+            finally:
+                os.close(fd)
+            return time.perf_counter() - t0
+
+        streamed(), plain()  # warm-up: the page cache, the allocators (pinned staging), the threads
+        warm_stream, warm_plain = [], []
+        for i in range(info["warm_repeats"]):
+            warm_stream.append(streamed(keep=i == info["warm_repeats"] - 1))
+            warm_plain.append(plain())
+        # PlanBuilder hands a pass's buffers to the next only up to KEEP_BUFFER_BYTES; at the released size every
+        # pass allocates its own (on the CPU they are faulted in as they are read into; cuda's allocator caches them)
+        reused = streamed(list(kept))
+        kept.clear()
+        drop_stream = drop_page_cache(shard)
+        cold_stream = streamed()
+        drop_plain = drop_page_cache(shard)
+        cold_plain = plain()
+
+    def numbers(stream: tuple[float, float], plain_s: float, drop: dict[str, Any] | None) -> dict[str, Any]:
+        out = {"stream_gbps": gbps(nbytes, stream[0]), "reader_gbps": gbps(nbytes, stream[1]),
+               "plain_gbps": gbps(nbytes, plain_s), "ratio": round(plain_s / stream[0], 3)}  # fmt: skip
+        return out if drop is None else {**out, "page_cache": drop}
+
+    warm = numbers((statistics.median(s for s, _ in warm_stream), statistics.median(r for _, r in warm_stream)),
+                   statistics.median(warm_plain), None)  # fmt: skip
+    warm["stream_kept_buffers_gbps"] = gbps(nbytes, reused[0])
+    cold = numbers(cold_stream, cold_plain, {"stream": drop_stream, "plain": drop_plain})
+    cold_valid = bool(drop_stream["dropped"] and drop_plain["dropped"])
+    buffer_bytes = min(config.buffers, len(reads)) * max(r.nbytes for r in reads)  # a PlanStream's projection buffers
+    ratios = [warm["ratio"]] + ([cold["ratio"]] if cold_valid else [])
+    return {"pass": min(ratios) >= READ_TARGET if cuda else None, "dir": str(root), "fs": fs,
+            "layers": len(prefixes), "read_bytes": nbytes, "segments": sum(len(r.segments) for r in reads),
+            "fresh_buffers_per_pass": buffer_bytes > KEEP_BUFFER_BYTES,
+            "shard_write_gbps": gbps(nbytes, write_s),
+            "config": {"threads": config.threads, "staging_bytes": config.staging_bytes, "depth": config.depth,
+                       "buffers": config.buffers},
+            "lands": "on the device (pinned staging, side stream)" if cuda else "in host buffers",
+            "warm": warm, "cold": cold, "cold_valid": cold_valid, "target_ratio": READ_TARGET}  # fmt: skip
+
+
 PARTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "slab": part_slab, "swap": part_swap, "block": part_block, "vae": part_vae, "rebuild": part_rebuild,
+    "disk": part_disk, "readpath": part_readpath,
 }  # fmt: skip

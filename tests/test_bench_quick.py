@@ -13,7 +13,7 @@ import pytest
 SCENARIOS = {
     "repeat_vs_first_seen", "host_tier", "alternating", "cached_vs_resident",
     "sidecar_overhead", "prepare_latency", "rebuild_efficiency", "rebuild_overlap", "generator_memory",
-    "job_overhead", "replica", "adapters", "read_path", "restart_from_disk",
+    "job_overhead", "replica", "adapters", "read_path", "restart_from_disk", "quality_levels",
 }  # fmt: skip
 
 
@@ -84,6 +84,9 @@ def test_bench_quick_writes_table_json_and_chart(tmp_path: Path) -> None:
     assert plan_bytes["added_bytes_per_schedule"]["modulation"] == {n: s["bytes"] for n, s in sets.items()}
     assert plan_bytes["run_check"]["modulation_first_built"] == plan_bytes["run_check"]["schedule_distinct_plans"] == 7
     assert "adapters:" in proc.stdout and "(e) plan bytes at h3" in proc.stdout
+    quality = doc["quality_levels"]  # lossy levels that skip blocks; their hooks gone after (lossless bits again)
+    assert quality["lossless_after_equal"] is True and quality["most_skipped"]["skipped_fraction"] > 0
+    assert all(0 <= lv["skipped_fraction"] < 1 for lv in quality["levels"])
     restart = doc["restart_from_disk"]  # every plan of the schedule read back from disk, bit for bit
     assert (
         restart["after_restart"]["disk_hit_plans"] == restart["plans"] and restart["after_restart"]["built_plans"] == 0

@@ -214,12 +214,23 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     assert status["sidecar-kill"] == status["multi-device"] == "SKIP"
     assert_task_lines(log)
     records = [json.loads(ln) for ln in (out / "probe.jsonl").read_text().splitlines()]
-    assert [r["part"] for r in records] == ["slab", "swap", "block", "vae", "rebuild"]
+    assert [r["part"] for r in records] == ["slab", "swap", "block", "vae", "rebuild", "disk", "readpath"]
     assert all(r["status"] == "ok" and r["device"] == "cpu" and r["scaled"] is True for r in records), records
     assert records[0]["full_sizes"]["page_numel"] == 4_849_152
+    disk, readpath = records[5], records[6]
+    # the disk tier's pack of a 50-point schedule read back bitwise; its page cache dropped before the cold read
+    assert disk["pages_equal"] is True and disk["plans"] == 49 and disk["pages"] == 97, disk
+    assert disk["full_sizes"]["bytes"] == 97 * 4_849_152 * 2 and disk["page_cache"]["fadvise"] is True, disk
+    assert disk["cold_read_gbps"] and disk["warm_read_gbps"] and 0 < disk["sha256_share_warm"] < 1, disk
+    assert readpath["full_sizes"]["bytes"] == 3 * 96768 * 2689 * 2 and readpath["pass"] is None, readpath
+    assert all(readpath[k]["ratio"] > 0 and readpath[k]["plain_gbps"] for k in ("warm", "cold")), readpath
     assert "On an H200 (DITSERVE_GPU_CHECK_DEVICE=cuda) the check measures" in log
     assert "49 x 3 pages of 4,849,152 bf16 (9.25 MiB) = 1.33 GiB over CUDA IPC" in log
     assert "(hidden 5376, 56 heads x 128, ffn 14336) forward at 8192 and 32768 tokens" in log
+    assert "one pack of a 50-point schedule's 49 plans (97 pages, 0.94 GB)" in log
+    assert "of 3 adaln_proj (1.56 GB) onto the device vs one plain sequential read" in log
+    assert re.search(r"probe: a 50-point schedule from disk \S+ s cold, \S+ s warm vs its rebuild pass \S+ s "
+                     r"\(modeled\): \S+x, \S+x \(scaled", log), log  # fmt: skip
     names = {f.name for f in returned_files(out)}
     assert {"gpu-check.log", "probe.jsonl"} <= names
     assert (out / "gpu-check.log").read_text().splitlines()[-1] == log.splitlines()[-1]

@@ -22,7 +22,7 @@ from ditcore.checkpoint_files import is_repository_dir
 from ditcore.presets import DTYPES
 from ditruntime.paths import prepare_dir
 
-from . import adapters, context, disk_tier, read_path, replica, report, scenarios
+from . import adapters, context, disk_tier, quality, read_path, replica, report, scenarios
 from .harness import Record
 from .jobs_scenario import job_overhead
 
@@ -107,6 +107,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["job_overhead"] = job_overhead(ctx)
     ctx.log("13. one replica across 2 ranks")
     results["replica"] = replica.replica_two_ranks(ctx)
+    ctx.log("18. quality levels: FirstBlockCache skipping a third and two thirds of the block forwards")
+    results["quality_levels"] = quality.quality_levels(ctx, rounds=1 if args.quick else 2)
     ctx.log("15. per-request adapters on one cached pair with the host tier")
     results["adapters"] = adapters.adapters(ctx, base_points=20 if args.quick else 50)
     meta = {
