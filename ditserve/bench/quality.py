@@ -44,7 +44,11 @@ def quality_levels(ctx: BenchContext, rounds: int = 2) -> dict[str, Any]:
 
     lossless_sha = run(None)[2]  # warm-up and the reference bits
     found = {t: run(fbc(t))[1] for t in CANDIDATES}
-    picks = [min(CANDIDATES, key=lambda t, f=f: abs(found[t] - f)) for f in TARGETS]
+
+    def nearest(fraction: float) -> float:
+        return min(CANDIDATES, key=lambda t: abs(found[t] - fraction))
+
+    picks = [nearest(f) for f in TARGETS]
     most = max(CANDIDATES, key=lambda t: found[t])
     times: dict[str, list[float]] = {"lossless": []}
     skipped: dict[str, float] = {}
