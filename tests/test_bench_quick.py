@@ -43,7 +43,7 @@ def test_bench_quick_writes_table_json_and_chart(tmp_path: Path) -> None:
     assert replica["bytes_read_per_rank_2"] == [replica["bytes_read_1"] // 2] * 2
     assert replica["sharded_pages_identical"] is True and replica["replica_repeat_identical"] is True
     read = doc["read_path"]  # the streamed rebuild's pages are the per-tensor path's; every plan byte read once
-    assert read["bit_exact"] is True and read["plan_tensor_bytes"] == doc["generator_memory"]["plan_tensor_bytes"]
+    assert read["bit_exact"] is True and read["plan_tensor_bytes"] == doc["rebuild_efficiency"]["plan_tensor_bytes"]
     memory = doc["generator_memory"]
     assert memory["met"] is True and memory["ratio"] >= 0.95
     assert memory["cached"]["held_plan_bytes"] == 0

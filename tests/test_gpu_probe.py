@@ -29,7 +29,7 @@ def probe(out: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProces
 def test_every_part_prints_one_json_line_on_the_cpu_at_scaled_sizes(tmp_path: Path) -> None:
     res, records = probe(tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert [r["part"] for r in records] == ["slab", "swap", "block", "vae", "rebuild"]
+    assert [r["part"] for r in records] == ["slab", "swap", "block", "vae", "rebuild", "disk", "readpath"]
     assert [json.loads(ln) for ln in (tmp_path / "probe.jsonl").read_text().splitlines()] == records
     by = {r["part"]: r for r in records}
     for r in records:
@@ -61,7 +61,7 @@ def test_every_part_prints_one_json_line_on_the_cpu_at_scaled_sizes(tmp_path: Pa
     assert 0 < vae["bf16_vs_fp32"]["max_abs_diff"] < 1
     # rebuild: one adaln_proj GEMM against the copy of its weight
     assert by["rebuild"]["gemm_s"] > 0 and by["rebuild"]["copy"]["pageable"]["s"] > 0
-    assert "probe: 5 parts on cpu" in res.stdout
+    assert "probe: 7 parts on cpu" in res.stdout
 
 
 def test_a_part_past_its_cap_is_a_timeout_line_and_the_next_part_still_runs(tmp_path: Path) -> None:
