@@ -25,7 +25,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,10 +139,7 @@ def lora_file(path: Path) -> Iterator[Path | None]:
     """The adapter's LoRA part as a file diffusers' loader reads: the file itself when it holds no full-parameter
     deltas, else a temporary copy without them (its `alpha` / `format` metadata kept, so diffusers scales it the
     same); None when it holds no LoRA factors at all."""
-    import tempfile
-
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     if not has_deltas(path):
         yield path
@@ -153,9 +150,21 @@ def lora_file(path: Path) -> Iterator[Path | None]:
     if not kept:
         yield None
         return
+    with _part_file(kept, metadata, path.name) as part:
+        yield part
+
+
+@contextmanager
+def _part_file(tensors: dict[str, torch.Tensor], metadata: dict[str, str], name: str) -> Iterator[Path]:
+    """A part of an adapter (`tensors`) as a temporary safetensors file diffusers' loader reads, with the whole
+    file's `alpha` / `format` metadata (so diffusers scales it as it scales the whole); removed after."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
     with tempfile.TemporaryDirectory(prefix="ditserve-adapter-") as tmp:
-        part = Path(tmp) / path.name
-        save_file(kept, str(part), metadata={k: v for k, v in metadata.items() if k in ("alpha", "format")})
+        part = Path(tmp) / name
+        save_file(tensors, str(part), metadata={k: v for k, v in metadata.items() if k in ("alpha", "format")})
         yield part
 
 
@@ -296,6 +305,18 @@ class AdapterRegistry:
                 known = read_adapter(path)
                 self._known[name] = known
             return known
+
+    def contracts(self, names: Iterable[str]) -> list[tuple[str, AdapterContract]]:
+        """(name, contract) of each named adapter that can be read now, in order: what
+        ditcore.adapter_contract.contract_defaults reads. One that cannot be read (not a name, unknown, refused)
+        gives none: admission refuses it, naming why."""
+        out = []
+        for name in names:
+            try:
+                out.append((name, self.get(name).contract))
+            except (AdapterError, AdapterNotFoundError):
+                continue
+        return out
 
     def scan(self) -> tuple[list[AdapterInfo], dict[str, str]]:
         """Every adapter of the directory, and the refusal of each file that is not one (name -> message)."""
@@ -539,10 +560,7 @@ class ModelAdapters:
         """A cached model holds no adaln_proj, norm_out or (used) time embedder: only the adapter's trunk factors go
         into PEFT layers (its plans carry the rest). Written as diffusers' own layout with the file's metadata (its
         alpha), and loaded through diffusers' loader like any file."""
-        import tempfile
-
         from safetensors import safe_open
-        from safetensors.torch import save_file
 
         trunk = set(info.targets["trunk"])
         state, _ = lora_state(info.path)
@@ -551,9 +569,7 @@ class ModelAdapters:
             return  # nothing of its LoRA runs in the model itself
         with safe_open(str(info.path), "pt") as f:
             metadata = dict(f.metadata() or {})
-        with tempfile.TemporaryDirectory(prefix="ditserve-adapter-") as tmp:
-            part = Path(tmp) / f"{info.name}.safetensors"
-            save_file(kept, str(part), metadata={k: v for k, v in metadata.items() if k in ("alpha", "format")})
+        with _part_file(kept, metadata, info.path.name) as part:
             self.model.pipe.load_lora_weights(str(part), adapter_name=name,
                                               load_into_transformer_ref=info.partition == "ref")  # fmt: skip
 

@@ -154,8 +154,7 @@ def generate(
     uses = list(adapters) if adapters else model.adapter_set.resolve(request)
     level, quality_warning = None, ""
     if step_cache is None:  # the request's level as this model serves it (a replica's other ranks are handed it)
-        world_size = model.replica.world_size if model.replica is not None else 1
-        level, quality_warning = model.quality.for_request(request, world_size, uses)
+        level, quality_warning = model.quality.for_request(request, model.world_size, uses)
         step_cache = level.cache if level is not None else None
     check_prompt_tokens(model.pipe.tokenizer, request.prompt, limits)  # the served tokenizer, as diffusers calls it
     if (plans is None) != (model.mode == "resident"):

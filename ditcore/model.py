@@ -230,6 +230,11 @@ class H3Model:
         return self.pipe.transformer
 
     @property
+    def world_size(self) -> int:
+        """The ranks this model's replica runs on (1: one device)."""
+        return self.replica.world_size if self.replica is not None else 1
+
+    @property
     def adapter_set(self) -> ModelAdapters:
         """The adapters loaded into this model's transformers (ditcore.adapters), created on first use."""
         if self._adapter_set is None:

@@ -373,14 +373,9 @@ def _with_contract_defaults(
     naming why)."""
     if registry is None or not request.adapters or not unset:
         return request
-    from ditcore.adapter_contract import AdapterError, AdapterNotFoundError, contract_defaults
+    from ditcore.adapter_contract import contract_defaults
 
-    contracts = []
-    for use in request.adapters:
-        try:
-            contracts.append((use.name, registry.get(use.name).contract))
-        except (AdapterError, AdapterNotFoundError):
-            continue
+    contracts = registry.contracts(use.name for use in request.adapters)
     return dataclasses.replace(request, **contract_defaults(contracts, unset))
 
 

@@ -220,8 +220,7 @@ class Backend(ABC):
         QUALITY_NOT_AUDITED when no passing audit covers it and the level refuses that). The run reads it again."""
         model = self.loaded()
         if model is not None and request.quality:
-            world_size = model.replica.world_size if model.replica is not None else 1
-            model.quality.for_request(request, world_size, model.adapter_set.resolve(request))
+            model.quality.for_request(request, model.world_size, model.adapter_set.resolve(request))
 
     @abstractmethod
     def acquire(self, request: GenerationRequest, step_bound_s: float = 0.0) -> ServedLease | None:

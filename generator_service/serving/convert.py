@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ditcore import GenerationRequest, RequestError
-from ditcore.adapter_contract import DEFAULTED, AdapterError, AdapterNotFoundError, contract_defaults
+from ditcore.adapter_contract import DEFAULTED, contract_defaults
 from ditcore.plans import DTYPES
 from ditcore.references import Reference
-from ditcore.request import ADAPTER_NAME, AdapterUse, infer_task
+from ditcore.request import AdapterUse, infer_task
 from protos.ditserve.generator.v1 import generator_pb2 as pb
 
 from ..jobs.types import job_spec, spec_meaning
@@ -94,16 +94,7 @@ def with_adapter_defaults(msg: pb.GenerateRequest, adapters: AdapterRegistry | N
     unset = [f for f, _ in DEFAULTED if not msg.HasField(f)]
     if adapters is None or not msg.adapters or not unset:
         return msg
-    contracts = []
-    for use in msg.adapters:
-        if not ADAPTER_NAME.fullmatch(use.name):
-            continue
-        try:
-            info = adapters.get(use.name)
-        except (AdapterError, AdapterNotFoundError):
-            continue
-        contracts.append((info.name, info.contract))
-    values = contract_defaults(contracts, unset)
+    values = contract_defaults(adapters.contracts(use.name for use in msg.adapters), unset)
     if not values:
         return msg
     out = pb.GenerateRequest()
