@@ -158,6 +158,7 @@ class PlanCache:
         )
         self.slab = self.memory.slab  # (S, W, P): the first device's; `memory.slabs` holds every device's
         self.table = self.memory.table  # (S, ROW_WORDS + W) int64
+        self._rows = self.table.numpy()  # the same shared memory: `_mark`'s word stores without torch dispatch
         self.copier = Copier(self.device)
         self._pages = SlabPages(
             self.slab, self.copier, tuple(self.memory.slabs), tuple(Copier(s.device) for s in self.memory.slabs)
@@ -514,10 +515,10 @@ class PlanCache:
 
     def _mark(self, s: int, state: int, key: PlanKey | None) -> None:
         """Write one slot-table row; READY is written last, after the key and generation."""
-        row = self.table[s]
+        row = self._rows[s]  # numpy word stores, in program order (the generator's reader relies on the order)
         row[COL_STATE] = FILLING if state == READY else state
         if key is not None:
-            row[ROW_WORDS : ROW_WORDS + key.width] = torch.tensor(key.bits, dtype=torch.int64)
+            row[ROW_WORDS : ROW_WORDS + key.width] = key.bits
             row[ROW_WORDS + key.width :] = 0
             row[COL_LENGTH] = key.width
             row[COL_PARTITION] = key.partition_code

@@ -44,12 +44,21 @@ def _shm_dir(preferred: str) -> str:
 
 
 def _shm_file(shm_dir: str, prefix: str, nbytes: int) -> str:
+    """A new shared-memory file of `nbytes`, its pages reserved now (`posix_fallocate`): a /dev/shm too small for it
+    is an OSError naming the directory at start, never a SIGBUS when a page is first written mid-request."""
     # 0600, random name; the generator maps only files named so (ditruntime.slab.open_shm_file)
-    fd, path = tempfile.mkstemp(prefix=prefix, dir=_shm_dir(shm_dir))
+    directory = _shm_dir(shm_dir)
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
     try:
         os.ftruncate(fd, nbytes)
-    finally:
+        if nbytes and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
         os.close(fd)
+        _unlink_all([path])
+        raise OSError(e.errno, f"cannot reserve {nbytes} bytes of shared memory in {directory} ({e.strerror}): "
+                      "free space there or lower --gpu-plans", path) from e  # fmt: skip
+    os.close(fd)
     return path
 
 
@@ -90,6 +99,7 @@ class SlabMemory:
                 slab_path = _shm_file(shm_dir, SLAB_PREFIX, numel * elem)
                 self._paths.append(slab_path)
                 flat = torch.from_file(slab_path, shared=True, size=numel, dtype=dtype)
+                flat.view(torch.uint8).zero_()  # map every page now: a fill's first write costs no page fault
                 slab = flat.view(num_slots, width, page_numel)
                 transport = "shm"
             else:
@@ -248,12 +258,71 @@ class Copier:
                 self.copy(dst[d : d + n], srcs[c][s : s + n])
         return sum(n for _, _, _, n in runs) * row_bytes
 
+    def record(self) -> torch.cuda.Event | None:
+        """An event recorded on the cache's stream after the copies issued so far (None on a cpu device, whose copies
+        have run by the time they return)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
     def fence(self) -> None:
         """Wait until every copy and kernel issued for the cache has finished."""
         if self.device.type == "cuda":
             if self._stream is not None:
                 self._stream.synchronize()
             torch.cuda.synchronize(self.device)
+
+
+class HostLanding:
+    """Where a plan's bytes read from a file land before they are in the slab (the disk tier's reads).
+
+    `buffer(views)` hands out writable bytes for one plan whose destination is `views` (its (width, P) view on every
+    device): on a single cpu slab that is the slot's own memory (the read lands in place, no copy); otherwise a staging
+    buffer (pinned when a view is on cuda; `depth` of them in turn), which `land()` copies into every view with that
+    device's copier (non-blocking on cuda) once the bytes are checked. A staging buffer is handed out again only after
+    its copies have run (an event per copier), so reading the next plan overlaps the last one's copies. The caller
+    fences the copiers before the pages are used."""
+
+    def __init__(self, copiers: Sequence[Copier], depth: int = 2) -> None:
+        self.copiers = list(copiers)
+        self.depth = max(1, depth)
+        self._staging: list[torch.Tensor | None] = [None] * self.depth
+        self._copied: list[list[torch.cuda.Event | None]] = [[] for _ in range(self.depth)]
+        self._turn = self._last = 0
+        self._pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def buffer(self, views: Sequence[torch.Tensor]) -> memoryview:
+        first = views[0]
+        nbytes = first.numel() * first.element_size()
+        if len(views) == 1 and first.device.type == "cpu" and first.is_contiguous():
+            self._pending = None
+            return first.view(torch.uint8).view(-1).numpy().data
+        i, self._turn = self._turn, (self._turn + 1) % self.depth
+        for event in self._copied[i]:
+            if event is not None:
+                event.synchronize()
+        staging = self._staging[i]
+        if staging is None or staging.numel() < nbytes:
+            pin = any(v.device.type == "cuda" for v in views)
+            staging = self._staging[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        src = staging[:nbytes]
+        self._pending = (src, list(views))
+        self._copied[i] = []
+        self._last = i
+        return src.numpy().data
+
+    def land(self) -> None:
+        """Copy the last `buffer`'s bytes (when it was staging) into every view."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        src, views = pending
+        pages = src.view(views[0].dtype).view(views[0].shape)
+        for view, copier in zip(views, self.copiers, strict=True):
+            copier.copy(view, pages)
+        self._copied[self._last] = [c.record() for c in self.copiers]
 
 
 # ---------------------------------------------------------------------------- CUDA IPC

@@ -31,9 +31,10 @@ import torch
 
 from ditcore.plans import PlanKey, distinct_keys, dtype_name
 from ditcore.report import CacheReport
-from ditruntime.plan_packs import PackError, PackIdentity, PackKey, PackStore, PackStoreStats
+from ditruntime.plan_packs import PackError, PackIdentity, PackKey, PackStore, PackStoreStats, PlanRef
 
 from .config import CacheConfig
+from .device import HostLanding
 from .rebuild import RebuildSource
 from .tiers import NOT_KEPT, CacheCounters, RebuildTier, SlabPages, Tier, TierFill, TierStore
 
@@ -78,7 +79,7 @@ def identity_of(source: RebuildSource, key: PlanKey, fingerprints: dict[str, str
 class _Write:
     key: PackKey
     page_bytes: int
-    plans: list[tuple[tuple[int, ...], bytes]]
+    plans: list[tuple[tuple[int, ...], memoryview]]
     nbytes: int
 
 
@@ -133,29 +134,32 @@ class DiskTier(Tier):
         return all(self.packs.lookup(self.identity(k), k.bits) is not None for k in keys)
 
     def fill(self, keys: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierFill:
+        """Read each key's pages straight into its slot (a cpu slab) or through pinned staging (cuda), pack by pack
+        in file order, each pack opened once; what is missing, damaged or gone meanwhile is rebuilt."""
         t0 = time.perf_counter()
-        source = self.rebuild.source
-        numel, dtype = source.page_numel, source.dtype
-        read, nbytes = [], 0
+        found: list[tuple[PlanKey, int, PlanRef]] = []
         missed: list[tuple[PlanKey, int]] = []
-        used = []
         for k, s in zip(keys, slots, strict=True):
             ref = self.packs.lookup(self.identity(k), k.bits)
             if ref is None:
                 missed.append((k, s))
-                continue
-            try:
-                data = self.packs.read(ref)
-            except PackError as e:  # corrupt (dropped, deleted unless read-only) or gone: rebuilt below
-                log.info("disk tier: %s: rebuilding %s", e, k)
-                missed.append((k, s))
-                continue
-            pages = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(k.width, numel)
-            for view in slab.plans(s, k.width):
-                view.copy_(pages)
-            read.append(k)
-            used.append(ref.header)
-            nbytes += len(data)
+            else:
+                found.append((k, s, ref))
+        found.sort(key=lambda f: (f[2].header.path, f[2].entry.offset))
+        landing = HostLanding(slab.copiers)
+        read, nbytes, used = [], 0, []
+        with self.packs.reader() as reader:
+            for k, s, ref in found:
+                try:
+                    reader.read_into(ref, landing.buffer(slab.plans(s, k.width)))
+                except PackError as e:  # corrupt (dropped, deleted unless read-only) or gone: rebuilt below
+                    log.info("disk tier: %s: rebuilding %s", e, k)
+                    missed.append((k, s))
+                    continue
+                landing.land()
+                read.append(k)
+                used.append(ref.header)
+                nbytes += ref.entry.length
         slab.fence()
         self.packs.touch(used)
         dt = time.perf_counter() - t0
@@ -211,8 +215,8 @@ class DiskTier(Tier):
                 plans = []
                 for k in keys:
                     pages = slab.plan(slot_of[k], k.width).to("cpu", copy=True).contiguous()
-                    plans.append((k.bits, pages.view(torch.uint8).numpy().tobytes()))
-                writes.append(_Write(key, page_bytes, plans, sum(len(b) for _, b in plans)))
+                    plans.append((k.bits, pages.view(torch.uint8).view(-1).numpy().data))
+                writes.append(_Write(key, page_bytes, plans, sum(b.nbytes for _, b in plans)))
             for w in writes:
                 self._submit(w)
 

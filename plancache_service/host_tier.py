@@ -33,7 +33,19 @@ Group = tuple[PlanKey, ...]
 @dataclass
 class _HostPlan:
     pages: list[int]  # page indices in the buffer, one per timestep of the key
+    spans: tuple[tuple[int, int, int], ...]  # the pages as (chunk, row in chunk, count) runs, in order
     refs: int = 0  # number of stored groups containing this plan
+
+
+def _spans(pages: list[int], per_chunk: int) -> tuple[tuple[int, int, int], ...]:
+    out: list[tuple[int, int, int]] = []
+    for page in pages:
+        c, r = divmod(page, per_chunk)
+        if out and out[-1][0] == c and out[-1][1] + out[-1][2] == r:
+            out[-1] = (c, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((c, r, 1))
+    return tuple(out)
 
 
 class HostTier:
@@ -79,6 +91,11 @@ class HostTier:
         """Pages of `buffer` holding the plan's pages, one per timestep of the key."""
         return list(self._plans[key].pages)
 
+    def page_spans(self, key: PlanKey) -> tuple[tuple[int, int, int], ...]:
+        """The plan's pages as (chunk, row in chunk, pages) runs of consecutive rows, in timestep order (computed
+        once, when the plan is admitted: a swap-in reads them for every plan it copies)."""
+        return self._plans[key].spans
+
     # ---------------------------------------------------------------- updates
     def touch(self, keys: Iterable[PlanKey]) -> None:
         """Mark every group containing any of `keys` as most recently used."""
@@ -110,7 +127,7 @@ class HostTier:
             self._evict_lru(protect=g)
         for k in new:
             pages = [self._free.pop() for _ in range(k.width)]
-            self._plans[k] = _HostPlan(pages, refs=1)
+            self._plans[k] = _HostPlan(pages, _spans(pages, self.buffer.chunk_pages), refs=1)
             write(k, pages)
         self._groups[g] = None
         return True

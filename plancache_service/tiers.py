@@ -23,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import torch
 
@@ -226,20 +227,21 @@ class HostMemoryTier(Tier):
     def _runs(self, keys: Sequence[PlanKey], slots: Sequence[int], width: int) -> list[tuple[int, int, int, int]]:
         """The swap-in as (slab row, chunk, row in chunk, pages) runs, slots in order: pages consecutive on both
         sides (a plan's, and the next slot's plan when its pages follow in the same chunk) are one run."""
-        per_chunk = self.host.buffer.chunk_pages
+        page_spans = self.host.page_spans
         runs: list[tuple[int, int, int, int]] = []
-        for slot, key in sorted(zip(slots, keys, strict=True), key=lambda p: p[0]):
+        d0 = c0 = r0 = n0 = 0  # the run being extended (n0 = 0: none yet)
+        for slot, key in sorted(zip(slots, keys, strict=True), key=itemgetter(0)):
             row = slot * width
-            for page in self.host.page_indices(key):
-                c, r = divmod(page, per_chunk)
-                if runs:
-                    d0, c0, r0, n0 = runs[-1]
-                    if c0 == c and d0 + n0 == row and r0 + n0 == r:
-                        runs[-1] = (d0, c0, r0, n0 + 1)
-                        row += 1
-                        continue
-                runs.append((row, c, r, 1))
-                row += 1
+            for c, r, n in page_spans(key):
+                if n0 and c == c0 and row == d0 + n0 and r == r0 + n0:
+                    n0 += n
+                else:
+                    if n0:
+                        runs.append((d0, c0, r0, n0))
+                    d0, c0, r0, n0 = row, c, r, n
+                row += n
+        if n0:
+            runs.append((d0, c0, r0, n0))
         return runs
 
     def store(self, group: Sequence[PlanKey], slots: Sequence[int], slab: SlabPages) -> TierStore:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import xxhash
 
 from ditcore.plans import distinct_keys
 from ditruntime import plan_packs
@@ -27,6 +29,7 @@ from ditruntime.plan_packs import (
     PAYLOAD_ALIGN,
     PREFIX,
     PackCorruptError,
+    PackError,
     PackIdentity,
     PackKey,
     PackStore,
@@ -39,6 +42,7 @@ from ditruntime.plan_packs import (
 )
 from plancache_service.cache import PlanCache
 from plancache_service.config import CacheConfig
+from plancache_service.device import Copier, HostLanding
 from plancache_service.rebuild import RebuildSource
 
 from plancache_helpers import (  # isort: skip
@@ -122,6 +126,10 @@ def test_a_pack_is_laid_out_as_documented_and_verifies(tmp_path: Path) -> None:
     assert header.payload_offset == PAYLOAD_ALIGN and not any(raw[48 + hlen : PAYLOAD_ALIGN])
     assert raw[PAYLOAD_ALIGN:] == b"a" * 400 + b"b" * 200 and len(raw) == header.file_bytes
     assert [(e.bits, e.offset, e.length) for e in header.plans] == [((1, 2), 0, 400), ((3,), 400, 200)]
+    # each plan's checksum is XXH3-128 of its pages, as the header's JSON names it
+    assert [e.checksum for e in header.plans] == [xxhash.xxh3_128_hexdigest(b"a" * 400),
+                                                  xxhash.xxh3_128_hexdigest(b"b" * 200)]  # fmt: skip
+    assert b'"xxh3_128":"' + header.plans[0].checksum.encode() + b'"' in raw[48 : 48 + hlen]
     assert verify_pack(path).key == key == read_header(path).key
     assert key.address == hashlib.sha256(plan_packs.canonical_json(key.describe())).hexdigest()
 
@@ -171,6 +179,48 @@ def test_another_format_version_is_skipped_and_never_deleted(tmp_path: Path) -> 
     store = PackStore(tmp_path, 10**6)
     assert store.lookup(IDENTITY, (1, 2)) is None and path.exists()
     assert gc(tmp_path, 0).removed_corrupt == () and path.exists()
+
+
+def test_a_reader_lands_plans_in_place_or_through_staging_and_never_reads_a_dropped_pack_again(
+    tmp_path: Path,
+) -> None:
+    """One slab: the read lands in the slot's own memory; several (a replica's): in a staging buffer copied to each.
+    After a plan fails its checksum, the pack's other plans are not read from it (rebuilt by the caller)."""
+    pages = {(i, 9): bytes([i]) * 400 for i in range(3)}
+    key = PackKey(IDENTITY, tuple(pages))
+    store = PackStore(tmp_path, 10**6)
+    assert store.write(key, 200, list(pages.items()))
+    refs = [store.lookup(IDENTITY, bits) for bits in pages]
+    assert all(r is not None for r in refs)
+    one = torch.zeros(3, 2, 100, dtype=torch.bfloat16)
+    two = [torch.zeros(3, 2, 100, dtype=torch.bfloat16) for _ in range(2)]
+    copiers = [Copier(torch.device("cpu"))] * 2
+
+    def held(t: torch.Tensor) -> bytes:
+        return bytes(t.view(torch.uint8).reshape(-1).numpy())
+
+    direct, staged = HostLanding(copiers[:1]), HostLanding(copiers, depth=2)
+    with store.reader() as reader:
+        for slot, ref in enumerate(refs):
+            assert ref is not None
+            reader.read_into(ref, direct.buffer([one[slot]]))
+            assert held(one[slot]) == pages[ref.entry.bits]  # in place: there before `land`
+            direct.land()
+            reader.read_into(ref, staged.buffer([v[slot] for v in two]))
+            assert all(held(v[slot]) == bytes(400) for v in two)  # staged: not yet
+            staged.land()
+            assert all(held(v[slot]) == pages[ref.entry.bits] for v in two)
+
+    raw = bytearray(refs[0].header.path.read_bytes())  # type: ignore[union-attr]
+    raw[refs[0].header.payload_offset + 5] ^= 1  # type: ignore[union-attr]
+    refs[0].header.path.write_bytes(bytes(raw))  # type: ignore[union-attr]
+    buf = memoryview(bytearray(400))
+    with store.reader() as reader:
+        with pytest.raises(PackCorruptError, match="checksum mismatch"):
+            reader.read_into(refs[0], buf)  # type: ignore[arg-type]
+        with pytest.raises(PackError, match="dropped earlier in this read"):
+            reader.read_into(refs[1], buf)  # type: ignore[arg-type]
+    assert store.stats().corrupt_packs == 1 and packs(tmp_path) == []
 
 
 def test_the_store_evicts_the_least_recently_used_pack_to_keep_its_bound(tmp_path: Path) -> None:

@@ -147,6 +147,24 @@ def test_shm_files_are_private_and_removed_on_close(source: RebuildSource, tmp_p
     cache.close()  # idempotent
 
 
+def test_shm_without_room_for_the_slab_is_refused_at_start_naming_the_directory(
+    source: RebuildSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slab's pages are reserved when it is made (posix_fallocate), so a full /dev/shm is an error then (naming
+    the directory and the way out), never a SIGBUS at a page's first write mid-request; no file is left behind.
+    Here a tmpfs that is full is stood in by posix_fallocate failing as it does there (ENOSPC)."""
+    import errno
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=rf"cannot reserve \d+ bytes of shared memory in {tmp_path} .*--gpu-plans") as e:
+        make_cache(source, gpu_plans=4, shm_dir=tmp_path)
+    assert e.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_map_slab_gives_read_only_views_of_the_live_slab(make: MakeCache, tmp_path: Path) -> None:
     cache = make(gpu_plans=6)  # its files in tmp_path
     desc = cache.memory.descriptor
