@@ -23,15 +23,22 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
   adapters         request A with a LoRA on every target group (`ditserve make-adapter --targets all`, musubi layout,
                    rank 4) at scale 0.8, on the cached serve (trunk in PEFT layers, modulation in plans its sidecar
                    builds) and on the resident one (PEFT everywhere): sha256 equal, and not A's
+  quality-audit    cached-abab's serve, started with a quality-levels file (one FirstBlockCache level), an audit
+                   directory and an admin token: after its requests, `ditserve audit-quality` of one t2va request on it (lossless and at the level, as
+                   frames_and_wav): its latency ratio, skipped fraction, PSNR / SSIM, audio corr / SNR and verdict; on
+                   cuda on the released canvas 768 x 1344 at 124 frames (the 345-frame envelope does not fit the
+                   budget: DITSERVE_GPU_CHECK_AUDIT_CANVAS=768x1344x345 with a larger one), 32 x 32 on the CPU;
+                   passes when every request was measured, one record each was written and the level skipped blocks
+                   (the verdict is printed, not required: random weights)
   multi-device     with 2+ GPUs visible: `ditserve serve --nproc D` (D = 4 with 4+ GPUs, else 2; Ulysses D,
                    --ulysses-anything on NCCL) cached and resident on request A: sha256 equal, and the per-step time
                    against cached-abab's one device; skipped with one line otherwise
 
 `--out DIR` keeps what the checks measure there: the gpu tests' JUnit XML (gpu-tests.xml) and, when a service check
 failed, the tails of the serve logs (serve-logs.txt). DITSERVE_GPU_CHECK_SERVICES (default
-cached,kill,resident,replica) picks the service checks: cached-abab and swap-in always run (the others compare with
-their sha256); leaving out kill, resident or replica skips sidecar-kill, resident-abab with fl2va, ref2va and adapters, or
-multi-device.
+cached,kill,resident,quality,replica) picks the service checks: cached-abab and swap-in always run (the others compare
+with their sha256); leaving out kill, resident, quality or replica skips sidecar-kill, resident-abab with fl2va, ref2va
+and adapters, quality-audit, or multi-device.
 Every service runs as `python -m ditserve` (no console scripts), so the offline layout (scripts/gpu_check.sh --offline:
 the repository root and the carried wheels on PYTHONPATH, no venv) runs them as the venv does.
 
@@ -43,7 +50,7 @@ default 270 s); a check still running when it is spent fails.
 
 This file is the entry point (is there a GPU torch can use? then each part, then the verdict); its parts, beside it:
 gpu_check_common.py (settings, output lines, budget), gpu_check_tests.py (gpu-tests), gpu_check_serve.py (the
-services' processes) and gpu_check_services.py (the service checks).
+services' processes), gpu_check_services.py (the service checks) and gpu_check_quality.py (quality-audit).
 """
 
 from __future__ import annotations
@@ -63,8 +70,8 @@ from gpu_check_serve import keep_serve_logs
 from gpu_check_services import services
 from gpu_check_tests import NAMED_TESTS, gpu_tests
 
-CHECKS = ("gpu-tests", *NAMED_TESTS, "cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va",
-          "adapters", "multi-device")  # fmt: skip
+CHECKS = ("gpu-tests", *NAMED_TESTS, "cached-abab", "swap-in", "quality-audit", "sidecar-kill", "resident-abab",
+          "fl2va", "ref2va", "adapters", "multi-device")  # fmt: skip
 
 
 # ------------------------------------------------------------------ is there a GPU?

@@ -29,7 +29,7 @@ REF_IMAGES = {"ref-image.png": ("PNG", 80, 48), "ref-image.jpg": ("JPEG", 48, 64
 it): a video or audio reference is probed with PyAV (ditcore.references), which the offline device lacks."""
 KEYFRAMES = {"first-frame.png": ("PNG", 64, 48), "last-frame.jpg": ("JPEG", 48, 64)}
 """fl2va's first and last frames: file name -> (format, width, height), made with Pillow."""
-SERVICES = ("cached", "kill", "resident", "replica")
+SERVICES = ("cached", "kill", "resident", "quality", "replica")
 SELECTED = tuple(s for s in os.environ.get("DITSERVE_GPU_CHECK_SERVICES", ",".join(SERVICES)).split(",") if s)
 failures: list[str] = []
 deadline = time.monotonic() + BUDGET_S

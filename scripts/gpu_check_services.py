@@ -1,5 +1,6 @@
 """The service checks of scripts/gpu_check.py on one bench checkpoint: cached-abab and swap-in, sidecar-kill,
-resident-abab, fl2va, ref2va and multi-device (see its docstring), each as one summary line."""
+resident-abab, fl2va, ref2va, adapters, quality-audit (gpu_check_quality.py) and multi-device (see its docstring), each
+as one summary line."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from gpu_check_common import (
     line,
     ref2va_request,
 )
+from gpu_check_quality import QualityAudit
 from gpu_check_serve import Serve, device_memory_mib, generate, shm_slabs, sidecar_host_pinned
 
 CLOSED_LINE = re.compile(r"closed the slab mapping of session (\S+): its storage is freed")
@@ -70,9 +72,12 @@ def services(work: Path, device: str) -> None:
                    cwd=ROOT, check=True, capture_output=True, timeout=left(120))  # fmt: skip
     with_adapters = ("--adapter-dir", str(adapters))
     tasks = {"fl2va": fl2va_request(work), "ref2va": ref2va_request(work), "adapters": adapter_request()}
-    run = _cached_abab(work, ckpt, device, base_port, tasks, with_adapters)
-    out, page_bytes, width = run.out, run.page_bytes, run.width
     skipped = f"not selected (DITSERVE_GPU_CHECK_SERVICES={','.join(SELECTED)})"
+    audit = QualityAudit(work, device) if "quality" in SELECTED else None
+    run = _cached_abab(work, ckpt, device, base_port, tasks, with_adapters, audit)
+    if audit is None:
+        line("SKIP", "quality-audit", skipped)
+    out, page_bytes, width = run.out, run.page_bytes, run.width
     if "kill" not in SELECTED:
         line("SKIP", "sidecar-kill", skipped)
     else:
@@ -179,11 +184,17 @@ def _task_check(task: str, cached: CachedRun, resident: tuple[dict[str, Any] | N
 
 
 def _cached_abab(
-    work: Path, ckpt: Path, device: str, port: int, tasks: dict[str, dict[str, Any]], extra: tuple[str, ...] = ()
+    work: Path,
+    ckpt: Path,
+    device: str,
+    port: int,
+    tasks: dict[str, dict[str, Any]],
+    extra: tuple[str, ...] = (),
+    audit: QualityAudit | None = None,
 ) -> CachedRun:
     """cached-abab and swap-in, then the fl2va, ref2va and adapter requests on the same serve (their checks compare
-    them with resident's)."""
-    cached = Serve(work, ckpt, "cached", "cached", device, port, STEPS, extra)
+    them with resident's), then, with `audit`, quality-audit on it (served with the audit's flags)."""
+    cached = Serve(work, ckpt, "cached", "cached", device, port, STEPS, (*extra, *(audit.flags if audit else ())))
     try:
         st = cached.wait_serving()
         page_bytes, width = st.slab.page_bytes, st.slab.width
@@ -207,6 +218,8 @@ def _cached_abab(
             line("FAIL", "swap-in", "no host-tier hit to measure")
         done = {task: _generate_one(cached.target, request, work) for task, request in tasks.items()
                 if "resident" in SELECTED}  # fmt: skip
+        if audit is not None:
+            audit.run(cached.target)
     finally:
         cached.stop()
     return CachedRun(out, done, page_bytes, width)

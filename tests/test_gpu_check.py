@@ -33,8 +33,8 @@ pytestmark = pytest.mark.processes  # runs scripts/gpu_check.py
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
-CHECKS = ("gpu-tests", "syncs-per-step", "pinned-bytes", "cached-abab", "swap-in", "sidecar-kill", "resident-abab",
-          "fl2va", "ref2va", "adapters", "multi-device")  # fmt: skip
+CHECKS = ("gpu-tests", "syncs-per-step", "pinned-bytes", "cached-abab", "swap-in", "quality-audit", "sidecar-kill",
+          "resident-abab", "fl2va", "ref2va", "adapters", "multi-device")  # fmt: skip
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the script runs every check (scripts/gpu_check.sh)"
@@ -196,10 +196,10 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     device_tree: Path, device_python: Path, wheels: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    # cached and resident (ref2va compares them; the slow test runs every service check), and room for a slow CI
-    # machine (the device's budget is 480 s)
+    # cached and resident (ref2va compares them; the slow test runs every service check), the quality audit, and
+    # room for a slow CI machine (the device's budget is 480 s)
     res = offline(device_tree, device_python, wheels, out, timeout=900, DITSERVE_GPU_CHECK_PRESET="tiny",
-                  DITSERVE_GPU_CHECK_STEPS="4", DITSERVE_GPU_CHECK_SERVICES="cached,resident",
+                  DITSERVE_GPU_CHECK_STEPS="4", DITSERVE_GPU_CHECK_SERVICES="cached,resident,quality",
                   DITSERVE_GPU_CHECK_TOTAL_S="840")  # fmt: skip
     log = res.stdout + res.stderr
     assert res.returncode == 0, log
@@ -208,11 +208,11 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     assert "smoke: every module imports" in log and "REFUSED" not in log and "MISSING" not in log
     assert re.search(r"protos/ generated code imports: protobuf 7\.\d+\.\d+ .*grpcio 1\.\d+", log), log
     status = {ln.split()[1]: ln.split()[0] for ln in log.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}
-    assert {status[n] for n in ("cached-abab", "swap-in", "resident-abab", "fl2va", "ref2va", "adapters")} == {
-        "PASS"
-    }, log
+    checks = ("cached-abab", "swap-in", "resident-abab", "fl2va", "ref2va", "adapters", "quality-audit")
+    assert {status[n] for n in checks} == {"PASS"}, log
     assert status["sidecar-kill"] == status["multi-device"] == "SKIP"
     assert_task_lines(log)
+    assert_audit_line(log)
     records = [json.loads(ln) for ln in (out / "probe.jsonl").read_text().splitlines()]
     assert [r["part"] for r in records] == ["slab", "swap", "block", "vae", "rebuild", "disk", "readpath"]
     assert all(r["status"] == "ok" and r["device"] == "cpu" and r["scaled"] is True for r in records), records
@@ -221,7 +221,7 @@ def test_offline_dry_run_on_the_cpu_end_to_end(
     # the disk tier's pack of a 50-point schedule read back bitwise; its page cache dropped before the cold read
     assert disk["pages_equal"] is True and disk["plans"] == 49 and disk["pages"] == 97, disk
     assert disk["full_sizes"]["bytes"] == 97 * 4_849_152 * 2 and disk["page_cache"]["fadvise"] is True, disk
-    assert disk["cold_read_gbps"] and disk["warm_read_gbps"] and 0 < disk["sha256_share_warm"] < 1, disk
+    assert disk["cold_read_gbps"] and disk["warm_read_gbps"] and 0 < disk["checksum_share_warm"] < 1, disk
     assert readpath["full_sizes"]["bytes"] == 3 * 96768 * 2689 * 2 and readpath["pass"] is None, readpath
     assert all(readpath[k]["ratio"] > 0 and readpath[k]["plain_gbps"] for k in ("warm", "cold")), readpath
     assert "On an H200 (DITSERVE_GPU_CHECK_DEVICE=cuda) the check measures" in log
@@ -248,6 +248,17 @@ def assert_task_lines(log: str) -> None:
         sha = re.search(r"cached sha256 ([0-9a-f]{64}), resident ([0-9a-f]{64}) \(equal\)", found)
         assert sha and sha.group(1) == sha.group(2), found
         assert f"task {task};" in found and "differs from t2va A" in found, found
+
+
+def assert_audit_line(log: str) -> None:
+    """The quality-audit line: `ditserve audit-quality` measured its request on a serve with a levels file, wrote
+    its record, and the line carries the audit's numbers and verdict."""
+    found = next(ln for ln in log.splitlines() if ln.split()[1:2] == ["quality-audit"])
+    assert "level fast (FirstBlockCache 0.5) on 32x32x124, the CPU dry run" in found, found
+    assert "1/1 request(s) measured, 1 record(s) written" in found, found
+    numbers = re.search(r"latency ratio [0-9.]+ \(denoise [0-9.]+\), skipped fraction (0\.\d+), PSNR \S+ dB, SSIM \S+, "
+                        r"audio corr \S+, audio SNR \S+ dB; (passed|failed)", found)  # fmt: skip
+    assert numbers and float(numbers.group(1)) > 0, found
 
 
 def test_offline_without_the_wheels_the_smoke_test_names_every_missing_module(
@@ -295,7 +306,7 @@ def test_service_checks_pass_on_the_cpu_in_the_offline_layout(
     log = res.stdout + res.stderr
     assert res.returncode == 0, log
     status = {ln.split()[1]: ln.split()[0] for ln in log.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}
-    checks = ("cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va", "adapters")
+    checks = ("cached-abab", "swap-in", "sidecar-kill", "resident-abab", "fl2va", "ref2va", "adapters", "quality-audit")
     assert {status[n] for n in checks} == {"PASS"}, log
     assert_task_lines(log)
     kill = next(ln for ln in log.splitlines() if ln.split()[1:2] == ["sidecar-kill"])

@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 from oracle import _pipeline, diffusers_request_latents, released_decode_dtype, stored_precision
-from servicekit import Pair, error_info, ref_sha
+from servicekit import Pair, error_info, ref_sha, request_keys
 
-from ditcore import GenerationRequest
+from ditcore import GenerationRequest, distinct_keys
 from ditcore.generation import latents_sha256
 from ditcore.quality import AuditRecord, QualityLevels
 from ditcore.step_cache import StepCache, register_h3_blocks
@@ -184,15 +184,29 @@ def test_the_facade_takes_quality() -> None:
 def test_a_cached_server_serves_a_level_on_its_plans_as_resident_does(served: tuple[Pair, Path],
                                                                       tiny_ckpt: Path) -> None:  # fmt: skip
     """The plan cache is untouched by a level: the same plan keys (a lossless request after it hits every plan), the
-    same bits as the resident server, cold (rebuilt) and warm (slot hits)."""
+    same bits as the resident server, cold (rebuilt), warm (slot hits) and swapped in from the host tier: the slab
+    holds one schedule's plans, so two schedules at the level alternating evict each other's plans to the host tier
+    and each repeat reads them from there (no plan built)."""
     resident, root = served
+    other = {**REQUEST, "flow_shift": 6.0}  # another schedule: only its first step's plan (sigma 1) is shared
     want = resident.generate({**REQUEST, "quality": "fast"}, request_id="r").sha256
-    with Pair(tiny_ckpt, mode="cached", quality_levels=root / "levels.toml") as pair:
+    want_other = resident.generate({**other, "quality": "fast"}, request_id="r-other").sha256
+    assert want_other != want
+    keys, other_keys = (set(distinct_keys(request_keys(tiny_ckpt, r))) for r in (REQUEST, other))
+    assert len(keys) == len(other_keys) == REQUEST["num_inference_steps"] - 1 and len(keys & other_keys) == 1
+    with Pair(tiny_ckpt, mode="cached", quality_levels=root / "levels.toml", gpu_plans=len(keys)) as pair:
         pair.start()
         cold = pair.generate({**REQUEST, "quality": "fast"}, request_id="c1")
-        assert cold.sha256 == want and cold.cache.built_plans == REQUEST["num_inference_steps"] - 1
+        assert cold.sha256 == want and cold.cache.built_plans == len(keys)
         lossless = pair.generate(REQUEST, request_id="c2")
         assert lossless.cache.built_plans == 0 and lossless.cache.gpu_hit_plans == cold.cache.built_plans
         assert lossless.sha256 == ref_sha(tiny_ckpt, REQUEST)
         warm = pair.generate({**REQUEST, "quality": "fast"}, request_id="c3")
         assert warm.sha256 == want and warm.cache.built_plans == 0
+        first = pair.generate({**other, "quality": "fast"}, request_id="c4")  # evicts the first schedule's plans
+        assert first.sha256 == want_other and first.cache.built_plans == len(other_keys - keys)
+        for i, (request, sha, own) in enumerate([(REQUEST, want, keys), (other, want_other, other_keys)] * 2):
+            got = pair.generate({**request, "quality": "fast"}, request_id=f"h{i}")
+            c = got.cache
+            assert (c.built_plans, c.gpu_hit_plans, c.host_hit_plans) == (0, 1, len(own) - 1), (i, c)
+            assert got.sha256 == sha and got.quality == "fast" and sum(got.blocks_skipped) > 0, i
