@@ -7,7 +7,8 @@ bytes, in this process (no services; a few seconds):
     (`measure.drop_page_cache`); beside them the per-tensor path's (safetensors, one tensor at a time: the old one);
 (c) bits: every page of the streamed passes torch.equal to the per-tensor path's;
 (d) the host tier's swap-in (`HostMemoryTier.fill` of the same schedule's plans into shuffled slots of a real slab,
-    caches flushed before each) over one plain copy of the same bytes between the same two buffers (the host tier's
+    caches flushed before each; at the preset's page size, and with `released_pages` again at the released one:
+    the same plans of 9.25 MiB pages, 0.9 GB a swap-in, where a swap-in's fixed cost per plan no longer shows) over one plain copy of the same bytes between the same two buffers (the host tier's
     pages into the slab's rows, one copy: what the swap-in's bookkeeping and run splitting cost); beside it one plain
     copy between two fresh buffers (`measure.memcpy_bandwidth`): on cpu the slab is a shared-memory file, whose small
     pages copy slower than anonymous memory's huge ones, a cost of sharing the slab, not of the swap-in.
@@ -24,7 +25,7 @@ import torch
 
 from ditcore import PlanBuilder, validate_checkpoint
 from ditcore.plan_stream import projection_reads
-from ditcore.plans import PlanKey, distinct_keys
+from ditcore.plans import PageLayout, PlanKey, distinct_keys
 
 from .context import BenchContext
 from .measure import drop_page_cache, memcpy_bandwidth, plain_read_seconds
@@ -45,7 +46,7 @@ def _pass(builder: PlanBuilder, keys: list[PlanKey], outs: list[torch.Tensor]) -
     return time.perf_counter() - t0, builder.read_s - s0, builder.read_bytes - b0
 
 
-def read_path(ctx: BenchContext, rounds: int = 5) -> dict[str, Any]:
+def read_path(ctx: BenchContext, rounds: int = 5, released_pages: bool = False) -> dict[str, Any]:
     torch.set_num_threads(ctx.threads)
     info = validate_checkpoint(ctx.checkpoint)
     transformer = info.path / "transformer"
@@ -104,7 +105,16 @@ def read_path(ctx: BenchContext, rounds: int = 5) -> dict[str, Any]:
         "per_tensor_ratio": round(med["plain"] / med["old_read"], 3),
         "build_s": round(med["build"], 4), "per_tensor_build_s": round(med["old_build"], 4),
         "bit_exact": bit_exact, "cold": cold, "swap_in": swap_in(ctx, keys, new.layout.page_numel, new.projection_dtype),
+        "swap_in_released_pages": (swap_in(ctx, keys, released_page_numel(), torch.bfloat16, rounds=7)
+                                   if released_pages else None),
     }  # fmt: skip
+
+
+def released_page_numel() -> int:
+    """Elements of a page at the released shapes (9.25 MiB in bf16: ditcore.plans.PageLayout)."""
+    from ditcore.presets import get_preset
+
+    return PageLayout.from_config(get_preset("h3").transformer_kwargs()).page_numel
 
 
 def swap_in(
@@ -129,7 +139,7 @@ def swap_in(
             pages = sum(k.width for k in keys)
             tier = HostMemoryTier(HostTier(allocate_host_pages(pages, page_numel, dtype, pin=device.type == "cuda")))
             slab = SlabPages(memory.slab, Copier(device))
-            memory.slab.normal_()
+            memory.slab.fill_(1.5) if memory.slab.numel() > 2**26 else memory.slab.normal_()  # any bits: a copy's
             slots = list(range(len(keys)))
             stored = tier.store(keys, slots, slab)
             stored.copy()

@@ -91,7 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bit_exact = bool(alt["sha256_identical"] and results["cached_vs_resident"]["sha256_identical"])
     results["rebuild_efficiency"] = scenarios.rebuild_efficiency(ctx, first_seen, bit_exact)
     ctx.log("16. rebuild read path and host tier copies against plain reads and copies")
-    results["read_path"] = read_path.read_path(ctx, rounds=3 if args.quick else 9)
+    results["read_path"] = read_path.read_path(ctx, rounds=3 if args.quick else 9, released_pages=not args.quick)
     ctx.log("17. a known schedule after a restart: from the disk tier against a rebuild")
     results["restart_from_disk"] = disk_tier.restart_from_disk(ctx)
     ctx.log("8. rebuild overlap")
