@@ -48,6 +48,10 @@ LEVEL_NAME = QUALITY_NAME
 ADAPTER_POLICIES = ("none", "trunk", "any")
 PER_RANK_DECISIONS = ("first_block",)
 """Step caches whose skip decision reads the rank's own activations (not the step index or calibrated ratios)."""
+NOT_CONTEXT_PARALLEL = ("mag",)
+"""Step caches diffusers 0.42.1 cannot run under its context parallelism: MagCache's tail hook subtracts the first
+block's input, as the head hook kept it (every rank's tokens), from the last block's output (the rank's own): a size
+mismatch (RuntimeError) in diffusers' own 2-rank loop."""
 UNAUDITED = ("refuse", "warn")
 THRESHOLDS = ("min_psnr_db", "min_ssim", "min_audio_snr_db", "min_audio_corr")
 _KEYS = ("description", "cache", "tasks", "steps", "max_height", "max_width", "max_num_frames", "world_sizes",
@@ -184,7 +188,13 @@ def _level(name: str, data: Any, source: str) -> QualityLevel:
         raise QualityLevelsError(
             f"{where}: world_sizes {list(world_sizes)}: {cache.kind} decides per rank from the rank's own rows (its "
             "first block's residual), so on a replica the ranks could disagree and stall in a collective; run it on "
-            "1 rank, or use a kind whose decisions every rank makes alike (taylorseer, mag)"
+            "1 rank, or use a kind whose decisions every rank makes alike (taylorseer)"
+        )
+    if cache.kind in NOT_CONTEXT_PARALLEL and max(world_sizes) > 1:
+        raise QualityLevelsError(
+            f"{where}: world_sizes {list(world_sizes)}: diffusers' {cache.kind} cache fails under context parallelism "
+            "(its tail hook subtracts every rank's first-block input from the rank's own last-block output); run it "
+            "on 1 rank, or use taylorseer on a replica"
         )
     description = data.get("description", "")
     if not isinstance(description, str):

@@ -143,6 +143,11 @@ def test_a_job_keeps_its_level(served: tuple[Pair, Path]) -> None:
         ("[levels.fast]\ncache = { kind = 'first_block' }\nadapter = 'none'", "unknown key 'adapter'"),
         ("levels = 3", "holds [levels.NAME] tables only"),
         ("[levels.fast]\ncache = { kind = 'first_block' }\nworld_sizes = [1, 2]", "decides per rank"),
+        (
+            "[levels.fast]\ncache = { kind = 'mag', threshold = 0.1, num_inference_steps = 2, mag_ratios = [1.0, 1.0] }"
+            "\nworld_sizes = [2]",
+            "fails under context parallelism",
+        ),
         ("[levels", "not a readable TOML file"),
     ],
 )

@@ -174,7 +174,9 @@ def test_a_quality_level_on_two_ranks_is_diffusers_context_parallel_with_its_ste
     replica: Replica, weights: Weights, tmp_path: Path
 ) -> None:
     """Every rank installs the level's hooks (rank 0 hands its step cache on): TaylorSeer, whose decisions every rank
-    makes alike (by step), equals diffusers' 2-rank loop with the same config; lossless after it is lossless."""
+    makes alike (by step), equals diffusers' 2-rank loop with the same config; lossless after it is lossless. The other
+    kinds are refused on a replica when the levels file is read (FirstBlockCache decides per rank; diffusers' MagCache
+    fails under context parallelism): tests/core/test_core_quality_rules.py."""
     request = {**REQUEST, "num_inference_steps": 6}
     out = run_ranks(diffusers_with_step_cache, 2, (weights.a, request, 2, TAYLORSEER), tmp_path)
     with GeneratorClient(replica.target) as client:
