@@ -1,11 +1,14 @@
 """A MiniMax-H3 repository's files as ditcore reads them: model_index.json and its transformer partitions, the files
 under each component, safetensors shard headers (parsed and bounds-checked, no tensor data read); every fault is a
-`CheckpointError` naming the file."""
+`CheckpointError` naming the file. Also `pread_into`, the positioned read (short reads continued, `ShortReadError` at
+an early end) with which the plan-tensor stream and the plan packs read bytes into buffers of their own."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,6 +17,27 @@ from typing import Any
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class ShortReadError(OSError):
+    """A file that ended before the bytes asked for (errno EIO): shorter than its header says, or truncated while
+    being read."""
+
+
+def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
+    """Fill `view` from `offset` of the open file (short reads continued); ShortReadError naming `path` at an early
+    end. The plan-tensor stream and the plan packs read with it."""
+    got, total = 0, len(view)
+    while got < total:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise ShortReadError(
+                errno.EIO,
+                f"unexpected end of file at byte {offset + got} ({total - got} bytes short: truncated?)",
+                path,
+            )
+        got += n
+    return got
 
 
 class CheckpointError(Exception):

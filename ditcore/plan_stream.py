@@ -23,7 +23,6 @@ one read was in flight (the reader's own time, not the time it waited for a free
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import threading
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_files import read_shard_header
+from .checkpoint_files import pread_into, read_shard_header
 
 STAGING_BYTES = 64 * 1024**2
 """The largest single read, and on cuda the size of each pinned staging buffer."""
@@ -213,21 +212,6 @@ class _Busy:
             self.nbytes += nbytes
             if self.active == 0:
                 self.seconds += time.perf_counter() - self.since
-
-
-def pread_into(fd: int, view: memoryview, offset: int, path: str) -> int:
-    """Fill `view` from `offset` of the open file (short reads continued); OSError naming `path` at an early end."""
-    got, total = 0, len(view)
-    while got < total:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            raise OSError(
-                errno.EIO,
-                f"unexpected end of file at byte {offset + got} ({total - got} bytes short: truncated?)",
-                path,
-            )
-        got += n
-    return got
 
 
 def _page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -62,6 +62,7 @@ from typing import Any
 
 import xxhash
 
+from ditcore.checkpoint_files import ShortReadError, pread_into
 from ditruntime.paths import prepare_dir, require_dir
 
 log = logging.getLogger(__name__)
@@ -304,25 +305,12 @@ def read_plan_into(header: PackHeader, entry: PlanEntry, out: memoryview, fd: in
     a mismatch: `out` then holds bytes that must not be used)."""
     if out.nbytes != entry.length:
         raise ValueError(f"plan {entry.bits}: a {out.nbytes}-byte buffer for its {entry.length} bytes")
-    got, at = 0, header.payload_offset + entry.offset
-    while got < entry.length:
-        n = os.preadv(fd, [out[got:]], at + got)
-        if n == 0:
-            raise PackCorruptError(header.path, f"truncated inside plan {entry.bits}")
-        got += n
+    try:
+        pread_into(fd, out, header.payload_offset + entry.offset, os.fspath(header.path))
+    except ShortReadError as e:
+        raise PackCorruptError(header.path, f"truncated inside plan {entry.bits}") from e
     if plan_checksum(out) != entry.checksum:
         raise PackCorruptError(header.path, f"plan {entry.bits}: checksum mismatch")
-
-
-def read_plan(header: PackHeader, entry: PlanEntry) -> bytes:
-    """One plan's pages, checked (`read_plan_into` a new buffer)."""
-    out = bytearray(entry.length)
-    fd = open_pack(header)
-    try:
-        read_plan_into(header, entry, memoryview(out), fd)
-    finally:
-        os.close(fd)
-    return bytes(out)
 
 
 def verify_pack(path: str | os.PathLike[str]) -> PackHeader:
@@ -624,13 +612,6 @@ class PackStore:
             return PlanRef(self._packs[name].header, where[name])
 
     # ---------------------------------------------------------------- reads
-    def read(self, ref: PlanRef) -> bytes:
-        """The plan's pages, checked (a `reader()` of one read into a new buffer)."""
-        out = bytearray(ref.entry.length)
-        with self.reader() as reader:
-            reader.read_into(ref, memoryview(out))
-        return bytes(out)
-
     def reader(self) -> PackReader:
         """A reader of plans into caller buffers, keeping each pack it reads open until it is closed (a group's plans
         are read from one descriptor per pack, in the order asked)."""

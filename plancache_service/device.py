@@ -290,8 +290,8 @@ class HostLanding:
         self.depth = max(1, depth)
         self._staging: list[torch.Tensor | None] = [None] * self.depth
         self._copied: list[list[torch.cuda.Event | None]] = [[] for _ in range(self.depth)]
-        self._turn = self._last = 0
-        self._pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._turn = 0
+        self._pending: tuple[int, torch.Tensor, list[torch.Tensor]] | None = None  # (staging index, bytes, views)
 
     def buffer(self, views: Sequence[torch.Tensor]) -> memoryview:
         first = views[0]
@@ -308,9 +308,8 @@ class HostLanding:
             pin = any(v.device.type == "cuda" for v in views)
             staging = self._staging[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         src = staging[:nbytes]
-        self._pending = (src, list(views))
+        self._pending = (i, src, list(views))
         self._copied[i] = []
-        self._last = i
         return src.numpy().data
 
     def land(self) -> None:
@@ -318,11 +317,11 @@ class HostLanding:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        src, views = pending
+        i, src, views = pending
         pages = src.view(views[0].dtype).view(views[0].shape)
         for view, copier in zip(views, self.copiers, strict=True):
             copier.copy(view, pages)
-        self._copied[self._last] = [c.record() for c in self.copiers]
+        self._copied[i] = [c.record() for c in self.copiers]
 
 
 # ---------------------------------------------------------------------------- CUDA IPC

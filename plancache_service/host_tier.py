@@ -37,10 +37,10 @@ class _HostPlan:
     refs: int = 0  # number of stored groups containing this plan
 
 
-def _spans(pages: list[int], per_chunk: int) -> tuple[tuple[int, int, int], ...]:
+def _spans(pages: list[int], buffer: HostBuffer) -> tuple[tuple[int, int, int], ...]:
     out: list[tuple[int, int, int]] = []
     for page in pages:
-        c, r = divmod(page, per_chunk)
+        c, r = buffer.locate(page)
         if out and out[-1][0] == c and out[-1][1] + out[-1][2] == r:
             out[-1] = (c, out[-1][1], out[-1][2] + 1)
         else:
@@ -127,7 +127,7 @@ class HostTier:
             self._evict_lru(protect=g)
         for k in new:
             pages = [self._free.pop() for _ in range(k.width)]
-            self._plans[k] = _HostPlan(pages, _spans(pages, self.buffer.chunk_pages), refs=1)
+            self._plans[k] = _HostPlan(pages, _spans(pages, self.buffer), refs=1)
             write(k, pages)
         self._groups[g] = None
         return True

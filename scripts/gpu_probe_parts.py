@@ -599,7 +599,8 @@ def write_projection_shard(path: Path, layout: PageLayout, layers: int) -> tuple
 
 
 def part_readpath(ctx: Context) -> dict[str, Any]:
-    from ditcore.plan_stream import KEEP_BUFFER_BYTES, PlanStream, ReadConfig, pread_into, projection_reads
+    from ditcore.checkpoint_files import pread_into
+    from ditcore.plan_stream import KEEP_BUFFER_BYTES, PlanStream, ReadConfig, projection_reads
     from ditcore.shards import SINGLE_FILE, shard_map
 
     info, layout, cuda = sizes("readpath", ctx.scaled), ctx.layout, ctx.device.type == "cuda"

@@ -55,7 +55,7 @@ def plain_read_seconds(ranges: list[tuple[str, int, int]], chunk_bytes: int = 64
     """One plain sequential read of the (path, offset, bytes) ranges, in file order, each file opened once, in reads
     of at most `chunk_bytes` into one reusable pre-faulted buffer (cat's way, with a bigger buffer): what reading the
     same bytes costs with nothing else done."""
-    from ditcore.plan_stream import pread_into
+    from ditcore.checkpoint_files import pread_into
 
     buf = memoryview(bytearray(min(chunk_bytes, max((n for _, _, n in ranges), default=1))))
     fds: dict[str, int] = {}
