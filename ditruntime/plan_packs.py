@@ -27,9 +27,9 @@ The file's size must be exactly payload offset + N (shorter: truncated). A plan 
 when it is read, so a lookup reads one plan, not the pack. The plans' checksum is XXH3-128 (the `xxhash` package, tens
 of GB/s on one core): it guards against damage (a flipped bit, a torn write), not against a writer of the directory,
 who could write any checksum; sha256 (under 2 GB/s here) would cap a pack's read below an NVMe's speed. Format 1
-(sha256 per plan) is read as another version: skipped, never served. A pack is written under a temporary name in the same
-directory (`.<name>.partial-<pid>-<n>`), fsynced, renamed, and the directory fsynced: no partial file ever carries
-a final name.
+(sha256 per plan) is read as another version: skipped, never served. A pack is written under a temporary name in the
+same directory (`.<name>.partial-<pid>-<n>`), fsynced, renamed, and the directory fsynced: no partial file ever
+carries a final name.
 
 **Errors.** `PackCorruptError` (bad magic, header checksum, truncation, a plan's checksum, an unparsable header):
 the store deletes the pack (unless read-only) and the caller rebuilds. `PackVersionError` (another format version,

@@ -24,10 +24,11 @@ Checks, in order (each line starts with PASS, FAIL or SKIP):
                    rank 4) at scale 0.8, on the cached serve (trunk in PEFT layers, modulation in plans its sidecar
                    builds) and on the resident one (PEFT everywhere): sha256 equal, and not A's
   quality-audit    cached-abab's serve, started with a quality-levels file (one FirstBlockCache level), an audit
-                   directory and an admin token: after its requests, `ditserve audit-quality` of one t2va request on it (lossless and at the level, as
-                   frames_and_wav): its latency ratio, skipped fraction, PSNR / SSIM, audio corr / SNR and verdict; on
-                   cuda on the released canvas 768 x 1344 at 124 frames (the 345-frame envelope does not fit the
-                   budget: DITSERVE_GPU_CHECK_AUDIT_CANVAS=768x1344x345 with a larger one), 32 x 32 on the CPU;
+                   directory and an admin token: after its requests, `ditserve audit-quality` of one t2va request
+                   on it (lossless and at the level, as frames_and_wav): its latency ratio, skipped fraction,
+                   PSNR / SSIM, audio corr / SNR and verdict; on cuda on the released canvas 768 x 1344 at 124
+                   frames (the 345-frame envelope does not fit the budget: DITSERVE_GPU_CHECK_AUDIT_CANVAS=
+                   768x1344x345 with a larger one), 32 x 32 on the CPU;
                    passes when every request was measured, one record each was written and the level skipped blocks
                    (the verdict is printed, not required: random weights)
   multi-device     with 2+ GPUs visible: `ditserve serve --nproc D` (D = 4 with 4+ GPUs, else 2; Ulysses D,

@@ -8,10 +8,10 @@ bytes, in this process (no services; a few seconds):
 (c) bits: every page of the streamed passes torch.equal to the per-tensor path's;
 (d) the host tier's swap-in (`HostMemoryTier.fill` of the same schedule's plans into shuffled slots of a real slab,
     caches flushed before each; at the preset's page size, and with `released_pages` again at the released one:
-    the same plans of 9.25 MiB pages, 0.9 GB a swap-in, where a swap-in's fixed cost per plan no longer shows) over one plain copy of the same bytes between the same two buffers (the host tier's
-    pages into the slab's rows, one copy: what the swap-in's bookkeeping and run splitting cost); beside it one plain
-    copy between two fresh buffers (`measure.memcpy_bandwidth`): on cpu the slab is a shared-memory file, whose small
-    pages copy slower than anonymous memory's huge ones, a cost of sharing the slab, not of the swap-in.
+    the same plans of 9.25 MiB pages, 0.9 GB a swap-in, where a swap-in's fixed cost per plan no longer shows) over
+    one plain copy of the same bytes between the same two buffers (the host tier's pages into the slab's rows, one
+    copy: what the swap-in's bookkeeping and run splitting cost); beside it one plain copy between two fresh buffers
+    (`measure.memcpy_bandwidth`; on cpu the slab is a shared-memory file, the fresh buffers private memory).
 """
 
 from __future__ import annotations
