@@ -271,7 +271,7 @@ def test_offline_without_the_wheels_the_smoke_test_names_every_missing_module(
     missing = {ln.split()[1] for ln in log.splitlines() if ln.startswith("MISSING")}
     # each carried distribution the check imports, as the emulated image lacks it; torch lacks typing_extensions
     want = {"diffusers", "transformers", "tokenizers", "safetensors", "grpc", "grpc_health", "grpc_reflection",
-            "grpc_status", "google", "prometheus_client", "tqdm", "typing_extensions", "sqlalchemy"}  # fmt: skip
+            "grpc_status", "google", "prometheus_client", "tqdm", "typing_extensions", "sqlalchemy", "xxhash"}  # fmt: skip
     assert missing == want, log
     assert "FAIL: the import smoke test (exit 1): nothing was measured" in log
     assert not (tmp_path / "out" / "probe.jsonl").exists()
